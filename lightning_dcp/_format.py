@@ -1,0 +1,217 @@
+"""The on-disk layout of a lightning_dcp checkpoint, and how a Lightning checkpoint dict maps onto it.
+
+A checkpoint is one DCP directory. Its DCP state dict has three top-level entries:
+
+- ``"state_dict"``: the model state (FQN keys; plain tensors, or DTensors written by their owners);
+- ``"optimizer_states"``: a list, one optimizer state dict per optimizer (absent for ``weights_only``);
+- ``"lightning"``: one ``bytes`` blob written by rank 0 only, a ``torch.save`` of everything else Lightning puts in
+  a checkpoint (epoch, global_step, loops, callbacks, lr schedulers, hparams, datamodule and precision state,
+  ``on_save_checkpoint`` additions) plus an ``"lightning_dcp"`` info dict.
+
+Everything is inside DCP's files, so DCP's ``.metadata`` (written last) commits all of it at once, and every read
+goes through ``weights_only`` unpickling.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_dcp._compat import set_element
+from lightning_dcp.errors import CheckpointError
+
+__all__ = [
+    "EXTRA_KEY",
+    "FORMAT_VERSION",
+    "INFO_KEY",
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "SafeLoadPlanner",
+    "fqns_to_param_ids",
+    "param_ids_to_fqns",
+    "decode_extra",
+    "encode_extra",
+    "from_dcp_state_dict",
+    "metadata_target",
+    "to_dcp_state_dict",
+]
+
+MODEL_KEY = "state_dict"
+OPTIMIZER_KEY = "optimizer_states"
+EXTRA_KEY = "lightning"
+INFO_KEY = "lightning_dcp"
+FORMAT_VERSION = 1
+
+PARAM_ID = "param_id"
+"""Optimizer layout of ``torch.optim.Optimizer.state_dict()``: state keyed by integer parameter index."""
+FQN = "fqn"
+"""Optimizer layout of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``: keyed by FQN."""
+
+
+def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
+    """Tell the two optimizer state layouts apart (``"fqn"`` or ``"param_id"``) from the params lists."""
+    for osd in optimizer_states:
+        for group in osd.get("param_groups", ()):
+            for param in group.get("params", ()):
+                return PARAM_ID if isinstance(param, int) else FQN
+    return FQN
+
+
+def to_dcp_state_dict(checkpoint: Mapping[str, Any], *, info: Mapping[str, Any], write_extra: bool) -> dict:
+    """Split a Lightning checkpoint dict into the DCP state dict described in this module's docstring.
+
+    Args:
+        checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified.
+        info: Facts about the save recorded under ``"lightning_dcp"`` (world size, strategy, ...).
+        write_extra: Whether this rank writes the ``"lightning"`` blob (rank 0 only, so exactly one copy exists).
+
+    Returns:
+        The state dict for ``dcp.save``; model and optimizer tensors are not copied.
+    """
+    if MODEL_KEY not in checkpoint:
+        raise CheckpointError(f"The checkpoint dict has no {MODEL_KEY!r} entry; got keys {sorted(checkpoint)}.")
+    dcp_state: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
+    layout = None
+    if OPTIMIZER_KEY in checkpoint:
+        states = list(checkpoint[OPTIMIZER_KEY])
+        layout = optimizer_layout(states)
+        if layout == PARAM_ID:
+            # DCP rebuilds integer path components as list indices: store the ids as strings.
+            states = [{**osd, "state": {str(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
+        dcp_state[OPTIMIZER_KEY] = states
+    if write_extra:
+        extra = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+        extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION, "optimizer_layout": layout}
+        dcp_state[EXTRA_KEY] = encode_extra(extra)
+    return dcp_state
+
+
+def from_dcp_state_dict(
+    dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool
+) -> dict[str, Any]:
+    """Reassemble a Lightning checkpoint dict from a loaded DCP state dict and its decoded extra state.
+
+    ``in_place`` records (under ``"lightning_dcp"``) that tensors were loaded into a target from
+    ``get_state_dict``, i.e. they are this rank's shards rather than full tensors.
+    """
+    checkpoint = dict(extra)
+    checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
+    checkpoint[MODEL_KEY] = dcp_state[MODEL_KEY]
+    if OPTIMIZER_KEY in dcp_state:
+        states = list(dcp_state[OPTIMIZER_KEY])
+        if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
+            states = [{**osd, "state": {int(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
+        checkpoint[OPTIMIZER_KEY] = states
+    return checkpoint
+
+
+def encode_extra(extra: Mapping[str, Any]) -> bytes:
+    """Serialize the non-tensor state with ``torch.save`` into ``bytes``."""
+    buffer = io.BytesIO()
+    torch.save(dict(extra), buffer)
+    return buffer.getvalue()
+
+
+def decode_extra(blob: bytes, *, path: str, weights_only: bool = True) -> dict[str, Any]:
+    """Deserialize the non-tensor state; ``weights_only=True`` (the default) never runs code from the file.
+
+    Raises:
+        CheckpointError: The state holds objects that ``weights_only`` loading refuses, or is corrupt.
+    """
+    try:
+        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} cannot be loaded with `weights_only=True`: {err}"
+            " If you trust this checkpoint, pass `weights_only=False` (e.g. `trainer.fit(..., weights_only=False)`),"
+            " or allow the named classes with `torch.serialization.add_safe_globals([...])`."
+        ) from err
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items are unpickled with ``weights_only``.
+
+    DCP's own planner reads them with ``torch.load(weights_only=False)``, which runs code from the file.
+
+    Args:
+        weights_only: Passed to ``torch.load`` for every non-tensor item (default True).
+        allow_partial_load: Load only the keys the checkpoint has (see ``DefaultLoadPlanner``).
+    """
+
+    def __init__(self, *, weights_only: bool = True, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.weights_only = weights_only
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: D102 (DCP's planner contract)
+        obj = torch.load(value, map_location="cpu", weights_only=self.weights_only)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def metadata_target(metadata: Metadata, *, prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Build an empty nested state dict from DCP metadata: CPU tensors of the saved global shapes and dtypes.
+
+    Args:
+        metadata: The checkpoint's DCP metadata.
+        prefixes: Only the flat keys starting with one of these (``None``: all).
+
+    Returns:
+        A nested dict that ``dcp.load`` fills in place (the whole checkpoint lives in this process's memory).
+    """
+    target: dict[str, Any] = {}
+    mappings = metadata.planner_data or {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if prefixes is not None and not key.startswith(prefixes):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            value: Any = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata):
+            value = b""
+        else:  # pragma: no cover - DCP has only these two kinds today
+            raise CheckpointError(f"Unsupported DCP metadata entry {key!r}: {type(meta).__name__}.")
+        if key in mappings:
+            set_element(target, mappings[key], value)
+        else:
+            target[key] = value
+    return target
+
+
+def param_ids_to_fqns(
+    state: Mapping[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Re-key an ``optimizer.state_dict()`` (integer ids) by parameter FQN, for ``set_optimizer_state_dict``.
+
+    Ids follow the order of ``optimizer.param_groups`` (as ``torch.optim.Optimizer.load_state_dict`` assumes).
+    """
+    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    if len(saved) != len(order):
+        raise CheckpointError(
+            f"The checkpoint's optimizer state covers {len(saved)} parameters but the optimizer has {len(order)}."
+        )
+    fqn_of = dict(zip(saved, order))
+    return {
+        "state": {fqn_of[i]: v for i, v in state["state"].items()},
+        "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def fqns_to_param_ids(state: Mapping[str, Any]) -> dict[str, Any]:
+    """Re-key an FQN-keyed optimizer state by integer ids in param_groups order (``optimizer.state_dict()``)."""
+    id_of: dict[str, int] = {}
+    for group in state["param_groups"]:
+        for fqn in group["params"]:
+            id_of.setdefault(fqn, len(id_of))
+    return {
+        "state": {id_of[fqn]: v for fqn, v in state["state"].items()},
+        "param_groups": [{**g, "params": [id_of[f] for f in g["params"]]} for g in state["param_groups"]],
+    }

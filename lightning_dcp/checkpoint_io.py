@@ -1,0 +1,304 @@
+"""``DCPCheckpointIO``: Lightning's CheckpointIO contract, written as torch.distributed.checkpoint directories."""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable, Mapping
+from typing import Any, TypeVar
+
+import lightning
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from torch.distributed.checkpoint.metadata import Metadata
+from typing_extensions import override
+
+from lightning_dcp import _format
+from lightning_dcp._compat import flatten_state_dict
+from lightning_dcp._storage import METADATA_FILE, Location, new_token
+from lightning_dcp.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    StateDictMismatchError,
+)
+
+__all__ = ["DCPCheckpointIO"]
+
+_T = TypeVar("_T")
+
+
+class DCPCheckpointIO(CheckpointIO):
+    """Save, load and remove Lightning checkpoints as torch.distributed.checkpoint (DCP) directories.
+
+    A checkpoint is a directory holding DCP's ``.metadata`` and ``__{rank}_{n}.distcp`` data files; model and
+    optimizer tensors are DCP entries, and the rest of Lightning's checkpoint dict (loops, callbacks, hparams, ...)
+    is one ``weights_only``-safe blob inside the same files. A save writes into a hidden staging directory beside
+    the target and is committed (renamed into place) only after every rank finished, so an interrupted save never
+    damages the checkpoint that was there before.
+
+    Use ``Trainer(plugins=[DCPCheckpointIO()])``. With the ``dcp_*`` strategies (``DCPStrategyMixin``) every rank
+    writes its own shard; under a stock Lightning strategy, which calls the plugin on rank 0 only, rank 0 writes the
+    whole (unsharded) state as a DCP directory.
+
+    Args:
+        storage_options: fsspec filesystem options (credentials, endpoint, region) used for every read, write,
+            list and delete. Per-call ``storage_options`` given to ``save_checkpoint`` are merged on top.
+        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
+        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
+
+    Raises:
+        ValueError: ``thread_count`` is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+    ) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
+        self.storage_options = dict(storage_options or {})
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+
+    # ----------------------------------------------------------------------------------------------- save
+    @override
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        collective: bool = False,
+        info: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict. ``"state_dict"`` and ``"optimizer_states"`` hold the tensors
+                (FQN-keyed from ``get_state_dict`` under the DCP strategies, Lightning's layout otherwise).
+            path: Target directory, a local path or fsspec URL (``str``). An existing checkpoint there is replaced
+                only once the new one is complete.
+            storage_options: fsspec options for this call, merged over the plugin's.
+            collective: ``True`` when every rank calls this (the DCP strategies do); ``False`` when only rank 0
+                does (stock Lightning strategies), which then writes everything without any collective.
+            info: Extra facts recorded in the checkpoint (strategy name, ...).
+
+        Collective: call on all ranks when ``collective=True``; otherwise on one process only.
+
+        Raises:
+            CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
+        """
+        location = Location(path, storage_options={**self.storage_options, **(storage_options or {})})
+        rank, world_size = _rank_and_world(collective)
+        # Rank 0 decides where this save writes; all ranks must agree.
+        token, direct = _on_rank0(collective, lambda: (new_token(), not location.local and not location.exists()))
+        target = location if direct else location.staging(token)
+        info = {
+            **(info or {}),
+            "world_size": world_size,
+            "torch_version": str(torch.__version__),
+            "lightning_version": str(lightning.__version__),
+        }
+        dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
+        try:
+            dcp.save(
+                dcp_state,
+                storage_writer=target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files),
+                no_dist=not collective,
+            )
+        except Exception as err:
+            if rank == 0 and not direct:
+                target.remove()
+            raise CheckpointError(f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {err}") from err
+
+        def commit() -> None:
+            if not direct:
+                location.commit_from(target)
+            location.remove_stale_staging()
+
+        _on_rank0(collective, commit)
+
+    # ----------------------------------------------------------------------------------------------- load
+    @override
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        state_dict: dict[str, Any] | None = None,
+        strict: bool = True,
+        collective: bool = False,
+    ) -> dict[str, Any]:
+        """Load a checkpoint written by this plugin, or a single-file Lightning checkpoint.
+
+        Args:
+            path: A checkpoint directory (or a ``.ckpt`` file from ``torch.save``), local path or fsspec URL.
+            map_location: Passed to ``torch.load`` for single-file checkpoints; DCP loads into the target's devices.
+            weights_only: Restrict unpickling of non-tensor state to safe types (``None`` means ``True``).
+            state_dict: Target ``{"state_dict": ..., "optimizer_states": [...]}`` from ``get_state_dict`` that DCP
+                fills in place (resharding to the current world size). ``None`` loads every tensor into CPU memory.
+            strict: Require the checkpoint's model keys to equal the target's (see ``StateDictMismatchError``).
+            collective: ``True`` when every rank calls this with its own ``state_dict`` target.
+
+        Returns:
+            Lightning's checkpoint dict. With a target, ``"state_dict"``/``"optimizer_states"`` are the filled
+            target objects. A single file is returned as ``torch.load`` gives it.
+
+        Collective: call on all ranks when ``collective=True``.
+
+        Raises:
+            CheckpointNotFoundError: Nothing exists at ``path``.
+            NotACheckpointError: ``path`` is not a readable checkpoint (or an incomplete save).
+            StateDictMismatchError: Keys, shapes or dtypes differ from the target; nothing was loaded.
+            CheckpointError: Non-tensor state that ``weights_only`` refuses.
+        """
+        location = Location(path, storage_options=self.storage_options)
+        weights_only = True if weights_only is None else weights_only
+        metadata = _on_rank0(collective, lambda: _probe(location))
+        if metadata is None:
+            return _load_file(location, map_location=map_location, weights_only=weights_only)
+        if state_dict is None:
+            target = _format.metadata_target(metadata)
+        else:
+            target = _fit_target(location.url, dict(state_dict), metadata, strict=strict)
+            target[_format.EXTRA_KEY] = b""
+        dcp.load(
+            target,
+            storage_reader=location.storage_reader(),
+            planner=_format.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
+            no_dist=not collective,
+        )
+        extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
+        return _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
+
+    # --------------------------------------------------------------------------------------------- remove
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike, *, collective: bool = False) -> None:
+        """Delete the checkpoint at ``path`` (and any staging left by an interrupted save to it) once.
+
+        Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
+        """
+        location = Location(path, storage_options=self.storage_options)
+
+        def remove() -> None:
+            location.remove()
+            location.remove_stale_staging()
+
+        _on_rank0(collective, remove)
+
+    @override
+    def teardown(self) -> None:
+        """Nothing to release: saves are synchronous."""
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _rank_and_world(collective: bool) -> tuple[int, int]:
+    if collective and dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on rank 0 and give every rank its result, or raise its exception on every rank."""
+    rank, world_size = _rank_and_world(collective)
+    if world_size == 1:
+        return fn()
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = (True, fn())
+        except Exception as err:  # re-raised on every rank below
+            payload[0] = (False, err)
+    dist.broadcast_object_list(payload, src=0)
+    ok, value = payload[0]
+    if not ok:
+        raise value
+    return value
+
+
+def _probe(location: Location) -> Metadata | None:
+    """Check what ``location`` holds: DCP metadata for a checkpoint directory, ``None`` for a single file."""
+    if not location.exists():
+        raise CheckpointNotFoundError(
+            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
+        )
+    if not location.isdir():
+        return None
+    if not location.has_metadata():
+        raise NotACheckpointError(
+            f"{location.url!r} is a directory without DCP's {METADATA_FILE!r} file: it is not a checkpoint, or its"
+            " save did not finish. Pass a complete checkpoint directory."
+        )
+    try:
+        with location.open(METADATA_FILE) as f:
+            metadata = pickle.load(f)
+    except Exception as err:
+        raise NotACheckpointError(f"Cannot read the DCP metadata of {location.url!r}: {err}") from err
+    if not isinstance(metadata, Metadata) or _format.EXTRA_KEY not in metadata.state_dict_metadata:
+        raise NotACheckpointError(
+            f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
+            f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
+        )
+    return metadata
+
+
+def _load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
+    try:
+        with location.open() as f:
+            checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if "weights_only" in str(err).lower() or "weights only" in str(err).lower():
+            raise CheckpointError(
+                f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
+                " pass `weights_only=False`."
+            ) from err
+        raise NotACheckpointError(f"{location.url!r} is not a checkpoint file: {err}") from err
+    except (RuntimeError, EOFError, OSError, ValueError) as err:
+        raise NotACheckpointError(f"{location.url!r} is not a checkpoint file torch.load can read: {err}") from err
+    if not isinstance(checkpoint, dict) or _format.MODEL_KEY not in checkpoint:
+        raise NotACheckpointError(
+            f"{location.url!r} is not a Lightning checkpoint: it has no {_format.MODEL_KEY!r} entry."
+        )
+    return checkpoint
+
+
+def _fit_target(path: str, target: dict[str, Any], metadata: Metadata, *, strict: bool) -> dict[str, Any]:
+    """Check ``target`` against the checkpoint before anything is loaded; drop what the checkpoint lacks.
+
+    Raises:
+        StateDictMismatchError: Model keys differ (``strict``), optimizer keys differ, or shapes/dtypes differ.
+    """
+    saved = metadata.state_dict_metadata
+    if _format.OPTIMIZER_KEY in target and not any(k.startswith(_format.OPTIMIZER_KEY + ".") for k in saved):
+        del target[_format.OPTIMIZER_KEY]  # a weights-only checkpoint: Lightning reports it when restoring
+    flat, _ = flatten_state_dict(target)
+    model_prefix = _format.MODEL_KEY + "."
+    missing = {k for k in flat if k not in saved}
+    unexpected = {k for k in saved if k.startswith(model_prefix) and k not in flat}
+    mismatched = {}
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if isinstance(value, torch.Tensor) and meta is not None and hasattr(meta, "size"):
+            if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+                mismatched[key] = (tuple(meta.size), meta.properties.dtype, tuple(value.shape), value.dtype)
+    if not strict:
+        missing = {k for k in missing if not k.startswith(model_prefix)}
+        unexpected = set()
+    if missing or unexpected or mismatched:
+        def strip(key: str) -> str:
+            return key[len(model_prefix) :] if key.startswith(model_prefix) else key
+
+        raise StateDictMismatchError(
+            path,
+            missing_keys=map(strip, missing),
+            unexpected_keys=map(strip, unexpected),
+            mismatched={strip(k): v for k, v in mismatched.items()},
+        )
+    return target

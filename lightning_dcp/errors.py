@@ -1,0 +1,72 @@
+"""The exceptions lightning_dcp raises: one shallow hierarchy under :class:`CheckpointError`.
+
+Each also derives from the builtin a caller would already catch (``FileNotFoundError``, ``ValueError``), so code
+written against Lightning's own checkpoint errors keeps working.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "NotACheckpointError",
+    "StateDictMismatchError",
+]
+
+
+class CheckpointError(Exception):
+    """Base class of every error lightning_dcp raises about a checkpoint."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint path does not exist."""
+
+
+class NotACheckpointError(CheckpointError, ValueError):
+    """The path exists but holds no complete checkpoint that lightning_dcp can read."""
+
+
+def _preview(keys: Iterable[str], limit: int = 8) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(repr(k) for k in keys[:limit])
+    return shown + (f", ... ({len(keys) - limit} more)" if len(keys) > limit else "")
+
+
+class StateDictMismatchError(CheckpointError, ValueError):
+    """The checkpoint does not fit the model or optimizer it is loaded into.
+
+    Attributes:
+        path: The checkpoint path (a ``str``: local path or URL).
+        missing_keys: FQNs the target expects but the checkpoint lacks.
+        unexpected_keys: FQNs the checkpoint holds but the target lacks.
+        mismatched: ``{fqn: (saved_shape, saved_dtype, expected_shape, expected_dtype)}``.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        *,
+        missing_keys: Iterable[str] = (),
+        unexpected_keys: Iterable[str] = (),
+        mismatched: dict[str, tuple] | None = None,
+    ) -> None:
+        self.path = path
+        self.missing_keys = sorted(missing_keys)
+        self.unexpected_keys = sorted(unexpected_keys)
+        self.mismatched = dict(mismatched or {})
+        lines = [f"The checkpoint at {path!r} does not match the model it is loaded into."]
+        if self.missing_keys:
+            lines.append(f"Missing keys ({len(self.missing_keys)}): {_preview(self.missing_keys)}.")
+        if self.unexpected_keys:
+            lines.append(f"Unexpected keys ({len(self.unexpected_keys)}): {_preview(self.unexpected_keys)}.")
+        for fqn, (saved_shape, saved_dtype, shape, dtype) in sorted(self.mismatched.items())[:8]:
+            lines.append(
+                f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}."
+            )
+        lines.append(
+            "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
+            " keys both have (shapes must still match)."
+        )
+        super().__init__(" ".join(lines))

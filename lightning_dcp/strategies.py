@@ -1,0 +1,269 @@
+"""Strategies whose every rank writes its own shard: ``DCPStrategyMixin`` and four ready-made strategies.
+
+``state_dict_type="sharded"`` (the default) routes every checkpoint through :class:`DCPCheckpointIO` with all ranks
+taking part: model and optimizer state come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FQN
+keys, every optimizer), replicated tensors (DDP) are written once with the bytes spread over ranks, sharded tensors
+(DTensor) by their owners, and loading reshards to the current world size. ``"full"`` keeps Lightning's own
+behaviour of the parent strategy (one consolidated file written by rank 0).
+
+Importing ``lightning_dcp`` registers ``"dcp_single_device"``, ``"dcp_ddp"``, ``"dcp_fsdp"`` and
+``"dcp_model_parallel"`` in Lightning's strategy registry, so ``Trainer(strategy="dcp_ddp")`` works.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    StrategyRegistry,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from typing_extensions import override
+
+from lightning_dcp import _format
+from lightning_dcp._compat import TrainerFn, unwrap_checkpoint_io
+from lightning_dcp.checkpoint_io import DCPCheckpointIO
+
+__all__ = [
+    "DCPDDPStrategy",
+    "DCPFSDPStrategy",
+    "DCPModelParallelStrategy",
+    "DCPSingleDeviceStrategy",
+    "DCPStrategyMixin",
+]
+
+StateDictType = Literal["sharded", "full"]
+
+
+class DCPStrategyMixin:
+    """Make a Lightning strategy save, load and remove sharded DCP checkpoints on every rank.
+
+    Put it first in the bases: ``class MyStrategy(DCPStrategyMixin, DDPStrategy)``. The mixin consumes the
+    keyword ``state_dict_type`` and passes every other argument to the strategy.
+
+    Args:
+        state_dict_type: ``"sharded"``: every rank writes its own shard through ``DCPCheckpointIO`` (the default
+            plugin). ``"full"``: the parent strategy's own behaviour, one file written by rank 0.
+
+    Raises:
+        ValueError: ``state_dict_type`` is not ``"sharded"`` or ``"full"``.
+        TypeError: ``"sharded"`` with a CheckpointIO other than ``DCPCheckpointIO`` (raised when the Trainer is
+            created, naming the fix).
+    """
+
+    def __init__(self, *args: Any, state_dict_type: StateDictType = "sharded", **kwargs: Any) -> None:
+        if state_dict_type not in ("sharded", "full"):
+            raise ValueError(f"`state_dict_type` must be 'sharded' or 'full', got {state_dict_type!r}.")
+        self._dcp_sharded = state_dict_type == "sharded"
+        super().__init__(*args, **kwargs)
+
+    @property
+    def state_dict_type(self) -> StateDictType:
+        """``"sharded"`` or ``"full"``, as given at construction."""
+        return "sharded" if self._dcp_sharded else "full"
+
+    # --------------------------------------------------------------------------------------------- plugin
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """The CheckpointIO: ``DCPCheckpointIO()`` by default when sharded, Lightning's default when full."""
+        if self._checkpoint_io is None:
+            self._checkpoint_io = DCPCheckpointIO() if self._dcp_sharded else TorchCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if self._dcp_sharded and io is not None and not isinstance(unwrap_checkpoint_io(io), DCPCheckpointIO):
+            raise TypeError(
+                f"`{type(self).__name__}(state_dict_type='sharded')` writes through `lightning_dcp.DCPCheckpointIO`,"
+                f" but got `{type(io).__name__}`. Remove that plugin (DCPCheckpointIO is the default), pass"
+                f" `DCPCheckpointIO(...)`, or use `state_dict_type='full'` for a single-file checkpoint."
+            )
+        self._checkpoint_io = io
+
+    @property
+    def _dcp_io(self) -> DCPCheckpointIO:
+        return unwrap_checkpoint_io(self.checkpoint_io)  # type: ignore[return-value]
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Sharded loads fill the optimizers in place, so they must exist: restore after ``setup``."""
+        return True if self._dcp_sharded else super().restore_checkpoint_after_setup
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        """Lightning calls ``load_optimizer_state_dict`` for sharded loads."""
+        return True if self._dcp_sharded else super().lightning_restore_optimizer
+
+    def _dcp_module(self) -> torch.nn.Module:
+        """The module whose FQNs name the checkpoint entries (the LightningModule; FSDP1 overrides)."""
+        assert self.lightning_module is not None
+        return self.lightning_module
+
+    # ----------------------------------------------------------------------------------------------- save
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Sharded: ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded, nothing is gathered)."""
+        if not self._dcp_sharded:
+            return super().lightning_module_state_dict()
+        return get_model_state_dict(self._dcp_module(), options=StateDictOptions())
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """Sharded: ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN)."""
+        if not self._dcp_sharded:
+            return super().optimizer_state(optimizer)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return get_optimizer_state_dict(self._dcp_module(), optimizer, options=StateDictOptions())
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None
+    ) -> None:
+        """Sharded: every rank writes its shard; committed once all ranks finished.
+
+        Collective: call on all ranks (``Trainer.save_checkpoint`` does).
+        """
+        if not self._dcp_sharded:
+            return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        self._dcp_io.save_checkpoint(
+            checkpoint,
+            filepath,
+            storage_options=storage_options,
+            collective=True,
+            info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
+        )
+
+    @override
+    def remove_checkpoint(self, filepath: str) -> None:
+        """Sharded: removed once, by rank 0, on behalf of every rank. Collective: call on all ranks."""
+        if not self._dcp_sharded:
+            return super().remove_checkpoint(filepath)
+        self._dcp_io.remove_checkpoint(filepath, collective=True)
+
+    # ----------------------------------------------------------------------------------------------- load
+    @override
+    def load_checkpoint(self, checkpoint_path: str, weights_only: bool | None = None) -> dict[str, Any]:
+        """Sharded: load into this rank's model and optimizer shards in place (resharding as needed).
+
+        A single-file checkpoint (Lightning's ``.ckpt``, or the output of ``lightning_dcp.consolidate``) is read
+        whole on every rank and distributed by ``load_model_state_dict`` / ``load_optimizer_state_dict``.
+
+        Collective: call on all ranks.
+        """
+        if not self._dcp_sharded:
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        module = self._dcp_module()
+        target: dict[str, Any] = {_format.MODEL_KEY: get_model_state_dict(module, options=StateDictOptions())}
+        trainer = self.lightning_module.trainer
+        if self.optimizers and trainer.state.fn == TrainerFn.FITTING:
+            target[_format.OPTIMIZER_KEY] = [
+                get_optimizer_state_dict(module, optimizer, options=StateDictOptions()) for optimizer in self.optimizers
+            ]
+        return self._dcp_io.load_checkpoint(
+            checkpoint_path,
+            weights_only=weights_only,
+            state_dict=target,
+            strict=self.lightning_module.strict_loading,
+            collective=True,
+        )
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Sharded: apply the model state with ``set_model_state_dict`` (full state from a single file)."""
+        if not self._dcp_sharded:
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        options = StateDictOptions(full_state_dict=_is_single_file(checkpoint), strict=strict)
+        set_model_state_dict(self._dcp_module(), checkpoint[_format.MODEL_KEY], options=options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Sharded: apply each optimizer's state with ``set_optimizer_state_dict``."""
+        if not self._dcp_sharded:
+            return super().load_optimizer_state_dict(checkpoint)
+        full = _is_single_file(checkpoint)
+        module = self._dcp_module()
+        for optimizer, state in zip(self.optimizers, checkpoint[_format.OPTIMIZER_KEY]):
+            if _format.optimizer_layout([state]) == _format.PARAM_ID:
+                state = _format.param_ids_to_fqns(state, module, optimizer)
+            set_optimizer_state_dict(
+                module, optimizer, state, options=StateDictOptions(full_state_dict=full)
+            )
+
+
+def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:
+    """Whether ``checkpoint`` holds full tensors (not this rank's shards filled in place by a sharded load)."""
+    return not checkpoint.get(_format.INFO_KEY, {}).get("loaded_in_place", False)
+
+
+class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`."""
+
+    strategy_name = "dcp_single_device"
+
+
+class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):
+    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
+
+    strategy_name = "dcp_ddp"
+
+
+class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
+    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
+
+    Lightning's own ``state_dict_type`` of ``FSDPStrategy`` is set to ``"full"`` underneath: with ``"sharded"``
+    this mixin handles checkpoints itself, and ``"full"`` gives Lightning's consolidated single file.
+    """
+
+    strategy_name = "dcp_fsdp"
+
+    def __init__(self, *args: Any, state_dict_type: StateDictType = "sharded", **kwargs: Any) -> None:
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+        self._state_dict_type = "full"
+
+    @override
+    def _dcp_module(self) -> torch.nn.Module:
+        assert self.model is not None
+        return self.model
+
+
+class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
+
+    See :class:`DCPStrategyMixin`. ``state_dict_type="full"`` is Lightning's ``save_distributed_checkpoint=False``.
+    """
+
+    strategy_name = "dcp_model_parallel"
+
+    def __init__(self, *args: Any, state_dict_type: StateDictType = "sharded", **kwargs: Any) -> None:
+        kwargs.setdefault("save_distributed_checkpoint", state_dict_type == "sharded")
+        super().__init__(*args, state_dict_type=state_dict_type, **kwargs)
+
+
+def register_strategies(registry: Any = StrategyRegistry) -> None:
+    """Register the ``dcp_*`` names in Lightning's strategy registry (idempotent; runs on import)."""
+    for cls, description in (
+        (DCPSingleDeviceStrategy, "Single device, DCP checkpoints"),
+        (DCPDDPStrategy, "DDP, sharded DCP checkpoints"),
+        (DCPFSDPStrategy, "FSDP, sharded DCP checkpoints"),
+        (DCPModelParallelStrategy, "ModelParallel (FSDP2/TP), sharded DCP checkpoints"),
+    ):
+        if cls.strategy_name not in registry:
+            registry.register(cls.strategy_name, cls, description=description)

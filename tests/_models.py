@@ -1,0 +1,111 @@
+"""Small real models and data for the tests: deterministic, fast on CPU, with every kind of Trainer state."""
+
+from __future__ import annotations
+
+import torch
+from lightning.pytorch import LightningDataModule, LightningModule
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class RandomDataModule(LightningDataModule):
+    """Fixed random regression data (seeded), with a stateful counter to check datamodule state round trips."""
+
+    def __init__(self, n: int = 64, dim: int = 8, batch_size: int = 4) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 2, generator=g)
+        self.fit_calls = 0
+
+    def setup(self, stage: str) -> None:
+        self.fit_calls += 1
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x, self.y), batch_size=self.hparams.batch_size, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TensorDataset(self.x[:16], self.y[:16]), batch_size=self.hparams.batch_size)
+
+    def state_dict(self) -> dict:
+        return {"fit_calls": self.fit_calls}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.fit_calls = state_dict["fit_calls"]
+
+
+class TinyModel(LightningModule):
+    """Two optimizers (AdamW + SGD with momentum), two lr schedulers, manual bookkeeping of losses."""
+
+    def __init__(self, dim: int = 8, hidden: int = 16, lr: float = 0.01, two_optimizers: bool = False) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.body = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.head = nn.Linear(hidden, 2)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.losses: list[float] = []
+        self.extra_saved: dict | None = None
+        if two_optimizers:
+            self.automatic_optimization = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.seen += x.shape[0]
+        self.losses.append(loss.item())
+        self.log("train_loss", loss)
+        if self.hparams.two_optimizers:
+            opt_a, opt_b = self.optimizers()
+            opt_a.zero_grad()
+            opt_b.zero_grad()
+            self.manual_backward(loss)
+            opt_a.step()
+            opt_b.step()
+            for sched in self.lr_schedulers():
+                sched.step()
+            return None
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self(x), y), sync_dist=True)
+
+    def configure_optimizers(self):
+        if self.hparams.two_optimizers:
+            opt_a = torch.optim.AdamW(self.body.parameters(), lr=self.hparams.lr)
+            opt_b = torch.optim.SGD(self.head.parameters(), lr=self.hparams.lr, momentum=0.9)
+            return [opt_a, opt_b], [
+                torch.optim.lr_scheduler.StepLR(opt_a, step_size=3, gamma=0.5),
+                torch.optim.lr_scheduler.ExponentialLR(opt_b, gamma=0.9),
+            ]
+        opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
+        return {
+            "optimizer": opt,
+            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5), "interval": "step"},
+        }
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["my_extra"] = {"note": "kept", "values": [1, 2, 3]}
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        self.extra_saved = checkpoint.get("my_extra")
+
+
+class OtherModel(LightningModule):
+    """A different architecture, to load a TinyModel checkpoint into (missing / unexpected / mismatched keys)."""
+
+    def __init__(self, dim: int = 8, hidden: int = 32) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden))
+        self.other = nn.Linear(hidden, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.other(self.body(x)), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)

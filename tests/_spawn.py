@@ -1,0 +1,53 @@
+"""Run a top-level function on N real processes joined in a gloo process group (spawn start method)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        WORLD_SIZE=str(world_size),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        NODE_RANK="0",
+    )
+    fn(rank, world_size, *args)
+
+
+def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, env: dict | None = None) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` processes; re-raise the first failure.
+
+    Each process sees the torchrun-style variables (``MASTER_ADDR``, ``RANK``, ``LOCAL_RANK``, ...), so a Lightning
+    ``Trainer(devices=world_size)`` inside ``fn`` joins the group instead of launching processes. A run that takes
+    longer than ``timeout`` seconds is killed and fails the test (no hang).
+    """
+    context = mp.start_processes(
+        _entry,
+        args=(fn, world_size, free_port(), args, dict(env or {})),
+        nprocs=world_size,
+        start_method="spawn",
+        join=False,
+    )
+    deadline = time.monotonic() + timeout
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks exceeded {timeout} s")

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
-from collections.abc import Callable, Mapping
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
 
 import lightning
@@ -105,14 +107,15 @@ class DCPCheckpointIO(CheckpointIO):
             "torch_version": str(torch.__version__),
             "lightning_version": str(lightning.__version__),
         }
-        dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
         try:
-            dcp.save(
-                dcp_state,
-                storage_writer=target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files),
-                no_dist=not collective,
-            )
-        except Exception as err:
+            dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
+            with _single_process_ok():
+                dcp.save(
+                    dcp_state,
+                    storage_writer=target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files),
+                    no_dist=not _distributed(collective),
+                )
+        except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0 and not direct:
                 target.remove()
             raise CheckpointError(f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {err}") from err
@@ -169,12 +172,13 @@ class DCPCheckpointIO(CheckpointIO):
         else:
             target = _fit_target(location.url, dict(state_dict), metadata, strict=strict)
             target[_format.EXTRA_KEY] = b""
-        dcp.load(
-            target,
-            storage_reader=location.storage_reader(),
-            planner=_format.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
-            no_dist=not collective,
-        )
+        with _single_process_ok():
+            dcp.load(
+                target,
+                storage_reader=location.storage_reader(),
+                planner=_format.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
+                no_dist=not _distributed(collective),
+            )
         extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
         return _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
 
@@ -199,8 +203,21 @@ class DCPCheckpointIO(CheckpointIO):
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _distributed(collective: bool) -> bool:
+    """Whether this call runs as a collective over the default process group."""
+    return collective and dist.is_available() and dist.is_initialized()
+
+
+@contextlib.contextmanager
+def _single_process_ok() -> Iterator[None]:
+    """Silence DCP's warning that it runs in a single process: here that is intended (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank_and_world(collective: bool) -> tuple[int, int]:
-    if collective and dist.is_available() and dist.is_initialized():
+    if _distributed(collective):
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
@@ -253,15 +270,15 @@ def _load_file(location: Location, *, map_location: Any, weights_only: bool) -> 
     try:
         with location.open() as f:
             checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        if "weights_only" in str(err).lower() or "weights only" in str(err).lower():
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
             raise CheckpointError(
                 f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
                 " pass `weights_only=False`."
             ) from err
-        raise NotACheckpointError(f"{location.url!r} is not a checkpoint file: {err}") from err
-    except (RuntimeError, EOFError, OSError, ValueError) as err:
-        raise NotACheckpointError(f"{location.url!r} is not a checkpoint file torch.load can read: {err}") from err
+        raise NotACheckpointError(
+            f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
+        ) from err
     if not isinstance(checkpoint, dict) or _format.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
             f"{location.url!r} is not a Lightning checkpoint: it has no {_format.MODEL_KEY!r} entry."

@@ -109,3 +109,19 @@ class OtherModel(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+class FSDP2Model(TinyModel):
+    """TinyModel sharded with FSDP2 ``fully_shard`` per Linear layer (for ModelParallelStrategy on CPU).
+
+    ``hidden=50`` gives uneven shards at 3 ranks (50 rows over 3).
+    """
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for layer in [*self.body, self.head]:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self, mesh=mesh)

@@ -6,13 +6,17 @@ import os
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
 
 
 def make_trainer(world_size: int, *, strategy: Any = "dcp_ddp", **kwargs: Any) -> Trainer:
     kwargs.setdefault("max_epochs", 2)
+    if not any(isinstance(cb, ModelCheckpoint) for cb in kwargs.get("callbacks", [])):
+        kwargs.setdefault("enable_checkpointing", False)
     return Trainer(
         accelerator="cpu",
         devices=world_size,
@@ -30,11 +34,15 @@ def seed(value: int = 7) -> None:
 
 
 def snapshot(trainer: Trainer) -> dict[str, Any]:
-    """Everything that must survive a resume, as plain CPU values (full tensors, optimizer.state_dict layout)."""
+    """Everything that must survive a resume, as full CPU values (FQN-keyed; DTensors gathered).
+
+    Collective: call on all ranks (gathering DTensor shards is a collective).
+    """
     model = trainer.lightning_module
+    options = StateDictOptions(full_state_dict=True)
     return {
-        "params": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optimizers": [_clone(opt.state_dict()) for opt in trainer.optimizers],
+        "params": _clone(get_model_state_dict(model, options=options)),
+        "optimizers": [_clone(get_optimizer_state_dict(model, opt, options=options)) for opt in trainer.optimizers],
         "lrs": [[g["lr"] for g in opt.param_groups] for opt in trainer.optimizers],
         "schedulers": [cfg.scheduler.state_dict() for cfg in trainer.lr_scheduler_configs],
         "global_step": trainer.global_step,

@@ -92,9 +92,7 @@ def to_dcp_state_dict(checkpoint: Mapping[str, Any], *, info: Mapping[str, Any],
     return dcp_state
 
 
-def from_dcp_state_dict(
-    dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool
-) -> dict[str, Any]:
+def from_dcp_state_dict(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool) -> dict[str, Any]:
     """Reassemble a Lightning checkpoint dict from a loaded DCP state dict and its decoded extra state.
 
     ``in_place`` records (under ``"lightning_dcp"``) that tensors were loaded into a target from
@@ -198,7 +196,7 @@ def param_ids_to_fqns(
         raise CheckpointError(
             f"The checkpoint's optimizer state covers {len(saved)} parameters but the optimizer has {len(order)}."
         )
-    fqn_of = dict(zip(saved, order))
+    fqn_of = dict(zip(saved, order, strict=True))
     return {
         "state": {fqn_of[i]: v for i, v in state["state"].items()},
         "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],

@@ -9,18 +9,24 @@ from __future__ import annotations
 
 import ctypes
 import os
+import pickle
 import shutil
 import uuid
-from typing import Any
+from typing import IO, Any
 
 import fsspec
+import torch
 from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+from lightning_dcp.errors import NotACheckpointError
 
 __all__ = [
     "METADATA_FILE",
     "Location",
+    "load_metadata",
     "new_token",
 ]
 
@@ -99,10 +105,27 @@ class Location:
         return FsspecWriter(self.url, thread_count=thread_count, sync_files=False, **self.storage_options)
 
     def storage_reader(self) -> FileSystemReader:
-        """A DCP storage reader for this directory (``FileSystemReader`` locally, else ``FsspecReader``)."""
+        """A DCP storage reader for this directory (``FileSystemReader`` locally, else ``FsspecReader``).
+
+        Both read ``.metadata`` with :func:`load_metadata` instead of DCP's plain ``pickle.load``.
+        """
         if self.local:
-            return FileSystemReader(self.path)
-        return FsspecReader(self.url, **self.storage_options)
+            return _SafeFileSystemReader(self.path)
+        return _SafeFsspecReader(self.url, **self.storage_options)
+
+    def read_metadata(self) -> Metadata:
+        """Read this checkpoint's DCP metadata with :func:`load_metadata`.
+
+        Raises:
+            NotACheckpointError: It cannot be read, or it holds anything but DCP metadata.
+        """
+        try:
+            with self.open(METADATA_FILE) as f:
+                return load_metadata(f)
+        except NotACheckpointError:
+            raise
+        except Exception as err:
+            raise NotACheckpointError(f"Cannot read the DCP metadata of {self.url!r}: {err}") from err
 
     # ------------------------------------------------------------------------------------------------ changes
     def remove(self) -> None:
@@ -158,6 +181,74 @@ class Location:
             return fs_path
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}://{fs_path}"
+
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch._utils": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: any other global (a callable that would run code) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise NotACheckpointError(
+            f"The DCP metadata refers to {module}.{name}, which is not part of DCP's metadata format; refusing to"
+            " load it (a crafted checkpoint could run code this way)."
+        )
+
+
+def load_metadata(file: IO[bytes]) -> Metadata:
+    """Unpickle DCP's ``.metadata`` allowing only DCP's metadata classes (DCP itself uses plain ``pickle.load``).
+
+    Raises:
+        NotACheckpointError: The file refers to anything else, or is not DCP metadata.
+    """
+    metadata = _MetadataUnpickler(file).load()
+    if not isinstance(metadata, Metadata):
+        raise NotACheckpointError(f"The DCP metadata file holds a {type(metadata).__name__}, not DCP metadata.")
+    return metadata
+
+
+class _SafeMetadataReader:
+    """``read_metadata`` through :func:`load_metadata` for DCP's filesystem readers (same result otherwise)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
+            raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
+            metadata = load_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class _SafeFileSystemReader(_SafeMetadataReader, FileSystemReader):
+    pass
+
+
+class _SafeFsspecReader(_SafeMetadataReader, FsspecReader):
+    pass
 
 
 _AT_FDCWD = -100

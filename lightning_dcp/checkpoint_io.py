@@ -253,12 +253,8 @@ def _probe(location: Location) -> Metadata | None:
             f"{location.url!r} is a directory without DCP's {METADATA_FILE!r} file: it is not a checkpoint, or its"
             " save did not finish. Pass a complete checkpoint directory."
         )
-    try:
-        with location.open(METADATA_FILE) as f:
-            metadata = pickle.load(f)
-    except Exception as err:
-        raise NotACheckpointError(f"Cannot read the DCP metadata of {location.url!r}: {err}") from err
-    if not isinstance(metadata, Metadata) or _format.EXTRA_KEY not in metadata.state_dict_metadata:
+    metadata = location.read_metadata()
+    if _format.EXTRA_KEY not in metadata.state_dict_metadata:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
             f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
@@ -309,6 +305,7 @@ def _fit_target(path: str, target: dict[str, Any], metadata: Metadata, *, strict
         missing = {k for k in missing if not k.startswith(model_prefix)}
         unexpected = set()
     if missing or unexpected or mismatched:
+
         def strip(key: str) -> str:
             return key[len(model_prefix) :] if key.startswith(model_prefix) else key
 

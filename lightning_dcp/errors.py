@@ -62,9 +62,7 @@ class StateDictMismatchError(CheckpointError, ValueError):
         if self.unexpected_keys:
             lines.append(f"Unexpected keys ({len(self.unexpected_keys)}): {_preview(self.unexpected_keys)}.")
         for fqn, (saved_shape, saved_dtype, shape, dtype) in sorted(self.mismatched.items())[:8]:
-            lines.append(
-                f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}."
-            )
+            lines.append(f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}.")
         lines.append(
             "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
             " keys both have (shapes must still match)."

@@ -38,6 +38,7 @@ from typing_extensions import override
 from lightning_dcp import _format
 from lightning_dcp._compat import TrainerFn, unwrap_checkpoint_io
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.errors import CheckpointError
 
 __all__ = [
     "DCPDDPStrategy",
@@ -134,9 +135,7 @@ class DCPStrategyMixin:
         return get_optimizer_state_dict(self._dcp_module(), optimizer, options=StateDictOptions())
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None
-    ) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None) -> None:
         """Sharded: every rank writes its shard; committed once all ranks finished.
 
         Collective: call on all ranks (``Trainer.save_checkpoint`` does).
@@ -200,12 +199,16 @@ class DCPStrategyMixin:
             return super().load_optimizer_state_dict(checkpoint)
         full = _is_single_file(checkpoint)
         module = self._dcp_module()
-        for optimizer, state in zip(self.optimizers, checkpoint[_format.OPTIMIZER_KEY]):
+        states = checkpoint[_format.OPTIMIZER_KEY]
+        if len(states) != len(self.optimizers):
+            raise CheckpointError(
+                f"The checkpoint holds the state of {len(states)} optimizer(s) but `configure_optimizers` returned"
+                f" {len(self.optimizers)}. Resume with the same optimizers, or load weights only."
+            )
+        for optimizer, state in zip(self.optimizers, states, strict=True):
             if _format.optimizer_layout([state]) == _format.PARAM_ID:
                 state = _format.param_ids_to_fqns(state, module, optimizer)
-            set_optimizer_state_dict(
-                module, optimizer, state, options=StateDictOptions(full_state_dict=full)
-            )
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
 
 
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:

@@ -85,7 +85,10 @@ class TinyModel(LightningModule):
         opt = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr)
         return {
             "optimizer": opt,
-            "lr_scheduler": {"scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5), "interval": "step"},
+            "lr_scheduler": {
+                "scheduler": torch.optim.lr_scheduler.StepLR(opt, step_size=5, gamma=0.5),
+                "interval": "step",
+            },
         }
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:

@@ -6,9 +6,9 @@ import os
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
 
@@ -73,7 +73,9 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
     """Exact (bitwise for tensors) equality of nested values, naming the first differing path."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a, b), f"{path}: values differ"
     elif isinstance(a, dict):
         assert isinstance(b, dict) and set(a) == set(b), f"{path}: keys {sorted(map(str, a))} vs {sorted(map(str, b))}"
@@ -81,7 +83,7 @@ def assert_same(a: Any, b: Any, path: str = "") -> None:
             assert_same(a[k], b[k], f"{path}.{k}")
     elif isinstance(a, (list, tuple)):
         assert isinstance(b, (list, tuple)) and len(a) == len(b), f"{path}: lengths differ"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"

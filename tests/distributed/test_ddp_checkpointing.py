@@ -108,7 +108,9 @@ def test_weights_only_checkpoint(ddp_run):
     # Resuming training from it fails with Lightning's own message about weights-only checkpoints.
     trainer = make_trainer(1, strategy="dcp_single_device", max_epochs=5)
     with pytest.raises(KeyError, match="weights_only"):
-        trainer.fit(TinyModel(hidden=HIDDEN), datamodule=RandomDataModule(), ckpt_path=os.path.join(ddp_run, "weights.ckpt"))
+        trainer.fit(
+            TinyModel(hidden=HIDDEN), datamodule=RandomDataModule(), ckpt_path=os.path.join(ddp_run, "weights.ckpt")
+        )
 
 
 def test_consolidate_equals_live_state(ddp_run, tmp_path):
@@ -126,8 +128,9 @@ def test_consolidate_equals_live_state(ddp_run, tmp_path):
     assert restored.hparams.hidden == HIDDEN
     # A stock Trainer resumes from it: same optimizer state and step.
     model = TinyModel(hidden=HIDDEN)
-    trainer = Trainer(accelerator="cpu", devices=1, max_epochs=4, logger=False, enable_progress_bar=False,
-                      enable_checkpointing=False)
+    trainer = Trainer(
+        accelerator="cpu", devices=1, max_epochs=4, logger=False, enable_progress_bar=False, enable_checkpointing=False
+    )
     trainer.fit(model, datamodule=RandomDataModule(), ckpt_path=dst)
     loaded = snapshot(trainer)
     for key in ("params", "optimizers", "lrs", "global_step"):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 
-import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from tests._models import RandomDataModule, TinyModel
@@ -51,6 +50,12 @@ def test_ddp_resume_is_bit_identical(tmp_path):
         assert load_result(tmp, "extra", rank) == {"note": "kept", "values": [1, 2, 3]}
     # One data file per rank, DCP metadata, and the committed checkpoints ModelCheckpoint named.
     names = sorted(os.listdir(tmp_path / "ckpts"))
-    assert names == ["epoch=0-step=8.ckpt", "epoch=1-step=16.ckpt", "epoch=2-step=24.ckpt", "epoch=3-step=32.ckpt", "last.ckpt"]
+    assert names == [
+        "epoch=0-step=8.ckpt",
+        "epoch=1-step=16.ckpt",
+        "epoch=2-step=24.ckpt",
+        "epoch=3-step=32.ckpt",
+        "last.ckpt",
+    ]
     files = sorted(os.listdir(tmp_path / "ckpts" / "last.ckpt"))
     assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]

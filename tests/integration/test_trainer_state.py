@@ -48,7 +48,10 @@ def test_every_lightning_entry_round_trips(tmp_path, two_optimizers):
 def test_resume_restores_every_optimizer_and_scheduler(tmp_path):
     trainer, model = _fit(tmp_path, strategy="dcp_single_device", two_optimizers=True)
     trainer.save_checkpoint(str(tmp_path / "dcp.ckpt"))
-    expected = [opt.state_dict() for opt in trainer.optimizers], [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs]
+    expected = (
+        [opt.state_dict() for opt in trainer.optimizers],
+        [c.scheduler.state_dict() for c in trainer.lr_scheduler_configs],
+    )
     resumed = make_trainer(1, strategy="dcp_single_device", max_epochs=2)
     resumed.fit(TinyModel(two_optimizers=True), datamodule=RandomDataModule(), ckpt_path=str(tmp_path / "dcp.ckpt"))
     assert_same(expected[0], [opt.state_dict() for opt in resumed.optimizers])

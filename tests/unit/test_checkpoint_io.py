@@ -137,8 +137,9 @@ def test_mismatched_target_fails_before_loading_and_changes_nothing(tmp_path):
     loaded = io.load_checkpoint(path, state_dict=target, strict=False)
     assert torch.equal(loaded["state_dict"]["layer.bias"], torch.arange(4.0))
     with pytest.raises(StateDictMismatchError, match="layer.bias"):
-        io.load_checkpoint(path, state_dict={"state_dict": {"layer.bias": torch.zeros(4, dtype=torch.float64)}},
-                           strict=False)
+        io.load_checkpoint(
+            path, state_dict={"state_dict": {"layer.bias": torch.zeros(4, dtype=torch.float64)}}, strict=False
+        )
 
 
 class _Payload:

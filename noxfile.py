@@ -1,0 +1,72 @@
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``nox -s tests``, ``lint``, ``bench``.
+
+Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
+local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
+Set ``LIGHTNING_DCP_TORCH`` to install another torch (e.g. ``"torch>=2.6"`` on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import os
+
+import nox
+
+TORCH = os.environ.get("LIGHTNING_DCP_TORCH", "torch==2.13.0")
+PYTHON = os.environ.get("LIGHTNING_DCP_PYTHON")  # None: the Python that runs nox
+
+nox.options.sessions = ["lint", "tests"]
+nox.options.reuse_existing_virtualenvs = True
+
+
+def _install(session: nox.Session, extras: str) -> None:
+    session.install(TORCH)
+    session.install("-e", f".[{extras}]")
+
+
+@nox.session(python=PYTHON)
+def tests(session: nox.Session) -> None:
+    """Unit, distributed (gloo, 2-4 ranks) and integration tests."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def lint(session: nox.Session) -> None:
+    """Ruff over the package, tests, examples and benchmarks."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", "lightning_dcp", "tests", "examples", "benchmarks", "noxfile.py")
+
+
+@nox.session(python=PYTHON)
+def demo(session: nox.Session) -> None:
+    """The main job: train the byte-level GPT on the stdlib sources with DDP over 2 CPU processes, checkpointing
+    through lightning_dcp; then resume it on 1 process and consolidate the last checkpoint."""
+    _install(session, "examples")
+    run_dir = os.path.abspath("outputs/demo")
+    session.run("python", "examples/train.py", f"run_dir={run_dir}", *session.posargs)
+    session.run(
+        "python",
+        "examples/train.py",
+        f"run_dir={run_dir}",
+        "ckpt_path=last",
+        "trainer.devices=1",
+        "trainer.max_steps=80",
+        *session.posargs,
+    )
+    session.run(
+        "python",
+        "-m",
+        "lightning_dcp.consolidate",
+        f"{run_dir}/checkpoints/last.ckpt",
+        "--output",
+        f"{run_dir}/last.consolidated.ckpt",
+        "--overwrite",
+    )
+
+
+@nox.session(python=PYTHON)
+def bench(session: nox.Session) -> None:
+    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png."""
+    _install(session, "test")
+    session.install("matplotlib")
+    session.run("python", "-m", "benchmarks.run", *session.posargs)

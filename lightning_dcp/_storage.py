@@ -9,29 +9,24 @@ from __future__ import annotations
 
 import ctypes
 import os
-import pickle
 import shutil
 import uuid
-from typing import IO, Any
+from typing import Any
 
 import fsspec
-import torch
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint import StorageReader, StorageWriter
+from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_dcp import _dcp_io
+from lightning_dcp._dcp_io import METADATA_FILE
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = [
     "METADATA_FILE",
     "Location",
-    "load_metadata",
     "new_token",
 ]
-
-METADATA_FILE = ".metadata"
-"""DCP's metadata file; DCP writes it last, after every rank finished writing data."""
 
 STAGING_INFIX = ".tmp-"
 
@@ -58,6 +53,10 @@ class Location:
 
     def __repr__(self) -> str:
         return f"Location({self.url!r})"
+
+    def resolve(self) -> Location:
+        """The location a checkpoint reference at this path designates (itself: no indirection yet)."""
+        return self
 
     # ----------------------------------------------------------------------------------------------- queries
     def join(self, name: str) -> str:
@@ -93,35 +92,23 @@ class Location:
         return self.path.rstrip("/").rsplit("/", 1)[-1]
 
     # ------------------------------------------------------------------------------------------- DCP plumbing
-    def storage_writer(self, *, thread_count: int, sync_files: bool) -> FileSystemWriter:
-        """A DCP storage writer for this directory.
+    def storage_writer(self, *, thread_count: int, sync_files: bool) -> StorageWriter:
+        """A DCP storage writer for this directory (see :func:`lightning_dcp._dcp_io.storage_writer`)."""
+        return _dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files)
 
-        Local disks use DCP's ``FileSystemWriter`` (fsync per file when ``sync_files``). Other protocols use
-        ``FsspecWriter`` with the storage options, and never ``sync_files``: without a file descriptor DCP would fall
-        back to a host-wide ``os.sync()`` per file.
-        """
-        if self.local:
-            return FileSystemWriter(self.path, thread_count=thread_count, sync_files=sync_files, overwrite=True)
-        return FsspecWriter(self.url, thread_count=thread_count, sync_files=False, **self.storage_options)
-
-    def storage_reader(self) -> FileSystemReader:
-        """A DCP storage reader for this directory (``FileSystemReader`` locally, else ``FsspecReader``).
-
-        Both read ``.metadata`` with :func:`load_metadata` instead of DCP's plain ``pickle.load``.
-        """
-        if self.local:
-            return _SafeFileSystemReader(self.path)
-        return _SafeFsspecReader(self.url, **self.storage_options)
+    def storage_reader(self) -> StorageReader:
+        """A DCP storage reader for this directory (see :func:`lightning_dcp._dcp_io.storage_reader`)."""
+        return _dcp_io.storage_reader(self)
 
     def read_metadata(self) -> Metadata:
-        """Read this checkpoint's DCP metadata with :func:`load_metadata`.
+        """Read this checkpoint's DCP metadata with :func:`lightning_dcp._dcp_io.load_metadata`.
 
         Raises:
             NotACheckpointError: It cannot be read, or it holds anything but DCP metadata.
         """
         try:
             with self.open(METADATA_FILE) as f:
-                return load_metadata(f)
+                return _dcp_io.load_metadata(f)
         except NotACheckpointError:
             raise
         except Exception as err:
@@ -181,74 +168,6 @@ class Location:
             return fs_path
         protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
         return f"{protocol}://{fs_path}"
-
-
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch._utils": {"_get_layout"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: any other global (a callable that would run code) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise NotACheckpointError(
-            f"The DCP metadata refers to {module}.{name}, which is not part of DCP's metadata format; refusing to"
-            " load it (a crafted checkpoint could run code this way)."
-        )
-
-
-def load_metadata(file: IO[bytes]) -> Metadata:
-    """Unpickle DCP's ``.metadata`` allowing only DCP's metadata classes (DCP itself uses plain ``pickle.load``).
-
-    Raises:
-        NotACheckpointError: The file refers to anything else, or is not DCP metadata.
-    """
-    metadata = _MetadataUnpickler(file).load()
-    if not isinstance(metadata, Metadata):
-        raise NotACheckpointError(f"The DCP metadata file holds a {type(metadata).__name__}, not DCP metadata.")
-    return metadata
-
-
-class _SafeMetadataReader:
-    """``read_metadata`` through :func:`load_metadata` for DCP's filesystem readers (same result otherwise)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
-            raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
-        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
-            metadata = load_metadata(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeFileSystemReader(_SafeMetadataReader, FileSystemReader):
-    pass
-
-
-class _SafeFsspecReader(_SafeMetadataReader, FsspecReader):
-    pass
 
 
 _AT_FDCWD = -100

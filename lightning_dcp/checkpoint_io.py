@@ -164,7 +164,8 @@ class DCPCheckpointIO(CheckpointIO):
         """
         location = Location(path, storage_options=self.storage_options)
         weights_only = True if weights_only is None else weights_only
-        metadata = _on_rank0(collective, lambda: _probe(location))
+        url, metadata = _on_rank0(collective, lambda: _probe(location))
+        location = Location(url, storage_options=self.storage_options)
         if metadata is None:
             return _load_file(location, map_location=map_location, weights_only=weights_only)
         if state_dict is None:
@@ -240,14 +241,19 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
     return value
 
 
-def _probe(location: Location) -> Metadata | None:
-    """Check what ``location`` holds: DCP metadata for a checkpoint directory, ``None`` for a single file."""
+def _probe(location: Location) -> tuple[str, Metadata | None]:
+    """Resolve ``location`` and check what it holds.
+
+    Returns:
+        The resolved URL, and DCP metadata for a checkpoint directory (``None`` for a single file).
+    """
+    location = location.resolve()
     if not location.exists():
         raise CheckpointNotFoundError(
             f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
         )
     if not location.isdir():
-        return None
+        return location.url, None
     if not location.has_metadata():
         raise NotACheckpointError(
             f"{location.url!r} is a directory without DCP's {METADATA_FILE!r} file: it is not a checkpoint, or its"
@@ -259,7 +265,7 @@ def _probe(location: Location) -> Metadata | None:
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
             f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
         )
-    return metadata
+    return location.url, metadata
 
 
 def _load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:

@@ -1,0 +1,104 @@
+"""Train ``ByteGPT`` on the standard library's sources with Hydra + Lightning, checkpointing through lightning_dcp.
+
+Run from the repository root::
+
+    python examples/train.py                                    # tiny model, 2 CPU processes, dcp_ddp
+    python examples/train.py model=small trainer.max_steps=200  # another size from configs/model/
+    python examples/train.py ckpt_path=last trainer.max_steps=120  # resume from the last checkpoint
+
+With ``trainer.devices > 1`` Lightning re-launches this script once per extra rank (its subprocess launcher passes
+the same Hydra overrides plus ``hydra.run.dir=<this run's dir>``), so every rank composes the same config, writes
+into the same run directory and agrees on the checkpoint directory, which the config pins independently of the run
+directory (``ckpt_dir``) so that ``ckpt_path=last`` finds the previous run's checkpoints.
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import hydra
+import lightning
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+if str(REPO_ROOT) not in sys.path:  # `python examples/train.py` puts examples/, not the repo root, on sys.path
+    sys.path.insert(0, str(REPO_ROOT))
+
+import lightning_dcp  # noqa: E402,F401  (registers the dcp_* strategy names)
+
+
+def _instantiate(node: Any, **kwargs: Any) -> Any:
+    """``hydra.utils.instantiate`` on a plain-container copy, so objects receive plain dicts/lists, never OmegaConf."""
+    return hydra.utils.instantiate(node, _convert_="all", **kwargs)
+
+
+def _shell(argv: list[str]) -> str:
+    return " ".join(shlex.quote(a) for a in argv)
+
+
+def _report(trainer: lightning.pytorch.Trainer, cfg: dict[str, Any]) -> None:
+    """Print where the checkpoints are, the final step and loss, and follow-up commands (global rank 0 only)."""
+    ckpt_cb = trainer.checkpoint_callback
+    dirpath = Path(ckpt_cb.dirpath).resolve() if ckpt_cb and ckpt_cb.dirpath else None
+    last = ckpt_cb.last_model_path if ckpt_cb else ""
+    best = ckpt_cb.best_model_path if ckpt_cb else ""
+    last = str(Path(last).resolve()) if last else ""
+    best = str(Path(best).resolve()) if best else ""
+    val_loss = trainer.callback_metrics.get("val_loss")
+    train_loss = trainer.callback_metrics.get("train_loss")
+
+    overrides = [o for o in HydraConfig.get().overrides.task if not o.startswith(("ckpt_path=", "trainer.max_steps="))]
+    script = [sys.executable, str(Path(__file__).resolve())]
+    more_steps = f"trainer.max_steps={trainer.global_step + cfg['trainer']['max_steps']}"
+    resume = [*script, *overrides, f"ckpt_path={last or 'last'}", more_steps]
+    resume_one = [*resume, "trainer.devices=1"]
+    consolidate = [sys.executable, "-m", "lightning_dcp.consolidate", last, "--output"]
+    consolidate.append(str((dirpath or Path.cwd()) / "last.consolidated.ckpt"))
+
+    lines = [
+        "",
+        "=" * 100,
+        f"run directory      : {Path(HydraConfig.get().runtime.output_dir).resolve()}",
+        f"checkpoint dirpath : {dirpath}",
+        f"last checkpoint    : {last or '(none)'}",
+        f"best checkpoint    : {best or '(none)'}",
+        f"global_step        : {trainer.global_step}",
+        f"train_loss (last)  : {float(train_loss):.4f}" if train_loss is not None else "train_loss (last)  : n/a",
+        f"val_loss (last)    : {float(val_loss):.4f}" if val_loss is not None else "val_loss (last)    : n/a",
+        "",
+        f"# resume on {trainer.world_size} process(es):",
+        _shell(resume),
+        "# resume on 1 process:",
+        _shell(resume_one),
+        "# consolidate the last checkpoint into one Lightning .ckpt file:",
+        _shell(consolidate) if last else "(no checkpoint was saved)",
+        "=" * 100,
+    ]
+    print("\n".join(lines), flush=True)
+
+
+@hydra.main(config_path="../configs", config_name="train", version_base="1.3")
+def main(hydra_cfg: DictConfig) -> None:
+    """Compose the config, build data/model/callbacks/Trainer and fit."""
+    cfg: dict[str, Any] = OmegaConf.to_container(hydra_cfg, resolve=True)  # plain types only from here on
+    lightning.seed_everything(cfg["seed"], workers=True)
+
+    datamodule = _instantiate(cfg["data"])
+    model = _instantiate(cfg["model"])
+    callbacks = [_instantiate(c) for c in (cfg.get("callbacks") or {}).values() if c is not None]
+    logger = _instantiate(cfg["logger"]) if cfg.get("logger") else None
+    trainer = _instantiate(cfg["trainer"], callbacks=callbacks, logger=logger)
+
+    if trainer.is_global_zero:
+        print(f"ByteGPT: {model.count_parameters():,} parameters ({model.count_parameters() / 1e6:.2f}M)", flush=True)
+    trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
+    if trainer.is_global_zero:
+        _report(trainer, cfg)
+
+
+if __name__ == "__main__":
+    main()

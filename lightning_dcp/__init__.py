@@ -8,6 +8,7 @@ from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import (
     CheckpointError,
     CheckpointNotFoundError,
+    CorruptCheckpointError,
     NotACheckpointError,
     StateDictMismatchError,
 )
@@ -19,12 +20,14 @@ from lightning_dcp.strategies import (
     DCPStrategyMixin,
     register_strategies,
 )
+from lightning_dcp.verify import verify_checkpoint
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CorruptCheckpointError",
     "DCPCheckpointIO",
     "DCPDDPStrategy",
     "DCPFSDPStrategy",
@@ -34,6 +37,7 @@ __all__ = [
     "NotACheckpointError",
     "StateDictMismatchError",
     "consolidate",
+    "verify_checkpoint",
 ]
 
 register_strategies()

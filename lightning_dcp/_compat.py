@@ -16,7 +16,9 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint._traverse import set_element
 
 __all__ = [
+    "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
+    "narrow_tensor_by_index",
     "TrainerFn",
     "flatten_state_dict",
     "set_element",
@@ -38,3 +40,9 @@ def unwrap_checkpoint_io(checkpoint_io: object) -> object:
 def cuda_available() -> bool:
     """Whether a CUDA device can be used (kept here so tests and code agree on one check)."""
     return torch.cuda.is_available()
+
+
+# DCP's per-entry storage record and its tensor-narrowing helper: our storage writer/reader produce and consume
+# exactly what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
+from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: E402

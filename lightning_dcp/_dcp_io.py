@@ -1,49 +1,294 @@
-"""The DCP storage writer and reader lightning_dcp uses, and safe reading of DCP's ``.metadata``.
+"""The DCP storage writer and reader lightning_dcp uses: checksummed writes, verified reads, safe metadata.
 
-DCP reads ``.metadata`` with plain ``pickle.load``, so a crafted checkpoint could run code at load; every metadata
-read here goes through :func:`load_metadata`, which admits DCP's metadata classes only.
+Files stay exactly DCP's (``__{rank}_{n}.distcp`` records written with ``torch.save``, ``.metadata``), so any DCP
+reader loads them. On top of that:
+
+- the writer computes a CRC32 of every record while writing it (no second pass over the disk) and the coordinator
+  writes them, with the size and CRC32 of ``.metadata``, to ``.commit`` **after** ``.metadata``: ``.commit`` is
+  lightning_dcp's commit marker, and a directory without it is never treated as a checkpoint;
+- the reader verifies the CRC32 of every record it reads (so a flipped bit never loads silently) and names the file;
+- ``.metadata`` is unpickled by :func:`load_metadata`, which admits DCP's metadata classes only (DCP itself uses plain
+  ``pickle.load``, which runs code from a crafted file).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import io
+import json
+import os
 import pickle
+import time
+import zlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
 
-from lightning_dcp.errors import NotACheckpointError
+from lightning_dcp._compat import StorageInfo, narrow_tensor_by_index
+from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
 
 if TYPE_CHECKING:
     from lightning_dcp._storage import Location
 
-__all__ = ["METADATA_FILE", "load_metadata", "storage_reader", "storage_writer"]
+__all__ = [
+    "COMMIT_FILE",
+    "METADATA_FILE",
+    "load_metadata",
+    "read_commit",
+    "storage_reader",
+    "storage_writer",
+]
 
 METADATA_FILE = ".metadata"
-"""DCP's metadata file; DCP writes it last, after every rank finished writing data."""
+"""DCP's metadata file; DCP's coordinator writes it after every rank finished writing data."""
+COMMIT_FILE = ".commit"
+"""lightning_dcp's commit marker (JSON: checksums and sizes), written last."""
+DATA_SUFFIX = ".distcp"
 
 
 def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -> StorageWriter:
-    """A DCP storage writer for the directory at ``location``.
+    """A checksumming DCP storage writer for the directory at ``location``.
 
-    Local disks use DCP's ``FileSystemWriter`` (fsync per file when ``sync_files``). Other protocols use
-    ``FsspecWriter`` with the location's storage options, and never ``sync_files``: without a file descriptor DCP
-    would fall back to a host-wide ``os.sync()`` per file.
+    Local disks: DCP's ``FileSystemWriter`` layout, ``fsync`` per file when ``sync_files``. Other protocols:
+    ``FsspecWriter`` with the location's storage options and never ``sync_files`` (without a file descriptor DCP
+    would fall back to a host-wide ``os.sync()`` per file).
     """
     if location.local:
-        return FileSystemWriter(location.path, thread_count=thread_count, sync_files=sync_files, overwrite=True)
-    return FsspecWriter(location.url, thread_count=thread_count, sync_files=False, **location.storage_options)
+        return _LocalWriter(location.path, thread_count=thread_count, sync_files=sync_files, overwrite=True)
+    return _FsspecWriter(location.url, thread_count=thread_count, sync_files=False, **location.storage_options)
 
 
 def storage_reader(location: Location) -> StorageReader:
-    """A DCP storage reader for ``location`` that reads ``.metadata`` with :func:`load_metadata`."""
+    """A DCP storage reader for ``location`` that verifies record checksums and reads metadata safely."""
     if location.local:
-        return _SafeFileSystemReader(location.path)
-    return _SafeFsspecReader(location.url, **location.storage_options)
+        return _LocalReader(location.path)
+    return _FsspecReader(location.url, **location.storage_options)
 
 
+def read_commit(location: Location) -> dict[str, Any] | None:
+    """The parsed ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed."""
+    try:
+        with location.open(COMMIT_FILE) as f:
+            return json.loads(f.read())
+    except FileNotFoundError:
+        return None
+    except (ValueError, UnicodeDecodeError) as err:
+        msg = f"{location.url!r}: {COMMIT_FILE} is not valid JSON ({err})."
+        raise CorruptCheckpointError(msg, file=COMMIT_FILE) from err
+
+
+# ------------------------------------------------------------------------------------------------------ writing
+class _CrcStream:
+    """A write-only stream that forwards to ``raw`` and keeps a running CRC32 and byte count."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        self.raw = raw
+        self.position = 0
+        self.crc = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        self.raw.write(view)
+        self.crc = zlib.crc32(view, self.crc)
+        self.position += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self.raw.flush()
+
+    def writable(self) -> bool:
+        return True
+
+
+def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
+    """Split write items into ``bins`` files of similar byte size (largest tensors first)."""
+    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
+    sizes = [0] * bins
+
+    def size(item: WriteItem) -> int:
+        if item.tensor_data is None:
+            return 0
+        return item.tensor_data.size.numel() * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
+
+    for item in sorted(items, key=size, reverse=True):
+        i = sizes.index(min(sizes))
+        buckets[i].append(item)
+        sizes[i] += size(item)
+    return [b for b in buckets if b]
+
+
+class _ChecksummingWriter:
+    """Write DCP records ourselves so each record's CRC32 is known exactly; then commit with ``.commit``."""
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        jobs = [
+            (f"{prefix}{i}{DATA_SUFFIX}", bucket) for i, bucket in enumerate(_balance(plan.items, self.thread_count))
+        ]
+        if len(jobs) > 1:
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                per_file = list(pool.map(lambda job: self._write_file(planner, *job), jobs))
+        else:
+            per_file = [self._write_file(planner, *job) for job in jobs]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result([result for results in per_file for result in results])
+        return future
+
+    def _write_file(self, planner: SavePlanner, file_name: str, items: list[WriteItem]) -> list[WriteResult]:
+        results = []
+        with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as raw:
+            out = _CrcStream(raw)
+            for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+                data = planner.resolve_data(item)
+                start, out.crc = out.position, 0
+                if item.type == WriteItemType.BYTE_IO:
+                    out.write(data.getbuffer())
+                else:
+                    tensor = data.detach().cpu()
+                    if tensor.untyped_storage().size() != tensor.nbytes:
+                        tensor = tensor.clone()  # a view: write only its own elements
+                    torch.save(tensor, out)
+                info = StorageInfo(file_name, start, out.position - start)
+                # The CRC rides along to the coordinator and is moved into .commit in finish().
+                results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=(info, out.crc)))
+            raw.flush()
+            if self.sync_files:
+                os.fsync(raw.fileno())
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        files: dict[str, dict[str, Any]] = {}
+        plain = []
+        for rank_results in results:
+            plain.append([])
+            for result in rank_results:
+                info, crc = result.storage_data
+                entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
+                entry["records"].append([info.offset, info.length, crc])
+                entry["size"] = max(entry["size"], info.offset + info.length)
+                plain[-1].append(dataclasses.replace(result, storage_data=info))
+        super().finish(metadata, plain)
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
+            metadata_bytes = f.read()
+        marker = {
+            "format": "lightning_dcp",
+            "version": 1,
+            "algorithm": "crc32",
+            "committed_at": time.time(),
+            "metadata": {"size": len(metadata_bytes), "crc32": zlib.crc32(metadata_bytes)},
+            "files": files,
+        }
+        with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "wb") as f:
+            f.write(json.dumps(marker, sort_keys=True).encode())
+            f.flush()
+            if self.sync_files:
+                os.fsync(f.fileno())
+
+
+class _LocalWriter(_ChecksummingWriter, FileSystemWriter):
+    pass
+
+
+class _FsspecWriter(_ChecksummingWriter, FsspecWriter):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+class _VerifyingReader:
+    """Read records as DCP's filesystem readers do, checking each record's CRC32 from ``.commit`` first."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
+            raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
+            metadata = load_metadata(f)
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.crcs: dict[tuple[str, int], tuple[int, int]] = {}
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "rb") as f:
+                marker = json.loads(f.read())
+        except FileNotFoundError:
+            return  # not written by lightning_dcp: nothing to verify against
+        for name, entry in marker.get("files", {}).items():
+            for offset, length, crc in entry["records"]:
+                self.crcs[(name, offset)] = (length, crc)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file: dict[str, list] = {}
+        for item in plan.items:
+            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
+        for name, items in per_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    record = self._read_record(stream, name, self.storage_data[item.storage_index], item)
+                    if item.type == LoadItemType.BYTE_IO:
+                        planner.load_bytes(item, io.BytesIO(record))
+                        continue
+                    tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+                    target = planner.resolve_tensor(item).detach()
+                    if target.size() != tensor.size():
+                        raise CorruptCheckpointError(
+                            f"{name}: record {item.storage_index.fqn!r} has shape {tuple(tensor.size())}, the metadata"
+                            f" says {tuple(target.size())}.",
+                            file=name,
+                        )
+                    target.copy_(tensor)
+                    planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, item: Any) -> bytes:
+        stream.seek(info.offset)
+        record = stream.read(info.length)
+        if len(record) != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
+                file=name,
+            )
+        expected = self.crcs.get((name, info.offset))
+        if expected is not None and (expected[0] != info.length or zlib.crc32(record) != expected[1]):
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the CRC32 recorded"
+                " at save. Restore the file or resume from another checkpoint.",
+                file=name,
+            )
+        return record
+
+
+class _LocalReader(_VerifyingReader, FileSystemReader):
+    pass
+
+
+class _FsspecReader(_VerifyingReader, FsspecReader):
+    pass
+
+
+# ---------------------------------------------------------------------------------------------- metadata
 _METADATA_GLOBALS = {
     "torch.distributed.checkpoint.metadata": {
         "Metadata",
@@ -88,25 +333,3 @@ def load_metadata(file: IO[bytes]) -> Metadata:
     if not isinstance(metadata, Metadata):
         raise NotACheckpointError(f"The DCP metadata file holds a {type(metadata).__name__}, not DCP metadata.")
     return metadata
-
-
-class _SafeMetadataReader:
-    """``read_metadata`` through :func:`load_metadata` for DCP's filesystem readers (same result otherwise)."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
-            raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
-        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
-            metadata = load_metadata(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class _SafeFileSystemReader(_SafeMetadataReader, FileSystemReader):
-    pass
-
-
-class _SafeFsspecReader(_SafeMetadataReader, FsspecReader):
-    pass

@@ -19,7 +19,8 @@ from typing_extensions import override
 
 from lightning_dcp import _format
 from lightning_dcp._compat import flatten_state_dict
-from lightning_dcp._storage import METADATA_FILE, Location, new_token
+from lightning_dcp._integrity import check_checkpoint
+from lightning_dcp._storage import Location, new_token
 from lightning_dcp.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -118,6 +119,8 @@ class DCPCheckpointIO(CheckpointIO):
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0 and not direct:
                 target.remove()
+            if isinstance(err, dcp.CheckpointException):
+                raise _first_failure(err, f"Saving the checkpoint to {location.url!r} failed") from err
             raise CheckpointError(f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {err}") from err
 
         def commit() -> None:
@@ -173,13 +176,16 @@ class DCPCheckpointIO(CheckpointIO):
         else:
             target = _fit_target(location.url, dict(state_dict), metadata, strict=strict)
             target[_format.EXTRA_KEY] = b""
-        with _single_process_ok():
-            dcp.load(
-                target,
-                storage_reader=location.storage_reader(),
-                planner=_format.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
-                no_dist=not _distributed(collective),
-            )
+        try:
+            with _single_process_ok():
+                dcp.load(
+                    target,
+                    storage_reader=location.storage_reader(),
+                    planner=_format.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
+                    no_dist=not _distributed(collective),
+                )
+        except dcp.CheckpointException as err:  # DCP gathers every rank's failure; raise the first one plainly
+            raise _first_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
         extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
         return _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
 
@@ -241,6 +247,17 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
     return value
 
 
+def _first_failure(err: dcp.CheckpointException, context: str) -> Exception:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException`` holding each rank's failure) into an ``Exception``."""
+    for rank, wrapped in sorted(err.failures.items()):
+        failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
+        if isinstance(failure, CheckpointError):
+            return failure
+        if isinstance(failure, Exception):
+            return CheckpointError(f"{context} on rank {rank}: {type(failure).__name__}: {failure}")
+    return CheckpointError(f"{context}: {err}")
+
+
 def _probe(location: Location) -> tuple[str, Metadata | None]:
     """Resolve ``location`` and check what it holds.
 
@@ -254,12 +271,7 @@ def _probe(location: Location) -> tuple[str, Metadata | None]:
         )
     if not location.isdir():
         return location.url, None
-    if not location.has_metadata():
-        raise NotACheckpointError(
-            f"{location.url!r} is a directory without DCP's {METADATA_FILE!r} file: it is not a checkpoint, or its"
-            " save did not finish. Pass a complete checkpoint directory."
-        )
-    metadata = location.read_metadata()
+    metadata = check_checkpoint(location)
     if _format.EXTRA_KEY not in metadata.state_dict_metadata:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"

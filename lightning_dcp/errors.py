@@ -11,6 +11,7 @@ from collections.abc import Iterable
 __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
+    "CorruptCheckpointError",
     "NotACheckpointError",
     "StateDictMismatchError",
 ]
@@ -26,6 +27,18 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class NotACheckpointError(CheckpointError, ValueError):
     """The path exists but holds no complete checkpoint that lightning_dcp can read."""
+
+
+class CorruptCheckpointError(NotACheckpointError):
+    """A checkpoint's files do not match the checksums recorded when it was saved (bit flip, truncation).
+
+    Attributes:
+        file: The file (relative to the checkpoint directory) that failed verification.
+    """
+
+    def __init__(self, message: str, *, file: str) -> None:
+        super().__init__(message)
+        self.file = file
 
 
 def _preview(keys: Iterable[str], limit: int = 8) -> str:

@@ -77,7 +77,7 @@ def test_every_n_train_steps(ddp_run):
 
 def test_bytes_spread_over_ranks(ddp_run):
     ckpt = os.path.join(ddp_run, "manual.ckpt")
-    assert sorted(os.listdir(ckpt)) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert sorted(os.listdir(ckpt)) == [".commit", ".metadata", "__0_0.distcp", "__1_0.distcp"]
     sizes = [os.path.getsize(os.path.join(ckpt, f"__{r}_0.distcp")) for r in range(2)]
     saved = load_result(ddp_run, "saved")
     tensor_bytes = sum(t.numel() * t.element_size() for t in saved["params"].values())
@@ -139,4 +139,4 @@ def test_consolidate_equals_live_state(ddp_run, tmp_path):
 
 def test_stock_ddp_strategy_writes_whole_state_from_rank0(ddp_run):
     # Lightning's DDPStrategy calls the plugin on rank 0 only: one unsharded DCP directory, no collective.
-    assert sorted(os.listdir(os.path.join(ddp_run, "stock.ckpt"))) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(os.path.join(ddp_run, "stock.ckpt"))) == [".commit", ".metadata", "__0_0.distcp"]

@@ -58,4 +58,4 @@ def test_ddp_resume_is_bit_identical(tmp_path):
         "last.ckpt",
     ]
     files = sorted(os.listdir(tmp_path / "ckpts" / "last.ckpt"))
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert files == [".commit", ".metadata", "__0_0.distcp", "__1_0.distcp"]

@@ -50,4 +50,4 @@ def test_fsdp2_sharded_save_and_resume(tmp_path):
         assert resumed["losses"] == full["losses"][16:]
     # Each rank wrote its own shard: two data files of similar size.
     files = sorted(os.listdir(tmp_path / "ckpts" / "last.ckpt"))
-    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert files == [".commit", ".metadata", "__0_0.distcp", "__1_0.distcp"]

@@ -51,7 +51,7 @@ def test_round_trip_keeps_every_entry(tmp_path):
     io = DCPCheckpointIO()
     path = str(tmp_path / "a.ckpt")
     io.save_checkpoint(_checkpoint(), path)
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(path)) == [".commit", ".metadata", "__0_0.distcp"]
     loaded = io.load_checkpoint(path)
     info = loaded.pop("lightning_dcp")
     assert info["world_size"] == 1 and info["optimizer_layout"] == "param_id"
@@ -109,13 +109,13 @@ def test_file_that_is_not_a_checkpoint(tmp_path):
 def test_directory_without_metadata(tmp_path):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "__0_0.distcp").write_bytes(b"x")
-    with pytest.raises(NotACheckpointError, match="without DCP's '.metadata'"):
+    with pytest.raises(NotACheckpointError, match="no '.commit' marker: its save did not finish"):
         DCPCheckpointIO().load_checkpoint(str(tmp_path / "d"))
 
 
 def test_plain_dcp_directory_is_refused_with_the_fix(tmp_path):
     dcp.save({"w": torch.ones(2)}, checkpoint_id=str(tmp_path / "plain"), no_dist=True)
-    with pytest.raises(NotACheckpointError, match="did not write"):
+    with pytest.raises(NotACheckpointError, match="lightning_dcp did not write"):
         DCPCheckpointIO().load_checkpoint(str(tmp_path / "plain"))
 
 
@@ -172,5 +172,5 @@ def test_storage_options_are_validated():
 def test_thread_count_writes_one_file_per_thread(tmp_path):
     path = str(tmp_path / "a.ckpt")
     DCPCheckpointIO(thread_count=2).save_checkpoint(_checkpoint(), path)
-    assert sorted(os.listdir(path)) == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    assert sorted(os.listdir(path)) == [".commit", ".metadata", "__0_0.distcp", "__0_1.distcp"]
     assert_same(DCPCheckpointIO().load_checkpoint(path)["state_dict"], _checkpoint()["state_dict"])

@@ -1,0 +1,83 @@
+"""Checking a checkpoint before it is loaded: committed, metadata intact, data files whole; full verification.
+
+The records' CRC32s are written by :mod:`lightning_dcp._dcp_io` at save into ``.commit``; its reader checks every
+record it loads. Here, the cheap checks that run before every load (fast mode) and the full pass over every record.
+"""
+
+from __future__ import annotations
+
+import io
+import zlib
+from typing import TYPE_CHECKING
+
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE, load_metadata, read_commit
+from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
+
+if TYPE_CHECKING:
+    from lightning_dcp._storage import Location
+
+__all__ = ["check_checkpoint"]
+
+
+def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
+    """Check that ``location`` holds a complete, undamaged checkpoint and return its DCP metadata.
+
+    Fast mode (``full=False``, run before every load): the ``.commit`` marker exists, ``.metadata`` matches its
+    recorded size and CRC32, and every data file exists with at least its recorded size. Records are then checked
+    one by one as they are read. ``full=True`` also reads every record of every file and checks its CRC32.
+
+    Rank 0 only (or any single process).
+
+    Raises:
+        NotACheckpointError: No ``.commit`` marker: the save did not finish, or lightning_dcp did not write it.
+        CorruptCheckpointError: A file is missing, truncated or altered (the error names it).
+    """
+    marker = read_commit(location)
+    if marker is None:
+        raise NotACheckpointError(
+            f"{location.url!r} has no {COMMIT_FILE!r} marker: its save did not finish, or lightning_dcp did not write"
+            " it. Resume from a complete checkpoint (a plain DCP checkpoint loads with"
+            " `torch.distributed.checkpoint.load`)."
+        )
+    try:
+        with location.open(METADATA_FILE) as f:
+            metadata_bytes = f.read()
+    except FileNotFoundError as err:
+        raise CorruptCheckpointError(
+            f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
+        ) from err
+    expected = marker["metadata"]
+    if len(metadata_bytes) != expected["size"] or zlib.crc32(metadata_bytes) != expected["crc32"]:
+        raise CorruptCheckpointError(
+            f"{location.url!r}: {METADATA_FILE} does not match the size and CRC32 recorded at save.", file=METADATA_FILE
+        )
+    sizes = _file_sizes(location)
+    for name, entry in marker["files"].items():
+        if name not in sizes:
+            raise CorruptCheckpointError(f"{location.url!r}: data file {name} is missing.", file=name)
+        if sizes[name] < entry["size"]:
+            raise CorruptCheckpointError(
+                f"{location.url!r}: data file {name} is truncated ({sizes[name]} of {entry['size']} bytes).", file=name
+            )
+    if full:
+        for name, entry in marker["files"].items():
+            _verify_file(location, name, entry["records"])
+    return load_metadata(io.BytesIO(metadata_bytes))
+
+
+def _file_sizes(location: Location) -> dict[str, int]:
+    entries = location.fs.ls(location.path, detail=True)
+    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e["type"] == "file"}
+
+
+def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
+    with location.open(name) as f:
+        for offset, length, crc in sorted(records):
+            f.seek(offset)
+            data = f.read(length)
+            if len(data) != length or zlib.crc32(data) != crc:
+                raise CorruptCheckpointError(
+                    f"{location.url!r}: data file {name} is corrupt at bytes {offset}..{offset + length}.", file=name
+                )

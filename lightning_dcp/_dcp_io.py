@@ -101,10 +101,15 @@ class _CrcStream:
         self.raw = raw
         self.position = 0
         self.crc = 0
+        self.error: OSError | None = None  # torch.save's zip writer hides OSErrors behind a RuntimeError
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
-        self.raw.write(view)
+        try:
+            self.raw.write(view)
+        except OSError as err:
+            self.error = err
+            raise
         self.crc = zlib.crc32(view, self.crc)
         self.position += view.nbytes
         return view.nbytes
@@ -163,7 +168,12 @@ class _ChecksummingWriter:
                     tensor = data.detach().cpu()
                     if tensor.untyped_storage().size() != tensor.nbytes:
                         tensor = tensor.clone()  # a view: write only its own elements
-                    torch.save(tensor, out)
+                    try:
+                        torch.save(tensor, out)
+                    except RuntimeError:
+                        if out.error is not None:
+                            raise out.error from None
+                        raise
                 info = StorageInfo(file_name, start, out.position - start)
                 # The CRC rides along to the coordinator and is moved into .commit in finish().
                 results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=(info, out.crc)))

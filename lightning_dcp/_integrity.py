@@ -7,6 +7,7 @@ record it loads. Here, the cheap checks that run before every load (fast mode) a
 from __future__ import annotations
 
 import io
+import os
 import zlib
 from typing import TYPE_CHECKING
 
@@ -18,7 +19,7 @@ from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
 if TYPE_CHECKING:
     from lightning_dcp._storage import Location
 
-__all__ = ["check_checkpoint"]
+__all__ = ["check_checkpoint", "newest_valid_sibling"]
 
 
 def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
@@ -81,3 +82,41 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 raise CorruptCheckpointError(
                     f"{location.url!r}: data file {name} is corrupt at bytes {offset}..{offset + length}.", file=name
                 )
+
+
+def newest_valid_sibling(location: Location, *, exclude: Location) -> tuple[Location, Metadata] | None:
+    """The most recently committed checkpoint beside ``location`` that passes the fast checks, if any.
+
+    Candidates are the directories in the same parent that carry a ``.commit`` marker, newest ``committed_at``
+    first; ``exclude`` (the checkpoint that failed, and the target of a link to it) is skipped.
+
+    Rank 0 only (or any single process).
+    """
+    parent = location.sibling("")
+    try:
+        entries = parent.fs.ls(parent.path, detail=False)
+    except FileNotFoundError:
+        return None
+    skip = {exclude.path.rstrip("/"), location.path.rstrip("/")}
+    if location.local:
+        skip.add(os.path.realpath(location.path))
+    candidates = []
+    for entry in entries:
+        name = entry.rstrip("/").rsplit("/", 1)[-1]
+        if name.startswith(".") or entry.rstrip("/") in skip:
+            continue
+        candidate = location.sibling(name)
+        if location.local and os.path.realpath(candidate.path) in skip:
+            continue
+        try:
+            marker = read_commit(candidate)
+        except (NotADirectoryError, CorruptCheckpointError):
+            continue
+        if marker is not None:
+            candidates.append((marker.get("committed_at", 0.0), candidate))
+    for _, candidate in sorted(candidates, key=lambda c: c[0], reverse=True):
+        try:
+            return candidate, check_checkpoint(candidate)
+        except NotACheckpointError:
+            continue
+    return None

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import pickle
+import re
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, TypeVar
@@ -14,12 +16,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata
 from typing_extensions import override
 
 from lightning_dcp import _format
 from lightning_dcp._compat import flatten_state_dict
-from lightning_dcp._integrity import check_checkpoint
+from lightning_dcp._integrity import check_checkpoint, newest_valid_sibling
 from lightning_dcp._storage import Location, new_token
 from lightning_dcp.errors import (
     CheckpointError,
@@ -121,7 +124,9 @@ class DCPCheckpointIO(CheckpointIO):
                 target.remove()
             if isinstance(err, dcp.CheckpointException):
                 raise _first_failure(err, f"Saving the checkpoint to {location.url!r} failed") from err
-            raise CheckpointError(f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {err}") from err
+            raise CheckpointError(
+                f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {_describe(err)}"
+            ) from err
 
         def commit() -> None:
             if not direct:
@@ -152,6 +157,10 @@ class DCPCheckpointIO(CheckpointIO):
                 fills in place (resharding to the current world size). ``None`` loads every tensor into CPU memory.
             strict: Require the checkpoint's model keys to equal the target's (see ``StateDictMismatchError``).
             collective: ``True`` when every rank calls this with its own ``state_dict`` target.
+
+        A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``; what
+        ``ckpt_path="last"`` resolves to) that is incomplete or corrupt falls back to the newest valid checkpoint
+        in the same directory, with a warning naming both. Any other path fails instead.
 
         Returns:
             Lightning's checkpoint dict. With a target, ``"state_dict"``/``"optimizer_states"`` are the filled
@@ -247,6 +256,10 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
     return value
 
 
+_LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
+"""Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
+
+
 def _first_failure(err: dcp.CheckpointException, context: str) -> Exception:
     """Turn DCP's ``CheckpointException`` (a ``BaseException`` holding each rank's failure) into an ``Exception``."""
     for rank, wrapped in sorted(err.failures.items()):
@@ -254,8 +267,18 @@ def _first_failure(err: dcp.CheckpointException, context: str) -> Exception:
         if isinstance(failure, CheckpointError):
             return failure
         if isinstance(failure, Exception):
-            return CheckpointError(f"{context} on rank {rank}: {type(failure).__name__}: {failure}")
+            return CheckpointError(f"{context} on rank {rank}: {_describe(failure)}")
     return CheckpointError(f"{context}: {err}")
+
+
+def _describe(err: BaseException) -> str:
+    """``Type: message`` plus the fix, for the failures a user can act on."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
+    elif isinstance(err, PermissionError):
+        text += ". Check that every rank may write to the checkpoint directory."
+    return text
 
 
 def _probe(location: Location) -> tuple[str, Metadata | None]:
@@ -271,7 +294,17 @@ def _probe(location: Location) -> tuple[str, Metadata | None]:
         )
     if not location.isdir():
         return location.url, None
-    metadata = check_checkpoint(location)
+    try:
+        metadata = check_checkpoint(location)
+    except NotACheckpointError as err:
+        found = newest_valid_sibling(location, exclude=location) if _LAST_NAME.match(location.name) else None
+        if found is None:
+            raise
+        rank_zero_warn(
+            f"The checkpoint {location.url!r} cannot be loaded ({err}). Resuming from the newest valid checkpoint"
+            f" beside it instead: {found[0].url!r}."
+        )
+        location, metadata = found
     if _format.EXTRA_KEY not in metadata.state_dict_metadata:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"

@@ -140,3 +140,16 @@ def test_consolidate_equals_live_state(ddp_run, tmp_path):
 def test_stock_ddp_strategy_writes_whole_state_from_rank0(ddp_run):
     # Lightning's DDPStrategy calls the plugin on rank 0 only: one unsharded DCP directory, no collective.
     assert sorted(os.listdir(os.path.join(ddp_run, "stock.ckpt"))) == [".commit", ".metadata", "__0_0.distcp"]
+
+
+def test_overwrite_at_smaller_world_size_leaves_no_stale_shard(ddp_run, tmp_path):
+    import shutil
+
+    path = str(tmp_path / "manual.ckpt")
+    shutil.copytree(os.path.join(ddp_run, "manual.ckpt"), path)
+    io = DCPCheckpointIO()
+    checkpoint = io.load_checkpoint(path)
+    checkpoint["global_step"] += 1
+    io.save_checkpoint(checkpoint, path)  # world size 1 now
+    assert sorted(os.listdir(path)) == [".commit", ".metadata", "__0_0.distcp"]
+    assert io.load_checkpoint(path)["global_step"] == checkpoint["global_step"]

@@ -114,3 +114,23 @@ def test_crafted_metadata_runs_nothing(tmp_path):
     with pytest.raises(NotACheckpointError, match="not part of DCP's metadata format"):
         DCPCheckpointIO().load_checkpoint(path)
     assert not os.path.exists(marker_file)
+
+
+def test_last_falls_back_to_newest_valid_checkpoint(tmp_path):
+    io = DCPCheckpointIO()
+    older = _save(str(tmp_path / "epoch=0.ckpt"))
+    newer = _save(str(tmp_path / "epoch=1.ckpt"))
+    _save(str(tmp_path / "last.ckpt"))
+    _flip(str(tmp_path / "last.ckpt" / ".metadata"), 10)
+    with pytest.warns(UserWarning, match=r"last\.ckpt.*epoch=1\.ckpt"):
+        loaded = io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    for key, value in newer["state_dict"].items():
+        assert torch.equal(loaded["state_dict"][key], value)
+    # the newest one broken too: the next newest valid one
+    os.unlink(str(tmp_path / "epoch=1.ckpt" / ".commit"))
+    with pytest.warns(UserWarning, match=r"epoch=0\.ckpt"):
+        loaded = io.load_checkpoint(str(tmp_path / "last.ckpt"))
+    assert torch.equal(loaded["state_dict"]["layer0.weight"], older["state_dict"]["layer0.weight"])
+    # an explicit, non-"last" path never falls back
+    with pytest.raises(NotACheckpointError):
+        io.load_checkpoint(str(tmp_path / "epoch=1.ckpt"))

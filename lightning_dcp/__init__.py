@@ -4,6 +4,7 @@ Importing the package registers the ``dcp_*`` strategy names in Lightning's stra
 """
 
 from lightning_dcp._consolidate import consolidate
+from lightning_dcp._storage import BucketNotFoundError, StorageAccessError
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import (
     CheckpointError,
@@ -12,6 +13,7 @@ from lightning_dcp.errors import (
     NotACheckpointError,
     StateDictMismatchError,
 )
+from lightning_dcp.model_checkpoint import DCPModelCheckpoint
 from lightning_dcp.strategies import (
     DCPDDPStrategy,
     DCPFSDPStrategy,
@@ -25,17 +27,20 @@ from lightning_dcp.verify import verify_checkpoint
 __version__ = "0.1.0"
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "DCPCheckpointIO",
     "DCPDDPStrategy",
     "DCPFSDPStrategy",
+    "DCPModelCheckpoint",
     "DCPModelParallelStrategy",
     "DCPSingleDeviceStrategy",
     "DCPStrategyMixin",
     "NotACheckpointError",
     "StateDictMismatchError",
+    "StorageAccessError",
     "consolidate",
     "verify_checkpoint",
 ]

@@ -16,9 +16,12 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint._traverse import set_element
 
 __all__ = [
+    "DCPFsspecFileSystem",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
     "narrow_tensor_by_index",
+    "rebuild_tensor",
+    "storage_type_name",
     "TrainerFn",
     "flatten_state_dict",
     "set_element",
@@ -44,5 +47,41 @@ def cuda_available() -> bool:
 
 # DCP's per-entry storage record and its tensor-narrowing helper: our storage writer/reader produce and consume
 # exactly what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
+# How ``torch.save`` pickles a tensor (``_rebuild_tensor_v2`` over a typed storage named by its legacy storage class):
+# the streaming ``.ckpt`` writer emits exactly these references so that ``torch.load(weights_only=True)`` reads them.
+from torch._utils import _rebuild_tensor_v2 as rebuild_tensor  # noqa: E402
 from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: E402
+
+
+def storage_type_name(dtype: torch.dtype) -> str:
+    """The legacy storage class name ``torch.save`` records for ``dtype`` (``torch.float32`` -> ``"FloatStorage"``)."""
+    return torch.storage._dtype_to_storage_type_map()[dtype]
+
+
+# ------------------------------------------------------------------------------------------------- storage
+# DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
+# without the storage options; lightning_dcp._storage subclasses it to keep them. Checked against torch 2.13.
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem  # noqa: E402
+
+# ModelCheckpoint's private methods that lightning_dcp.DCPModelCheckpoint overrides or calls, by name. Checked
+# against Lightning 2.6.6 (``lightning.pytorch.callbacks.model_checkpoint``); ``check_private_api`` fails at import
+# when a Lightning release renames one, instead of silently no longer overriding it.
+MODEL_CHECKPOINT_FIND_LAST = "_find_last_checkpoints"
+"""``(self, trainer) -> set[str]``: the "last" candidates ``Trainer.fit(ckpt_path="last")`` chooses from."""
+MODEL_CHECKPOINT_LINK = "_link_checkpoint"
+"""``staticmethod (trainer, filepath, linkpath)``: ``save_last="link"``; Lightning uses ``os.symlink``."""
+MODEL_CHECKPOINT_RESOLVE_DIR = "_ModelCheckpoint__resolve_ckpt_dir"
+"""``(self, trainer) -> path``: the name-mangled ``__resolve_ckpt_dir`` (dirpath, or the logger's directory)."""
+
+
+def check_private_api(cls: type, names: tuple[str, ...]) -> None:
+    """Raise ``ImportError`` naming the Lightning version when ``cls`` lacks one of the private ``names``."""
+    import lightning
+
+    missing = [name for name in names if not hasattr(cls, name)]
+    if missing:
+        raise ImportError(
+            f"lightning_dcp needs {cls.__name__}.{', '.join(missing)}, which Lightning {lightning.__version__} does"
+            " not have (checked against 2.6.6). Install a supported Lightning version."
+        )

@@ -1,16 +1,32 @@
 """Storage: every read, write, list, rename and delete of a checkpoint path goes through fsspec here.
 
 Checkpoint ids are ``str`` end to end (a local path or any fsspec URL); local vs remote is decided once, by
-``fsspec.core.url_to_fs``. This module also owns the commit step (staging directory -> final path), the one
-mechanism that decides when a checkpoint becomes visible.
+``fsspec.core.url_to_fs``, and ``storage_options`` travel with the :class:`Location` into every call, DCP's
+writer and reader included. This module also owns the commit step (staging directory -> final path), checkpoint
+pointers (how ``last.ckpt`` designates a checkpoint without a symlink) and the translation of storage errors
+(denied credentials, missing bucket) into :class:`~lightning_dcp.errors.CheckpointError`.
+
+Commit on object stores (S3, GCS, ...), where no directory rename exists:
+
+- A save to a new name writes straight into the final prefix. DCP's coordinator writes ``.metadata`` (on S3 as
+  ``.metadata.tmp`` + server-side copy, each object appearing atomically) and then ``.commit``, only after every
+  rank finished; a prefix without ``.commit`` is never loaded and is removed later. No byte is copied.
+- A save over an existing name writes into a hidden staging prefix first. Committing invalidates the old
+  checkpoint (its ``.commit`` is deleted first), deletes it, copies the staging objects server-side (no data
+  through this host) with ``.commit`` last, and deletes the staging prefix. A crash inside that window leaves the
+  complete staging prefix, which :meth:`Location.resolve` rolls forward to. The price is one server-side copy of
+  the checkpoint and twice its size for a moment; ``DCPModelCheckpoint`` avoids it by never rewriting a name
+  (``last.ckpt`` is a pointer).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import shutil
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -19,16 +35,33 @@ from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp import _dcp_io
-from lightning_dcp._dcp_io import METADATA_FILE
-from lightning_dcp.errors import NotACheckpointError
+from lightning_dcp._compat import DCPFsspecFileSystem
+from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
 __all__ = [
+    "BucketNotFoundError",
+    "COMMIT_FILE",
     "METADATA_FILE",
     "Location",
+    "POINTER_HEADER",
+    "StorageAccessError",
     "new_token",
 ]
 
 STAGING_INFIX = ".tmp-"
+POINTER_HEADER = b"lightning_dcp pointer v1\n"
+"""First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
+_POINTER_MAX_BYTES = 4096
+_MAX_HOPS = 8
+
+
+class StorageAccessError(CheckpointError, PermissionError):
+    """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
+
+
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket (or container) named in a checkpoint URL does not exist."""
 
 
 def new_token() -> str:
@@ -38,6 +71,10 @@ def new_token() -> str:
 
 class Location:
     """One checkpoint path resolved through fsspec.
+
+    Every method is a plain (non-collective) storage call: run it where the caller decided (rank 0 for anything
+    that changes storage or decides for all ranks). Storage failures surface as :class:`StorageAccessError` (the
+    server refused the credentials) or :class:`BucketNotFoundError`, both naming the bucket and the fix.
 
     Args:
         path: Local path or fsspec URL (``s3://bucket/run/step=10.ckpt``). ``os.PathLike`` is accepted and turned
@@ -52,34 +89,78 @@ class Location:
         self.local = isinstance(self.fs, LocalFileSystem)
 
     def __repr__(self) -> str:
-        return f"Location({self.url!r})"
-
-    def resolve(self) -> Location:
-        """The location a checkpoint reference at this path designates (itself: no indirection yet)."""
-        return self
+        return f"Location({self.url!r})"  # never the storage options: they may hold secrets
 
     # ----------------------------------------------------------------------------------------------- queries
     def join(self, name: str) -> str:
         """The fsspec path (no protocol) of ``name`` inside this location."""
         return self.path.rstrip("/") + "/" + name
 
+    def child(self, name: str) -> Location:
+        """The location ``name`` inside this one (same protocol and options)."""
+        return Location(self.url.rstrip("/") + "/" + name, storage_options=self.storage_options)
+
     def exists(self) -> bool:
-        """Whether anything (file, directory or link) exists at this path."""
+        """Whether anything (file, directory or link) exists at this path.
+
+        Raises:
+            BucketNotFoundError: The path's bucket does not exist (rather than answering ``False``).
+            StorageAccessError: The server refused the credentials.
+        """
         if self.local:
             return os.path.lexists(self.path)
-        return self.fs.exists(self.path)
+        with self._translated():
+            found = self.fs.exists(self.path)
+            if not found:
+                self._check_bucket()
+            return found
 
     def isdir(self) -> bool:
         """Whether this path is a directory (a DCP checkpoint is one)."""
-        return self.fs.isdir(self.path)
+        with self._translated():
+            return self.fs.isdir(self.path)
 
     def has_metadata(self) -> bool:
-        """Whether DCP's ``.metadata`` (the commit marker) is present."""
-        return self.fs.exists(self.join(METADATA_FILE))
+        """Whether DCP's ``.metadata`` is present."""
+        with self._translated():
+            return self.fs.exists(self.join(METADATA_FILE))
+
+    def is_committed(self) -> bool:
+        """Whether this is a checkpoint directory whose save finished (its ``.commit`` marker exists)."""
+        with self._translated():
+            return self.fs.exists(self.join(COMMIT_FILE))
 
     def open(self, name: str | None = None, mode: str = "rb") -> Any:
-        """Open this path (or ``name`` inside it) as a binary file object."""
-        return self.fs.open(self.path if name is None else self.join(name), mode)
+        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents."""
+        path = self.path if name is None else self.join(name)
+        if self.local and mode.startswith(("w", "a", "x")):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with self._translated():
+            return self.fs.open(path, mode)
+
+    def entries(self) -> list[tuple[str, str]]:
+        """``(name, type)`` of each entry directly inside this directory (``type``: ``"file"``/``"directory"``).
+
+        Returns an empty list when the directory does not exist.
+        """
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except FileNotFoundError:
+                self._check_bucket()
+                return []
+        own = self.path.rstrip("/")
+        out = []
+        for entry in listing:
+            path = entry["name"].rstrip("/")
+            if path != own:
+                out.append((path.rsplit("/", 1)[-1], "directory" if entry["type"] == "directory" else "file"))
+        return out
+
+    def parent(self) -> Location:
+        """The directory holding this path (same protocol and options)."""
+        url = self.url.rstrip("/")
+        return Location(url.rsplit("/", 1)[0] if "/" in url else ".", storage_options=self.storage_options)
 
     def sibling(self, name: str) -> Location:
         """The location named ``name`` in the same parent directory (same protocol and options)."""
@@ -91,14 +172,88 @@ class Location:
         """The last path component."""
         return self.path.rstrip("/").rsplit("/", 1)[-1]
 
+    @property
+    def bucket(self) -> str | None:
+        """The bucket (first path component) on object stores; ``None`` on local and hierarchical filesystems."""
+        if self.local or self.fs.root_marker:
+            return None
+        return self.path.lstrip("/").split("/", 1)[0] or None
+
+    # ------------------------------------------------------------------------------------------- pointers
+    def read_pointer(self) -> str | None:
+        """The relative name held by the pointer object at this path, or ``None`` when this is no pointer."""
+        with self._translated():
+            try:
+                if not self.fs.isfile(self.path) or self.fs.size(self.path) > _POINTER_MAX_BYTES:
+                    return None
+                data = self.fs.cat_file(self.path)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
+        if not data.startswith(POINTER_HEADER):
+            return None
+        return data[len(POINTER_HEADER) :].decode().strip() or None
+
+    def write_pointer(self, target: Location) -> None:
+        """Make this path a pointer object to ``target`` (a sibling), replacing what is here.
+
+        The pointer holds ``target``'s name relative to this path's directory; one object write (atomic on object
+        stores, a rename of a temporary file on local disks). Rank 0 only.
+        """
+        data = POINTER_HEADER + target.name.encode() + b"\n"
+        if self.local:
+            tmp = self.sibling(f".{self.name}{STAGING_INFIX}{new_token()}").path
+            os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                shutil.rmtree(self.path)
+            os.replace(tmp, self.path)
+            return
+        with self._translated():
+            if self.fs.isdir(self.path):
+                self.remove()
+            self.fs.pipe_file(self.path, data)
+
+    def resolve(self) -> Location:
+        """The checkpoint this path designates: itself, or the target of a pointer object (followed in chains).
+
+        A path to a checkpoint's ``.commit`` marker designates that checkpoint directory. An uncommitted directory
+        whose overwrite was interrupted mid-commit resolves to the complete staging prefix it was being replaced
+        with (roll forward). Local symlinks are left to the operating system. Rank 0 only (its result is broadcast).
+
+        Raises:
+            NotACheckpointError: Pointers form a cycle or a chain longer than 8.
+        """
+        location: Location = self
+        if location.name == COMMIT_FILE:  # a checkpoint referred to by its commit marker (an object with a mtime)
+            location = location.parent()
+        for _ in range(_MAX_HOPS):
+            name = location.read_pointer()
+            if name is None:
+                return location._rolled_forward()
+            location = location.sibling(name)
+        raise NotACheckpointError(f"{self.url!r}: checkpoint pointers form a chain longer than {_MAX_HOPS}.")
+
+    def _rolled_forward(self) -> Location:
+        if self.local or not self.isdir() or self.is_committed():
+            return self
+        prefix = f".{self.name}{STAGING_INFIX}"
+        committed = []
+        for name, kind in self.sibling("").entries():
+            if kind == "directory" and name.startswith(prefix):
+                marker = _dcp_io.read_commit(self.sibling(name))
+                if marker is not None:
+                    committed.append((marker.get("committed_at", 0.0), name))
+        return self.sibling(max(committed)[1]) if committed else self
+
     # ------------------------------------------------------------------------------------------- DCP plumbing
     def storage_writer(self, *, thread_count: int, sync_files: bool) -> StorageWriter:
-        """A DCP storage writer for this directory (see :func:`lightning_dcp._dcp_io.storage_writer`)."""
-        return _dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files)
+        """A DCP storage writer for this directory that keeps the storage options through ``reset(path)``."""
+        return _keep_options(_dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files), self)
 
     def storage_reader(self) -> StorageReader:
-        """A DCP storage reader for this directory (see :func:`lightning_dcp._dcp_io.storage_reader`)."""
-        return _dcp_io.storage_reader(self)
+        """A DCP storage reader for this directory that keeps the storage options through ``reset(path)``."""
+        return _keep_options(_dcp_io.storage_reader(self), self)
 
     def read_metadata(self) -> Metadata:
         """Read this checkpoint's DCP metadata with :func:`lightning_dcp._dcp_io.load_metadata`.
@@ -109,7 +264,7 @@ class Location:
         try:
             with self.open(METADATA_FILE) as f:
                 return _dcp_io.load_metadata(f)
-        except NotACheckpointError:
+        except CheckpointError:
             raise
         except Exception as err:
             raise NotACheckpointError(f"Cannot read the DCP metadata of {self.url!r}: {err}") from err
@@ -123,51 +278,127 @@ class Location:
             elif os.path.isdir(self.path):
                 shutil.rmtree(self.path)
             return
-        if self.fs.exists(self.path):
+        with self._translated():
+            if not self.fs.exists(self.path):
+                return
             self.fs.rm(self.path, recursive=True)
+            self.fs.invalidate_cache(self.path)
+            # Some S3 servers (SeaweedFS) keep an emptied "directory" listed until its own key is deleted.
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if self.fs.exists(self.path):
+                    self.fs.rm_file(self.path.rstrip("/"))
+            self.fs.invalidate_cache(self.path)
 
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
         return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
 
     def remove_stale_staging(self, *, keep: str | None = None) -> list[str]:
-        """Delete staging directories of earlier, interrupted saves to this path. Returns the paths removed."""
-        parent = self.sibling("")
+        """Delete staging directories of earlier, interrupted saves to this path. Returns the URLs removed."""
         prefix = f".{self.name}{STAGING_INFIX}"
-        try:
-            entries = parent.fs.ls(parent.path.rstrip("/") or "/", detail=False)
-        except FileNotFoundError:
-            return []
         removed = []
-        for entry in entries:
-            name = entry.rstrip("/").rsplit("/", 1)[-1]
+        for name, _ in self.sibling("").entries():
             if name.startswith(prefix) and name != f"{prefix}{keep}":
-                Location(self._with_protocol(entry), storage_options=self.storage_options).remove()
-                removed.append(entry)
+                stale = self.sibling(name)
+                stale.remove()
+                removed.append(stale.url)
         return removed
 
     def commit_from(self, staging: Location) -> None:
         """Make the complete checkpoint in ``staging`` visible at this path, replacing what was here.
 
         Locally this is a rename (an atomic exchange when something already exists, so the old checkpoint stays
-        until the new one is in place). On object stores, where no rename exists, the objects are copied with
-        ``.metadata`` last and the staging prefix is deleted.
+        until the new one is in place). On object stores see the module docstring: the old checkpoint is
+        invalidated (``.commit`` first) and deleted, the staging objects are copied server-side with ``.commit``
+        last, then the staging prefix is deleted. Rank 0 only.
+
+        Raises:
+            NotACheckpointError: ``staging`` holds no committed checkpoint.
         """
         if self.local:
             _local_replace(staging.path, self.path)
             return
-        self.remove()
-        files = sorted(staging.fs.find(staging.path), key=lambda p: p.endswith("/" + METADATA_FILE))
-        for src in files:
-            rel = src[len(staging.path.rstrip("/")) + 1 :]
-            self.fs.copy(src, self.join(rel))
+        with self._translated():
+            files = staging.fs.find(staging.path, detail=True)
+            names = {p[len(staging.path.rstrip("/")) + 1 :]: p for p, info in files.items() if info["type"] == "file"}
+            if COMMIT_FILE not in names:
+                raise NotACheckpointError(f"{staging.url!r} has no {COMMIT_FILE!r}: nothing complete to commit.")
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.join(COMMIT_FILE))  # from here on, no reader takes the old checkpoint
+            self.remove()
+            order = sorted(names, key=lambda n: (n == COMMIT_FILE, n == METADATA_FILE, n))
+            for rel in order:
+                self.fs.copy(names[rel], self.join(rel))
+            self.fs.invalidate_cache(self.path)
         staging.remove()
 
-    def _with_protocol(self, fs_path: str) -> str:
-        if self.local:
-            return fs_path
-        protocol = self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-        return f"{protocol}://{fs_path}"
+    # ------------------------------------------------------------------------------------------------ errors
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        """Turn the storage library's refusals into errors that name the bucket and the fix."""
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except PermissionError as err:
+            raise StorageAccessError(self._access_message(err)) from err
+        except FileNotFoundError as err:
+            if self.bucket is not None and "bucket" in str(err).lower():
+                raise BucketNotFoundError(self._bucket_message()) from err
+            raise
+
+    def _check_bucket(self) -> None:
+        bucket = self.bucket
+        if bucket is None or (id(self.fs), bucket) in _KNOWN_BUCKETS:
+            return
+        if not self.fs.exists(bucket):
+            raise BucketNotFoundError(self._bucket_message())
+        _KNOWN_BUCKETS.add((id(self.fs), bucket))
+
+    def _protocol(self) -> str:
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+    def _access_message(self, err: Exception) -> str:
+        hint = (
+            " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
+            " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
+            if self._protocol() in ("s3", "s3a")
+            else " Check the credentials in `storage_options` or in the environment"
+        )
+        return (
+            f"The storage server refused access to {self.url!r} (bucket {self.bucket!r}): {err}.{hint}, and that"
+            " they may read, write and list this bucket."
+        )
+
+    def _bucket_message(self) -> str:
+        return (
+            f"The bucket {self.bucket!r} of {self.url!r} does not exist. Create it first (for example"
+            f" `fsspec.filesystem({self._protocol()!r}, **storage_options).mkdir({self.bucket!r})`), or fix the URL"
+            " (and the endpoint in `storage_options`)."
+        )
+
+
+_KNOWN_BUCKETS: set[tuple[int, str]] = set()
+
+
+class _OptionsFileSystem(DCPFsspecFileSystem):
+    """DCP's fsspec adapter, except that ``init_path`` (called by ``reset(checkpoint_id)``) keeps the options."""
+
+    def __init__(self, inner: DCPFsspecFileSystem, storage_options: dict[str, Any]) -> None:
+        super().__init__()
+        self.fs = inner.fs
+        self._storage_options = storage_options
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        return super().init_path(path, **{**self._storage_options, **kwargs})
+
+
+def _keep_options(io: Any, location: Location) -> Any:
+    # DCP's FsspecWriter/FsspecReader.reset(checkpoint_id) re-create their filesystem from the URL alone; give them
+    # one that re-applies our storage options, so credentials and endpoint survive any reset.
+    if isinstance(getattr(io, "fs", None), DCPFsspecFileSystem):
+        io.fs = _OptionsFileSystem(io.fs, location.storage_options)
+    return io
 
 
 _AT_FDCWD = -100

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import os
 import pickle
 import re
@@ -21,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from typing_extensions import override
 
 from lightning_dcp import _format
+from lightning_dcp._async import AsyncSaves
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp._integrity import check_checkpoint, newest_valid_sibling
 from lightning_dcp._storage import Location, new_token
@@ -29,6 +29,7 @@ from lightning_dcp.errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
     StateDictMismatchError,
+    checkpoint_failure,
 )
 
 __all__ = ["DCPCheckpointIO"]
@@ -54,6 +55,10 @@ class DCPCheckpointIO(CheckpointIO):
             list and delete. Per-call ``storage_options`` given to ``save_checkpoint`` are merged on top.
         thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
         sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
+        async_save: Write in the background (``dcp.async_save`` over a dedicated gloo group): ``save_checkpoint``
+            returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
+            flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
+            is raised there. Removals requested while it is in flight run after it commits.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -65,12 +70,15 @@ class DCPCheckpointIO(CheckpointIO):
         storage_options: dict[str, Any] | None = None,
         thread_count: int = 1,
         sync_files: bool = True,
+        async_save: bool = False,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
         self.storage_options = dict(storage_options or {})
         self.thread_count = thread_count
         self.sync_files = sync_files
+        self.async_save = async_save
+        self._async = AsyncSaves() if async_save else None
 
     # ----------------------------------------------------------------------------------------------- save
     @override
@@ -100,6 +108,7 @@ class DCPCheckpointIO(CheckpointIO):
         Raises:
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
+        self._await_pending(collective)
         location = Location(path, storage_options={**self.storage_options, **(storage_options or {})})
         rank, world_size = _rank_and_world(collective)
         # Rank 0 decides where this save writes; all ranks must agree.
@@ -111,28 +120,36 @@ class DCPCheckpointIO(CheckpointIO):
             "torch_version": str(torch.__version__),
             "lightning_version": str(lightning.__version__),
         }
-        try:
-            dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
-            with _single_process_ok():
-                dcp.save(
-                    dcp_state,
-                    storage_writer=target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files),
-                    no_dist=not _distributed(collective),
-                )
-        except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
-            if rank == 0 and not direct:
-                target.remove()
-            if isinstance(err, dcp.CheckpointException):
-                raise _first_failure(err, f"Saving the checkpoint to {location.url!r} failed") from err
-            raise CheckpointError(
-                f"Saving the checkpoint to {location.url!r} failed on rank {rank}: {_describe(err)}"
-            ) from err
 
-        def commit() -> None:
+        def commit() -> None:  # rank 0, once every rank finished writing
             if not direct:
                 location.commit_from(target)
-            location.remove_stale_staging()
+            location.remove_stale_staging(keep=None if direct else token)
 
+        def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
+            if not direct:
+                target.remove()
+
+        writer = target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files)
+        try:
+            dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
+            if self._async is not None:
+                self._async.start(
+                    dcp_state,
+                    writer=writer,
+                    location=location,
+                    rank=rank,
+                    distributed=_distributed(collective),
+                    commit=commit,
+                    abandon=abandon,
+                )
+                return
+            with _single_process_ok():
+                dcp.save(dcp_state, storage_writer=writer, no_dist=not _distributed(collective))
+        except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
+            if rank == 0:
+                abandon()
+            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed on rank {rank}") from err
         _on_rank0(collective, commit)
 
     # ----------------------------------------------------------------------------------------------- load
@@ -174,6 +191,7 @@ class DCPCheckpointIO(CheckpointIO):
             StateDictMismatchError: Keys, shapes or dtypes differ from the target; nothing was loaded.
             CheckpointError: Non-tensor state that ``weights_only`` refuses.
         """
+        self._await_pending(collective)
         location = Location(path, storage_options=self.storage_options)
         weights_only = True if weights_only is None else weights_only
         url, metadata = _on_rank0(collective, lambda: _probe(location))
@@ -194,7 +212,7 @@ class DCPCheckpointIO(CheckpointIO):
                     no_dist=not _distributed(collective),
                 )
         except dcp.CheckpointException as err:  # DCP gathers every rank's failure; raise the first one plainly
-            raise _first_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
+            raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
         extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
         return _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
 
@@ -206,6 +224,13 @@ class DCPCheckpointIO(CheckpointIO):
         Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
         """
         location = Location(path, storage_options=self.storage_options)
+        in_flight = self._async.in_flight if self._async is not None else None
+        if in_flight is not None and in_flight.url == location.url:
+            self._await_pending(collective)  # removing the checkpoint being written: let it finish first
+        elif in_flight is not None:
+            if _rank_and_world(collective)[0] == 0 and not self._async.defer_removal(location):
+                location.remove()
+            return
 
         def remove() -> None:
             location.remove()
@@ -215,7 +240,38 @@ class DCPCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Nothing to release: saves are synchronous."""
+        """Wait for the background save in flight (if any) and release the staging buffers.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+        """
+        if self._async is not None:
+            self._async.close()
+
+    def wait(self, *, collective: bool = False) -> None:
+        """Block until the background save in flight (if any) is committed.
+
+        Collective: call on all ranks when ``collective=True``; then every rank raises if any rank's part failed.
+
+        Raises:
+            CheckpointError: The background save failed (naming the rank and the path); it was not committed.
+        """
+        self._await_pending(collective)
+
+    def _await_pending(self, collective: bool) -> None:
+        if self._async is None or self._async.in_flight is None:
+            return
+        error: CheckpointError | None = None
+        try:
+            self._async.wait()
+        except CheckpointError as err:
+            error = err
+        if _distributed(collective):
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = error or next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
 
 
 # --------------------------------------------------------------------------------------------------- helpers
@@ -258,27 +314,6 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
 
 _LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
 """Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
-
-
-def _first_failure(err: dcp.CheckpointException, context: str) -> Exception:
-    """Turn DCP's ``CheckpointException`` (a ``BaseException`` holding each rank's failure) into an ``Exception``."""
-    for rank, wrapped in sorted(err.failures.items()):
-        failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
-        if isinstance(failure, CheckpointError):
-            return failure
-        if isinstance(failure, Exception):
-            return CheckpointError(f"{context} on rank {rank}: {_describe(failure)}")
-    return CheckpointError(f"{context}: {err}")
-
-
-def _describe(err: BaseException) -> str:
-    """``Type: message`` plus the fix, for the failures a user can act on."""
-    text = f"{type(err).__name__}: {err}"
-    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
-        text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
-    elif isinstance(err, PermissionError):
-        text += ". Check that every rank may write to the checkpoint directory."
-    return text
 
 
 def _probe(location: Location) -> tuple[str, Metadata | None]:

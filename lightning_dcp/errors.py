@@ -6,6 +6,7 @@ written against Lightning's own checkpoint errors keeps working.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Iterable
 
 __all__ = [
@@ -19,6 +20,16 @@ __all__ = [
 
 class CheckpointError(Exception):
     """Base class of every error lightning_dcp raises about a checkpoint."""
+
+    def __reduce__(self):  # errors travel between ranks (broadcast): keep the message and the attributes
+        return (_restore, (type(self), self.args, dict(self.__dict__)))
+
+
+def _restore(cls: type, args: tuple, state: dict) -> CheckpointError:
+    err = cls.__new__(cls)
+    Exception.__init__(err, *args)
+    err.__dict__.update(state)
+    return err
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
@@ -81,3 +92,32 @@ class StateDictMismatchError(CheckpointError, ValueError):
             " keys both have (shapes must still match)."
         )
         super().__init__(" ".join(lines))
+
+
+def checkpoint_failure(err: BaseException, context: str) -> Exception:
+    """Turn a failed save or load into one ``Exception`` whose message says where it failed and how to fix it.
+
+    DCP's ``CheckpointException`` (a ``BaseException``) holds each rank's failure; its first failure is used.
+    """
+    failures = getattr(err, "failures", None)
+    if not isinstance(failures, dict):
+        if isinstance(err, CheckpointError):
+            return err
+        return CheckpointError(f"{context}: {describe_failure(err)}")
+    for rank, wrapped in sorted(failures.items()):
+        failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
+        if isinstance(failure, CheckpointError):
+            return failure
+        if isinstance(failure, Exception):
+            return CheckpointError(f"{context} on rank {rank}: {describe_failure(failure)}")
+    return CheckpointError(f"{context}: {err}")
+
+
+def describe_failure(err: BaseException) -> str:
+    """``Type: message`` plus the fix, for the failures a user can act on."""
+    text = f"{type(err).__name__}: {err}"
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
+    elif isinstance(err, PermissionError):
+        text += ". Check that every rank may write to the checkpoint directory."
+    return text

@@ -112,6 +112,22 @@ class DCPStrategyMixin:
         """Lightning calls ``load_optimizer_state_dict`` for sharded loads."""
         return True if self._dcp_sharded else super().lightning_restore_optimizer
 
+    @override
+    def teardown(self) -> None:
+        """Finish the background save in flight (if any) before the strategy lets the process group go.
+
+        Not every Lightning strategy tears its CheckpointIO down (``ModelParallelStrategy`` does not); this one
+        always does, first. The plugin's ``teardown`` is idempotent, so a second call from the parent is harmless.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+        """
+        try:
+            if self._checkpoint_io is not None:
+                self._checkpoint_io.teardown()
+        finally:
+            super().teardown()
+
     def _dcp_module(self) -> torch.nn.Module:
         """The module whose FQNs name the checkpoint entries (the LightningModule; FSDP1 overrides)."""
         assert self.lightning_module is not None

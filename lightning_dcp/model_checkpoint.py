@@ -1,0 +1,238 @@
+"""``DCPModelCheckpoint``: Lightning's ``ModelCheckpoint`` on any fsspec storage, with DCP checkpoint directories.
+
+What it changes, each checked against Lightning 2.6.6:
+
+- ``save_last="link"`` works everywhere: Lightning's ``_link_checkpoint`` calls ``os.symlink`` and ``setup`` refuses
+  remote ``dirpath``. Here ``last.ckpt`` is a symlink on local disks and, where symlinks fail or on any other
+  storage, a small pointer object naming the checkpoint it designates (see :meth:`Location.resolve`).
+- ``ckpt_path="last"``: Lightning's ``_find_last_checkpoints`` drops the URL protocol (``os.path.normpath`` on
+  ``s3://b/k`` gives ``s3:/b/k``) and the Trainer then calls ``fs.modified()`` on each candidate, which fails for
+  S3 "directories". Here candidates are full URLs of objects that can be stat-ed (the pointer, or a checkpoint's
+  ``.commit`` marker), and only committed checkpoints count: a save interrupted by a crash is never "last".
+- Every storage call uses the ``storage_options`` of the Trainer's ``DCPCheckpointIO`` (or the ones given here).
+- Checkpoints half written by a crash (no ``.commit`` marker) and stale staging prefixes in ``dirpath`` are removed
+  when fitting starts; an overwrite interrupted mid-commit is completed first.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
+
+from lightning_dcp import _compat, _dcp_io
+from lightning_dcp._storage import STAGING_INFIX, Location
+from lightning_dcp.checkpoint_io import DCPCheckpointIO
+
+__all__ = ["DCPModelCheckpoint"]
+
+_PRIVATE = (
+    _compat.MODEL_CHECKPOINT_FIND_LAST,
+    _compat.MODEL_CHECKPOINT_LINK,
+    _compat.MODEL_CHECKPOINT_RESOLVE_DIR,
+)
+_compat.check_private_api(ModelCheckpoint, _PRIVATE)
+
+
+class DCPModelCheckpoint(ModelCheckpoint):
+    """``ModelCheckpoint`` for lightning_dcp checkpoints on local disks, ``s3://``, ``gs://`` or any fsspec URL.
+
+    Takes every argument of Lightning's ``ModelCheckpoint`` (``filename``, ``monitor``, ``save_top_k``,
+    ``save_last``, ...), keyword-only after ``dirpath``.
+
+    Args:
+        dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
+        storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
+            Trainer's ``DCPCheckpointIO``, so credentials are configured once.
+        **kwargs: Passed to ``ModelCheckpoint``.
+
+    Note:
+        ``Trainer.fit(ckpt_path="last")`` stats the chosen candidate with a plain ``fsspec`` filesystem (Lightning's
+        checkpoint connector passes no options). On S3 that works with credentials and endpoint in the environment
+        (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...); with ``storage_options`` only,
+        resume from ``ckpt_path=callback.last_checkpoint(trainer)`` instead.
+    """
+
+    def __init__(
+        self, dirpath: str | os.PathLike | None = None, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
+    ) -> None:
+        if dirpath is not None:
+            dirpath = os.fspath(dirpath)
+            if dirpath.startswith("file://"):
+                dirpath = dirpath[len("file://") :]  # Lightning would realpath() the URL into a relative name
+        super().__init__(dirpath=dirpath, **kwargs)
+        self._storage_options = None if storage_options is None else dict(storage_options)
+
+    # ----------------------------------------------------------------------------------------------- storage
+    def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
+        if self._storage_options is not None:
+            return self._storage_options
+        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        return dict(io.storage_options) if isinstance(io, DCPCheckpointIO) else {}
+
+    def _directory(self, trainer: pl.Trainer) -> Location:
+        dirpath = getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
+        return Location(os.fspath(dirpath), storage_options=self._options(trainer))
+
+    def _is_last_name(self, name: str) -> bool:
+        stem, ext = os.path.splitext(name)
+        return ext == self.FILE_EXTENSION and re.match(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?$", stem)
+
+    # ------------------------------------------------------------------------------------------------ public
+    def last_checkpoint(self, trainer: pl.Trainer) -> str | None:
+        """URL of the checkpoint ``ckpt_path="last"`` resumes from, or ``None``.
+
+        The newest committed target of a ``last*.ckpt`` entry (pointer, symlink or checkpoint); when every such
+        entry is dangling or uncommitted, the newest committed checkpoint in ``dirpath``. Rank 0 only.
+        """
+        found = self._last_candidates(self._directory(trainer))
+        return max(found, key=_time)[1].url if found else None
+
+    def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
+        """URL of the most recently committed checkpoint in ``dirpath`` (by its commit time), or ``None``.
+
+        Rank 0 only.
+        """
+        found = self._committed(self._directory(trainer))
+        return max(found, key=_time)[1].url if found else None
+
+    def remove_incomplete(self, trainer: pl.Trainer) -> list[str]:
+        """Delete checkpoints in ``dirpath`` whose save did not finish, and stale staging prefixes.
+
+        An overwrite interrupted mid-commit (target uncommitted, its staging prefix committed) is completed instead.
+        Call when no save to ``dirpath`` is in flight. Rank 0 only.
+
+        Returns:
+            The URLs removed.
+        """
+        directory = self._directory(trainer)
+        entries = dict(directory.entries())
+        removed = []
+        for name, kind in sorted(entries.items()):
+            if kind != "directory" or not name.endswith(self.FILE_EXTENSION) or name.startswith("."):
+                continue
+            location = directory.child(name)
+            if location.is_committed():
+                continue
+            rolled = location.resolve()
+            if rolled.url != location.url:
+                location.commit_from(rolled)
+            else:
+                location.remove()
+                removed.append(location.url)
+        for name, kind in sorted(directory.entries()):
+            if kind == "directory" and name.startswith(".") and STAGING_INFIX in name:
+                directory.child(name).remove()
+                removed.append(directory.child(name).url)
+        return removed
+
+    # --------------------------------------------------------------------------------------------- overrides
+    @override
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Resolve ``dirpath`` (broadcast from rank 0) and, when fitting, clean up after crashed saves.
+
+        Collective: call on all ranks (Lightning does).
+        """
+        self.dirpath = trainer.strategy.broadcast(getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
+        directory = self._directory(trainer)
+        self._fs = directory.fs
+        if trainer.is_global_zero and stage == "fit":
+            removed = self.remove_incomplete(trainer)
+            if removed:
+                rank_zero_info(f"Removed {len(removed)} incomplete checkpoint(s) from {self.dirpath}: {removed}")
+            if self.save_top_k != 0 and self._committed(directory):
+                rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+        trainer.strategy.barrier("DCPModelCheckpoint.setup")
+
+    @override
+    def file_exists(self, filepath: str | os.PathLike, trainer: pl.Trainer) -> bool:
+        """Whether a checkpoint (committed directory, pointer or file) exists at ``filepath``, decided on rank 0.
+
+        A directory left by a crashed save does not count, so the next save reuses its name and replaces it.
+        Collective: call on all ranks.
+        """
+        exists = False
+        if trainer.is_global_zero:
+            location = Location(os.fspath(filepath), storage_options=self._options(trainer))
+            exists = location.exists() and (not location.isdir() or location.is_committed())
+        return trainer.strategy.reduce_boolean_decision(exists, all=False)
+
+    def _link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
+        """``save_last="link"``: make ``linkpath`` designate ``filepath``. Collective: call on all ranks."""
+        if trainer.is_global_zero and filepath != linkpath:
+            options = self._options(trainer)
+            link, target = Location(linkpath, storage_options=options), Location(filepath, storage_options=options)
+            if not (link.local and _symlink(target.path, link.path)):
+                link.write_pointer(target)
+        trainer.strategy.barrier("DCPModelCheckpoint.link")
+
+    def _find_last(self, trainer: pl.Trainer) -> set[str]:
+        """The "last" candidate for ``ckpt_path="last"``: one full URL that a plain fsspec filesystem can stat."""
+        directory = self._directory(trainer)
+        found = self._last_candidates(directory)
+        if not found:
+            return set()
+        reference = max(found, key=_time)[1]
+        if reference.isdir() and not reference.local:
+            return {reference.url.rstrip("/") + "/" + _dcp_io.COMMIT_FILE}  # S3 "directories" have no mtime
+        return {reference.url}
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    def _committed(self, directory: Location) -> list[tuple[float, Location]]:
+        out = []
+        for name, kind in directory.entries():
+            if kind == "directory" and not name.startswith("."):
+                marker = _read_commit(directory.child(name))
+                if marker is not None:
+                    out.append((marker.get("committed_at", 0.0), directory.child(name)))
+        return out
+
+    def _last_candidates(self, directory: Location) -> list[tuple[float, Location, Location]]:
+        """``(committed_at, reference, target)`` of each valid ``last*`` entry (or the newest-checkpoint fallback)."""
+        found, dangling = [], False
+        for name, _ in directory.entries():
+            if not self._is_last_name(name):
+                continue
+            reference = directory.child(name)
+            target = reference.resolve()
+            marker = _read_commit(target)
+            if marker is not None:
+                found.append((marker.get("committed_at", 0.0), reference, target))
+            elif target.exists() and not target.isdir():
+                found.append((0.0, reference, target))  # a single-file checkpoint
+            else:
+                dangling = True
+        if not found and dangling:
+            found = [(t, loc, loc) for t, loc in self._committed(directory)]
+        return found
+
+
+def _time(entry: tuple) -> float:
+    return entry[0]
+
+
+def _read_commit(location: Location) -> dict[str, Any] | None:
+    try:
+        return _dcp_io.read_commit(location)
+    except (NotADirectoryError, IsADirectoryError, ValueError):
+        return None
+
+
+def _symlink(target: str, link: str) -> bool:
+    """Replace ``link`` with a relative symlink to ``target``; False where symlinks are not possible."""
+    Location(link).remove()
+    try:
+        os.symlink(os.path.relpath(target, os.path.dirname(os.path.abspath(link))), link)
+    except OSError:
+        return False
+    return True
+
+
+# Lightning's private names are bound here, through _compat, so that a rename in Lightning fails at import above.
+setattr(DCPModelCheckpoint, _compat.MODEL_CHECKPOINT_LINK, DCPModelCheckpoint._link)
+setattr(DCPModelCheckpoint, _compat.MODEL_CHECKPOINT_FIND_LAST, DCPModelCheckpoint._find_last)

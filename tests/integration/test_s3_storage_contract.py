@@ -1,0 +1,127 @@
+"""One storage contract, run on a local disk, fsspec ``memory://`` and a real S3 server (SeaweedFS).
+
+Every test takes the ``root`` fixture, ``(url, storage_options)`` of an empty directory on one backend, and uses only
+the public surface (``Location``, ``DCPCheckpointIO``), so each backend must behave the same.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from lightning_dcp import DCPCheckpointIO, NotACheckpointError
+from lightning_dcp._dcp_io import COMMIT_FILE
+from lightning_dcp._storage import Location
+
+
+@pytest.fixture(params=["local", "memory", "s3"])
+def root(request, tmp_path):
+    if request.param == "local":
+        return str(tmp_path / "store"), {}
+    if request.param == "memory":
+        return f"memory://contract-{uuid.uuid4().hex[:8]}", {}
+    url, options = request.getfixturevalue("s3_bucket")
+    return url + "/run", options
+
+
+def _checkpoint(value: float) -> dict:
+    return {"state_dict": {"w": torch.full((4, 3), value), "b": torch.arange(5.0)}, "epoch": int(value)}
+
+
+def _io(options) -> DCPCheckpointIO:
+    return DCPCheckpointIO(storage_options=options)
+
+
+def test_write_read_list_remove(root):
+    url, options = root
+    directory = Location(url, storage_options=options)
+    with directory.child("a/x.bin").open(mode="wb") as f:
+        f.write(b"payload")
+    assert directory.child("a/x.bin").exists() and not directory.child("a/x.bin").isdir()
+    with directory.open("a/x.bin") as f:
+        assert f.read() == b"payload"
+    assert directory.entries() == [("a", "directory")]
+    assert directory.child("a").entries() == [("x.bin", "file")]
+    directory.child("a").remove()
+    assert not directory.child("a").exists()
+    assert directory.child("a").entries() == []
+
+
+def test_save_is_visible_only_once_committed(root):
+    url, options = root
+    io = _io(options)
+    target = Location(url + "/m.ckpt", storage_options=options)
+    io.save_checkpoint(_checkpoint(1.0), target.url)
+    assert target.is_committed()
+    loaded = io.load_checkpoint(target.url)
+    assert torch.equal(loaded["state_dict"]["w"], torch.full((4, 3), 1.0)) and loaded["epoch"] == 1
+    # The same files without the commit marker are an interrupted save: never loaded.
+    with target.open(COMMIT_FILE) as f:
+        marker = f.read()
+    target.fs.rm_file(target.join(COMMIT_FILE))
+    with pytest.raises(NotACheckpointError, match="did not finish"):
+        io.load_checkpoint(target.url)
+    with target.open(COMMIT_FILE, "wb") as f:
+        f.write(marker)
+    assert io.load_checkpoint(target.url)["epoch"] == 1
+
+
+def test_overwrite_replaces_and_leaves_no_staging(root):
+    url, options = root
+    io = _io(options)
+    path = url + "/m.ckpt"
+    io.save_checkpoint(_checkpoint(1.0), path)
+    io.save_checkpoint(_checkpoint(2.0), path)
+    assert torch.equal(io.load_checkpoint(path)["state_dict"]["w"], torch.full((4, 3), 2.0))
+    assert [name for name, _ in Location(url, storage_options=options).entries()] == ["m.ckpt"]
+
+
+def test_stale_staging_is_removed_by_the_next_save(root):
+    url, options = root
+    target = Location(url + "/m.ckpt", storage_options=options)
+    stale = target.staging("deadbeef0000")
+    with stale.child("__0_0.distcp").open(mode="wb") as f:
+        f.write(b"half written")
+    _io(options).save_checkpoint(_checkpoint(3.0), target.url)
+    assert not stale.exists()
+    assert [name for name, _ in target.parent().entries()] == ["m.ckpt"]
+
+
+def test_pointers_resolve_to_their_target(root):
+    url, options = root
+    io = _io(options)
+    directory = Location(url, storage_options=options)
+    io.save_checkpoint(_checkpoint(4.0), url + "/epoch=0.ckpt")
+    last, chained = directory.child("last.ckpt"), directory.child("latest.ckpt")
+    last.write_pointer(directory.child("epoch=0.ckpt"))
+    chained.write_pointer(last)
+    assert last.read_pointer() == "epoch=0.ckpt"
+    assert last.resolve().url == chained.resolve().url == directory.child("epoch=0.ckpt").url
+    assert io.load_checkpoint(chained.url)["epoch"] == 4
+    # A checkpoint named by its commit marker (an object that has a modification time) resolves to the directory.
+    assert directory.child(f"epoch=0.ckpt/{COMMIT_FILE}").resolve().url.rstrip("/") == url + "/epoch=0.ckpt"
+    # Not pointers: a checkpoint directory, a regular file.
+    assert directory.child("epoch=0.ckpt").read_pointer() is None
+    # Re-pointing replaces the pointer; a cycle is an error, not a hang.
+    last.write_pointer(chained)
+    with pytest.raises(NotACheckpointError, match="chain"):
+        last.resolve()
+
+
+def test_interrupted_overwrite_rolls_forward(root):
+    url, options = root
+    if Location(url).local:
+        pytest.skip("local commits are one atomic rename: there is no window to roll forward from")
+    io = _io(options)
+    target = Location(url + "/m.ckpt", storage_options=options)
+    io.save_checkpoint(_checkpoint(1.0), target.url)
+    staging = target.staging("0123456789ab")
+    io.save_checkpoint(_checkpoint(2.0), staging.url)  # a complete new version, not yet copied into place
+    target.fs.rm_file(target.join(COMMIT_FILE))  # the crash happened after the old version was invalidated
+    assert target.resolve().url == staging.url
+    assert io.load_checkpoint(target.url)["epoch"] == 2
+    target.commit_from(staging)
+    assert target.resolve().url == target.url and io.load_checkpoint(target.url)["epoch"] == 2
+    assert not staging.exists()

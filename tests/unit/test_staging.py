@@ -1,0 +1,36 @@
+"""The async staging copy: independent of the live tensors, buffers reused across saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_dcp._staging import Stager
+
+
+def test_staged_copy_does_not_see_later_changes_and_reuses_buffers():
+    live = {"model": {"w": torch.randn(64, 32), "b": torch.zeros(32)}, "groups": [{"lr": 0.1, "betas": (0.9, 0.99)}]}
+    stager = Stager(pin_memory=False)
+    staged = stager.stage(live)
+    expected = live["model"]["w"].clone()
+    live["model"]["w"].add_(1.0)
+    live["groups"][0]["lr"] = 0.5
+    assert torch.equal(staged["model"]["w"], expected)
+    assert staged["groups"][0] == {"lr": 0.1, "betas": (0.9, 0.99)}
+    pointer = staged["model"]["w"].data_ptr()
+    again = stager.stage(live)
+    assert again["model"]["w"].data_ptr() == pointer  # same buffer, refreshed in place
+    assert torch.equal(again["model"]["w"], live["model"]["w"])
+    assert stager.nbytes == (64 * 32 + 32) * 4
+    stager.close()
+    assert stager.nbytes == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_tensors_stage_into_pinned_buffers():
+    live = {"w": torch.randn(1024, 1024, device="cuda")}
+    stager = Stager()
+    staged = stager.stage(live)
+    assert staged["w"].is_pinned() and staged["w"].device.type == "cpu"
+    assert torch.equal(staged["w"], live["w"].cpu())

@@ -4,15 +4,18 @@ Importing the package registers the ``dcp_*`` strategy names in Lightning's stra
 """
 
 from lightning_dcp._consolidate import consolidate
-from lightning_dcp._storage import BucketNotFoundError, StorageAccessError
+from lightning_dcp._stream_inspect import inspect_checkpoint
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import (
+    BucketNotFoundError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     NotACheckpointError,
     StateDictMismatchError,
+    StorageAccessError,
 )
+from lightning_dcp.export import ExportCallback
 from lightning_dcp.model_checkpoint import DCPModelCheckpoint
 from lightning_dcp.strategies import (
     DCPDDPStrategy,
@@ -38,10 +41,12 @@ __all__ = [
     "DCPModelParallelStrategy",
     "DCPSingleDeviceStrategy",
     "DCPStrategyMixin",
+    "ExportCallback",
     "NotACheckpointError",
     "StateDictMismatchError",
     "StorageAccessError",
     "consolidate",
+    "inspect_checkpoint",
     "verify_checkpoint",
 ]
 

@@ -1,6 +1,7 @@
 """Every private torch / Lightning API that lightning_dcp touches, and every version gate, in one place.
 
-When torch or Lightning move one of these, this is the only module to change.
+When torch or Lightning move one of these, this is the only module to change. Each block says what it is for and
+which versions it was checked against (torch 2.13, Lightning 2.6.6).
 """
 
 from __future__ import annotations
@@ -10,21 +11,38 @@ from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.imports import compare_version
 
-# DCP's own nested-dict helpers: the exact flattening DCP applies when it saves, so that the keys we validate
-# and the keys DCP writes cannot drift apart.
+# How ``torch.save`` pickles a tensor (``_rebuild_tensor_v2`` over a typed storage named by its legacy storage
+# class): the streaming ``.ckpt`` writer emits exactly these references so ``torch.load(weights_only=True)`` reads them.
+from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
+
+# DCP's per-entry storage record and tensor-narrowing helper: our storage writer/reader produce and consume exactly
+# what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+# DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
+# without the storage options; lightning_dcp._dcp_io subclasses it to keep them.
+from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem
+
+# DCP's own nested-dict helpers: the exact flattening DCP applies when it saves, so that the keys we validate and
+# the keys DCP writes cannot drift apart.
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 __all__ = [
     "DCPFsspecFileSystem",
+    "MODEL_CHECKPOINT_FIND_LAST",
+    "MODEL_CHECKPOINT_LINK",
+    "MODEL_CHECKPOINT_RESOLVE_DIR",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
+    "TrainerFn",
+    "check_private_api",
+    "flatten_state_dict",
     "narrow_tensor_by_index",
     "rebuild_tensor",
-    "storage_type_name",
-    "TrainerFn",
-    "flatten_state_dict",
     "set_element",
+    "storage_type_name",
     "unflatten_state_dict",
     "unwrap_checkpoint_io",
 ]
@@ -40,29 +58,10 @@ def unwrap_checkpoint_io(checkpoint_io: object) -> object:
     return checkpoint_io
 
 
-def cuda_available() -> bool:
-    """Whether a CUDA device can be used (kept here so tests and code agree on one check)."""
-    return torch.cuda.is_available()
-
-
-# DCP's per-entry storage record and its tensor-narrowing helper: our storage writer/reader produce and consume
-# exactly what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
-# How ``torch.save`` pickles a tensor (``_rebuild_tensor_v2`` over a typed storage named by its legacy storage class):
-# the streaming ``.ckpt`` writer emits exactly these references so that ``torch.load(weights_only=True)`` reads them.
-from torch._utils import _rebuild_tensor_v2 as rebuild_tensor  # noqa: E402
-from torch.distributed._shard._utils import narrow_tensor_by_index  # noqa: E402
-from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo  # noqa: E402
-
-
 def storage_type_name(dtype: torch.dtype) -> str:
     """The legacy storage class name ``torch.save`` records for ``dtype`` (``torch.float32`` -> ``"FloatStorage"``)."""
     return torch.storage._dtype_to_storage_type_map()[dtype]
 
-
-# ------------------------------------------------------------------------------------------------- storage
-# DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
-# without the storage options; lightning_dcp._storage subclasses it to keep them. Checked against torch 2.13.
-from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem  # noqa: E402
 
 # ModelCheckpoint's private methods that lightning_dcp.DCPModelCheckpoint overrides or calls, by name. Checked
 # against Lightning 2.6.6 (``lightning.pytorch.callbacks.model_checkpoint``); ``check_private_api`` fails at import

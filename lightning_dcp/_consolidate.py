@@ -1,10 +1,16 @@
-"""Consolidation: turn a sharded lightning_dcp checkpoint into one Lightning ``.ckpt`` file."""
+"""Consolidation: stream a sharded checkpoint into one Lightning ``.ckpt`` or safetensors, in bounded memory.
+
+The input is read entry by entry (:mod:`lightning_dcp._stream_source`) and written as it arrives
+(:mod:`lightning_dcp._stream_write`), so peak memory is about one read batch plus the largest tensor, whatever the
+checkpoint size. The command line lives in :mod:`lightning_dcp.consolidate`.
+"""
 
 from __future__ import annotations
 
-import argparse
-import io
+import fnmatch
+import json
 import os
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -12,14 +18,25 @@ from typing import Any
 import torch
 
 from lightning_dcp import _format
-from lightning_dcp._storage import Location, new_token
-from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp._compat import set_element
+from lightning_dcp._storage import Location
+from lightning_dcp._stream_output import atomic_directory, atomic_file, refuse_existing
+from lightning_dcp._stream_source import Source, TensorEntry
+from lightning_dcp._stream_write import CkptWriter, SafetensorsWriter
 from lightning_dcp.errors import CheckpointError
 
-__all__ = ["consolidate", "main"]
+__all__ = ["DTYPES", "FORMATS", "consolidate", "parse_size"]
 
 SUFFIX = ".consolidated"
-"""Default output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
+"""Default ``.ckpt`` output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
+FORMATS = ("ckpt", "safetensors")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+"""Accepted ``dtype`` names (``torch.dtype`` objects of these three are accepted too)."""
+DEFAULT_BATCH_BYTES = 64 << 20
+"""Bytes read per ``dcp.load`` call; a larger tensor is read alone."""
+_TRAINING_KEYS = (_format.OPTIMIZER_KEY, "lr_schedulers", "callbacks")
+"""What Lightning leaves out of a ``weights_only`` checkpoint."""
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", re.IGNORECASE)
 
 
 def consolidate(
@@ -28,93 +45,267 @@ def consolidate(
     dst: str | os.PathLike | None = None,
     storage_options: dict[str, Any] | None = None,
     overwrite: bool = False,
+    format: str | None = None,
+    weights_only: bool | None = None,
+    dtype: str | torch.dtype | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    max_shard_size: int | str | None = None,
+    progress: bool | None = None,
+    batch_bytes: int = DEFAULT_BATCH_BYTES,
 ) -> str:
-    """Write the checkpoint at ``src`` as one file in Lightning's checkpoint layout.
+    """Stream the checkpoint directory ``src`` into one Lightning ``.ckpt`` file or safetensors file(s).
 
-    The output holds ``state_dict`` (full tensors), ``optimizer_states`` (``optimizer.state_dict()`` layout,
-    integer parameter ids), ``lr_schedulers``, ``loops``, ``callbacks``, hyperparameters and the rest, so
-    ``torch.load(dst, weights_only=True)``, ``LightningModule.load_from_checkpoint(dst)`` and
-    ``trainer.fit(model, ckpt_path=dst)`` accept it. The file is written under a temporary name and renamed into
-    place, so a reader never sees a partial file.
+    ``src`` is a lightning_dcp checkpoint, a Lightning sharded checkpoint (``FSDPStrategy(state_dict_type=
+    "sharded")`` / ``ModelParallelStrategy``: a DCP directory with ``meta.pt``), or any DCP directory. Tensors are
+    read a bounded batch at a time and written as they arrive: peak memory is about ``batch_bytes`` plus twice the
+    largest tensor, not the checkpoint size.
+
+    ``.ckpt`` output holds ``state_dict`` (full tensors), ``optimizer_states`` (``optimizer.state_dict()`` layout,
+    integer parameter ids) and the rest of the Trainer state, so ``torch.load(dst, weights_only=True)`` (also with
+    ``mmap=True``), ``LightningModule.load_from_checkpoint(dst)`` and ``trainer.fit(model, ckpt_path=dst)`` accept it.
+    A plain DCP directory becomes its nested state dict, as ``dcp_to_torch`` writes it. safetensors output holds
+    tensors only: model weights under their FQNs (plus optimizer tensors under their flat DCP keys when not
+    ``weights_only``), with ``format``, ``epoch`` and ``global_step`` in its metadata.
 
     Args:
-        src: A lightning_dcp checkpoint directory (local path or fsspec URL).
-        dst: Output file; default ``<src>.consolidated``.
+        src: Checkpoint directory, local path or fsspec URL.
+        dst: Output path. Default: ``<src>.consolidated`` (ckpt), ``<src>.safetensors`` (safetensors), or the
+            directory ``<src>-safetensors`` (sharded safetensors).
         storage_options: fsspec options for reading ``src`` and writing ``dst``.
         overwrite: Replace an existing ``dst`` (refused by default).
+        format: ``"ckpt"`` or ``"safetensors"``. Default: ``"safetensors"`` when ``dst`` ends in ``.safetensors``
+            or ``max_shard_size`` is given, else ``"ckpt"``.
+        weights_only: Only model weights (and, for ``.ckpt``, the non-training state such as epoch, step and
+            hyperparameters). Default: False for ``.ckpt``, True for safetensors.
+        dtype: Cast floating-point tensors to ``"bf16"``, ``"fp16"`` or ``"fp32"``; other tensors keep their dtype.
+        include: Glob patterns (``fnmatch``) on weight FQNs; only matching weights are written (default: all).
+        exclude: Glob patterns on weight FQNs to leave out (applied after ``include``).
+        max_shard_size: safetensors only: split into ``model-0000i-of-0000N.safetensors`` files of at most this
+            many bytes (an int, or ``"500MB"``, ``"2GiB"``) plus ``model.safetensors.index.json`` in ``dst``.
+        progress: Show a progress bar (tqdm, on stderr). Default: only when stderr is a terminal.
+        batch_bytes: Bytes of tensors read per ``dcp.load`` call.
 
     Returns:
         The output path (``str``).
 
-    Rank 0 only (or any single process): reads the whole checkpoint into CPU memory.
+    Rank 0 only (or any single process): reads without collectives.
 
     Raises:
         FileExistsError: ``dst`` exists and ``overwrite`` is False.
-        CheckpointNotFoundError, NotACheckpointError: ``src`` is missing or not a checkpoint.
+        ValueError: Invalid options (unknown format or dtype, patterns without ``weights_only``, shards for ckpt).
+        CheckpointNotFoundError: Nothing exists at ``src``.
+        NotACheckpointError: ``src`` is no DCP checkpoint, or a data file is truncated or corrupt (the file is
+            named); no output is left behind.
+        CheckpointError: The non-tensor state cannot be read with ``weights_only`` unpickling.
     """
     src = os.fspath(src)
-    dst = os.fspath(dst) if dst is not None else src.rstrip("/") + SUFFIX
+    shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
+    fmt = _resolve_format(format, None if dst is None else os.fspath(dst), sharded=shard_bytes is not None)
+    weights_only = fmt == "safetensors" if weights_only is None else weights_only
+    cast = _resolve_dtype(dtype)
+    if shard_bytes is not None and fmt != "safetensors":
+        raise ValueError("`max_shard_size` applies to safetensors output only; pass `format='safetensors'`.")
+    if (include or exclude) and not weights_only:
+        raise ValueError("`include`/`exclude` select model weights: pass `weights_only=True` (CLI: --weights-only).")
+    if dst is None:
+        dst = src.rstrip("/") + {"ckpt": SUFFIX, "safetensors": ".safetensors"}[fmt]
+        if shard_bytes is not None:
+            dst = src.rstrip("/") + "-safetensors"
+    dst = os.fspath(dst)
     out = Location(dst, storage_options=storage_options)
-    if out.exists() and not overwrite:
-        raise FileExistsError(f"{dst!r} already exists. Pass `overwrite=True` (CLI: --overwrite) to replace it.")
-    checkpoint = DCPCheckpointIO(storage_options=storage_options).load_checkpoint(src)
-    info = checkpoint.get(_format.INFO_KEY)
-    if info is None:
-        raise CheckpointError(f"{src!r} is a single-file checkpoint already; nothing to consolidate.")
-    info = {k: v for k, v in info.items() if k != "loaded_in_place"}
-    checkpoint[_format.INFO_KEY] = {**info, "consolidated_from": src, "optimizer_layout": _format.PARAM_ID}
-    if info.get("optimizer_layout") == _format.FQN and _format.OPTIMIZER_KEY in checkpoint:
-        checkpoint[_format.OPTIMIZER_KEY] = [_format.fqns_to_param_ids(s) for s in checkpoint[_format.OPTIMIZER_KEY]]
-    _write_file(checkpoint, out)
+    refuse_existing(out, overwrite=overwrite)
+    source = Source(Location(src, storage_options=storage_options).resolve())
+    entries = [
+        e
+        for e in source.entries
+        if (e.weight or not weights_only) and (not e.weight or _selected(e.name, include, exclude))
+    ]
+    if not any(e.weight for e in entries):
+        raise CheckpointError(f"No model weights of {src!r} are selected (include={include}, exclude={exclude}).")
+    bar = _progress_bar(sum(e.nbytes for e in entries), progress, desc=os.path.basename(dst.rstrip("/")))
+    try:
+        if fmt == "ckpt":
+            _write_ckpt(source, entries, out, weights_only=weights_only, cast=cast, batch_bytes=batch_bytes, bar=bar)
+        else:
+            metadata = _safetensors_metadata(source)
+            planned = [(e.name, _cast_dtype(e.dtype, cast), e.shape) for e in entries]
+            stream = source.iter_tensors(entries, batch_bytes=batch_bytes)
+            if shard_bytes is None:
+                with atomic_file(out) as f:
+                    _write_safetensors(f, planned, stream, metadata, cast, bar)
+            else:
+                _write_sharded(out, planned, stream, metadata, shard_bytes, cast, bar)
+    finally:
+        bar.close()
     return dst
 
 
-def _write_file(obj: Any, out: Location) -> None:
-    """``torch.save`` to ``out`` atomically: temporary sibling + rename locally; object stores commit on close."""
-    if not out.local:
-        buffer = io.BytesIO()
-        torch.save(obj, buffer)
-        with out.open(mode="wb") as f:
-            f.write(buffer.getbuffer())
-        return
-    os.makedirs(os.path.dirname(os.path.abspath(out.path)), exist_ok=True)
-    tmp = out.sibling(f".{out.name}.tmp-{new_token()}").path
-    try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, out.path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+def parse_size(value: int | str) -> int:
+    """Bytes from an int or a size string: ``"500MB"`` (10**6), ``"2GiB"`` (2**30), ``"4096"``.
+
+    Raises:
+        ValueError: Not a positive size.
+    """
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE.fullmatch(str(value))
+        if match is None:
+            raise ValueError(f"Cannot read {value!r} as a size; use e.g. 5GB, 500MiB or 1000000.")
+        unit = match.group(2).lower().rstrip("b")
+        base = 1024 if unit.endswith("i") else 1000
+        size = int(float(match.group(1)) * base ** " kmgt".index((unit.rstrip("i") or " ")[0]))
+    if size <= 0:
+        raise ValueError(f"A size must be positive, got {value!r}.")
+    return size
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_dcp.consolidate",
-        description="Turn a sharded lightning_dcp checkpoint directory into one Lightning .ckpt file.",
-        epilog=(
-            "examples:\n"
-            "  python -m lightning_dcp.consolidate checkpoints/last.ckpt\n"
-            "      writes checkpoints/last.ckpt.consolidated\n"
-            "  python -m lightning_dcp.consolidate checkpoints/step=40.ckpt --output model.ckpt --overwrite\n"
-        ),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("checkpoint", help="checkpoint directory (local path or fsspec URL)")
-    parser.add_argument("--output", "-o", default=None, help=f"output file (default: CHECKPOINT{SUFFIX})")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing output file")
-    return parser
+# ------------------------------------------------------------------------------------------------------- ckpt
+def _write_ckpt(
+    source: Source, entries: list[TensorEntry], out: Location, *, weights_only: bool, cast: Any, batch_bytes: int, bar
+) -> None:
+    with atomic_file(out) as f:
+        writer = CkptWriter(f)
+        try:
+            refs = {e.key: writer.reserve(_cast_dtype(e.dtype, cast), e.shape) for e in entries}
+            skeleton = _ckpt_skeleton(source, entries, refs, weights_only=weights_only)
+            for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
+                writer.write_tensor(refs[entry.key], _cast(tensor, cast))
+                bar.update(entry.nbytes)
+                del tensor
+            writer.finish(skeleton)
+        except BaseException:
+            writer.abandon()
+            raise
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point. Returns the process exit code (0 on success, 1 on a checkpoint error)."""
-    args = _parser().parse_args(argv)
-    try:
-        dst = consolidate(args.checkpoint, dst=args.output, overwrite=args.overwrite)
-    except (CheckpointError, FileExistsError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(dst)
-    return 0
+def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, weights_only: bool) -> dict[str, Any]:
+    """The object the ``.ckpt`` pickles: the Trainer's checkpoint dict with :class:`TensorRef` placeholders."""
+    nested: dict[str, Any] = {}
+    for entry in entries:
+        set_element(nested, entry.path, refs[entry.key])
+    small = [k for k in source.byte_keys if not (weights_only and source.optimizer_index(source._path(k)) is not None)]
+    for key, value in source.read_values(small).items():
+        set_element(nested, source._path(key), value)
+    if source.kind == "dcp":
+        return nested
+    extra = source.read_extra()
+    if source.kind == "lightning_dcp":
+        nested.setdefault(_format.MODEL_KEY, {})
+        checkpoint = _format.from_dcp_state_dict(nested, extra, in_place=False)
+        info = {k: v for k, v in checkpoint[_format.INFO_KEY].items() if k != "loaded_in_place"}
+        layout = info.get("optimizer_layout")
+        if layout == _format.FQN and _format.OPTIMIZER_KEY in checkpoint:
+            checkpoint[_format.OPTIMIZER_KEY] = [
+                _format.fqns_to_param_ids(s) for s in checkpoint[_format.OPTIMIZER_KEY]
+            ]
+    else:  # Lightning's sharded layout: ``optimizer_{i}`` entries in get_optimizer_state_dict's (FQN) layout
+        checkpoint = {**extra, _format.MODEL_KEY: nested.get(source.model_key, {})}
+        optimizers = sorted((i, k) for k in nested if (i := source.optimizer_index((k,))) is not None)
+        if optimizers:
+            checkpoint[_format.OPTIMIZER_KEY] = [_format.fqns_to_param_ids(nested[k]) for _, k in optimizers]
+        info = {"strategy": "lightning_sharded"}
+    checkpoint[_format.INFO_KEY] = {**info, "consolidated_from": source.location.url, "optimizer_layout": "param_id"}
+    if weights_only:
+        for key in _TRAINING_KEYS:
+            checkpoint.pop(key, None)
+    return checkpoint
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+def _write_safetensors(f, planned, stream, metadata: dict[str, str], cast, bar) -> None:
+    writer = SafetensorsWriter(f, planned, metadata)
+    for name, _, _ in planned:
+        entry, tensor = next(stream)  # no other reference may outlive this iteration: the next read reuses memory
+        writer.write(name, _cast(tensor, cast))
+        bar.update(entry.nbytes)
+        del tensor
+    writer.finish()
+
+
+def _write_sharded(out: Location, planned, stream, metadata: dict[str, str], shard_bytes: int, cast, bar) -> None:
+    shards: list[list] = [[]]
+    size = 0
+    for item in planned:
+        nbytes = item[1].itemsize * _numel(item[2])
+        if shards[-1] and size + nbytes > shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(item)
+        size += nbytes
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {item[0]: name for name, shard in zip(names, shards, strict=True) for item in shard}
+    total = sum(item[1].itemsize * _numel(item[2]) for item in planned)
+    with atomic_directory(out) as staging:
+        for name, shard in zip(names, shards, strict=True):
+            with staging.open(name, "wb") as f:
+                _write_safetensors(f, shard, stream, metadata, cast, bar)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        with staging.open("model.safetensors.index.json", "wb") as f:
+            f.write(json.dumps(index, indent=2, sort_keys=True).encode())
+
+
+def _safetensors_metadata(source: Source) -> dict[str, str]:
+    metadata = {"format": "pt"}
+    extra = source.read_extra() if source.kind != "dcp" else {}
+    for key in ("epoch", "global_step"):
+        if isinstance(extra.get(key), int):
+            metadata[key] = str(extra[key])
+    return metadata
+
+
+# ---------------------------------------------------------------------------------------------------- helpers
+def _resolve_format(format: str | None, dst: str | None, *, sharded: bool) -> str:
+    if format is None:
+        return "safetensors" if sharded or (dst or "").endswith(".safetensors") else "ckpt"
+    if format not in FORMATS:
+        raise ValueError(f"`format` must be one of {FORMATS}, got {format!r}.")
+    return format
+
+
+def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
+        return dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    raise ValueError(f"`dtype` must be one of {sorted(DTYPES)} (or the torch dtypes), got {dtype!r}.")
+
+
+def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    return cast if cast is not None and dtype.is_floating_point else dtype
+
+
+def _cast(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
+    return tensor.to(_cast_dtype(tensor.dtype, cast))
+
+
+def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
+        return False
+    return not any(fnmatch.fnmatchcase(name, p) for p in exclude)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for dim in shape:
+        numel *= dim
+    return numel
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _progress_bar(total: int, enabled: bool | None, *, desc: str) -> Any:
+    if enabled is None:
+        enabled = sys.stderr.isatty()
+    if not enabled:
+        return _NoBar()
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)

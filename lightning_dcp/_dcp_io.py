@@ -40,7 +40,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_dcp._compat import StorageInfo, narrow_tensor_by_index
+from lightning_dcp._compat import DCPFsspecFileSystem, StorageInfo, narrow_tensor_by_index
 from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
 
 if TYPE_CHECKING:
@@ -71,14 +71,15 @@ def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -
     """
     if location.local:
         return _LocalWriter(location.path, thread_count=thread_count, sync_files=sync_files, overwrite=True)
-    return _FsspecWriter(location.url, thread_count=thread_count, sync_files=False, **location.storage_options)
+    writer = _FsspecWriter(location.url, thread_count=thread_count, sync_files=False, **location.storage_options)
+    return _keep_options(writer, location.storage_options)
 
 
 def storage_reader(location: Location) -> StorageReader:
     """A DCP storage reader for ``location`` that verifies record checksums and reads metadata safely."""
     if location.local:
         return _LocalReader(location.path)
-    return _FsspecReader(location.url, **location.storage_options)
+    return _keep_options(_FsspecReader(location.url, **location.storage_options), location.storage_options)
 
 
 def read_commit(location: Location) -> dict[str, Any] | None:
@@ -219,6 +220,26 @@ class _FsspecWriter(_ChecksummingWriter, FsspecWriter):
     pass
 
 
+class _OptionsFileSystem(DCPFsspecFileSystem):
+    """DCP's fsspec adapter, except that ``init_path`` (called by ``reset(checkpoint_id)``) keeps the options."""
+
+    def __init__(self, inner: DCPFsspecFileSystem, storage_options: dict[str, Any]) -> None:
+        super().__init__()
+        self.fs = inner.fs
+        self._storage_options = storage_options
+
+    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
+        return super().init_path(path, **{**self._storage_options, **kwargs})
+
+
+def _keep_options(io: Any, storage_options: dict[str, Any]) -> Any:
+    # DCP's FsspecWriter/FsspecReader.reset(checkpoint_id) re-create their filesystem from the URL alone; give them
+    # one that re-applies our storage options, so credentials and endpoint survive any reset.
+    if isinstance(getattr(io, "fs", None), DCPFsspecFileSystem):
+        io.fs = _OptionsFileSystem(io.fs, storage_options)
+    return io
+
+
 # ------------------------------------------------------------------------------------------------------ reading
 class _VerifyingReader:
     """Read records as DCP's filesystem readers do, checking each record's CRC32 from ``.commit`` first."""
@@ -257,6 +278,7 @@ class _VerifyingReader:
                         planner.load_bytes(item, io.BytesIO(record))
                         continue
                     tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+                    del record  # at most two copies of the largest record alive: decoded tensor and target
                     tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
                     target = planner.resolve_tensor(item).detach()
                     if target.size() != tensor.size():

@@ -35,9 +35,13 @@ from torch.distributed.checkpoint import StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp import _dcp_io
-from lightning_dcp._compat import DCPFsspecFileSystem
 from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from lightning_dcp.errors import (
+    BucketNotFoundError,
+    CheckpointError,
+    NotACheckpointError,
+    StorageAccessError,
+)
 
 __all__ = [
     "BucketNotFoundError",
@@ -54,14 +58,6 @@ POINTER_HEADER = b"lightning_dcp pointer v1\n"
 """First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
 _POINTER_MAX_BYTES = 4096
 _MAX_HOPS = 8
-
-
-class StorageAccessError(CheckpointError, PermissionError):
-    """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
-
-
-class BucketNotFoundError(CheckpointNotFoundError):
-    """The bucket (or container) named in a checkpoint URL does not exist."""
 
 
 def new_token() -> str:
@@ -249,11 +245,11 @@ class Location:
     # ------------------------------------------------------------------------------------------- DCP plumbing
     def storage_writer(self, *, thread_count: int, sync_files: bool) -> StorageWriter:
         """A DCP storage writer for this directory that keeps the storage options through ``reset(path)``."""
-        return _keep_options(_dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files), self)
+        return _dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files)
 
     def storage_reader(self) -> StorageReader:
         """A DCP storage reader for this directory that keeps the storage options through ``reset(path)``."""
-        return _keep_options(_dcp_io.storage_reader(self), self)
+        return _dcp_io.storage_reader(self)
 
     def read_metadata(self) -> Metadata:
         """Read this checkpoint's DCP metadata with :func:`lightning_dcp._dcp_io.load_metadata`.
@@ -379,26 +375,6 @@ class Location:
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
-
-
-class _OptionsFileSystem(DCPFsspecFileSystem):
-    """DCP's fsspec adapter, except that ``init_path`` (called by ``reset(checkpoint_id)``) keeps the options."""
-
-    def __init__(self, inner: DCPFsspecFileSystem, storage_options: dict[str, Any]) -> None:
-        super().__init__()
-        self.fs = inner.fs
-        self._storage_options = storage_options
-
-    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
-        return super().init_path(path, **{**self._storage_options, **kwargs})
-
-
-def _keep_options(io: Any, location: Location) -> Any:
-    # DCP's FsspecWriter/FsspecReader.reset(checkpoint_id) re-create their filesystem from the URL alone; give them
-    # one that re-applies our storage options, so credentials and endpoint survive any reset.
-    if isinstance(getattr(io, "fs", None), DCPFsspecFileSystem):
-        io.fs = _OptionsFileSystem(io.fs, location.storage_options)
-    return io
 
 
 _AT_FDCWD = -100

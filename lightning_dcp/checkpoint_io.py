@@ -112,7 +112,7 @@ class DCPCheckpointIO(CheckpointIO):
         location = Location(path, storage_options={**self.storage_options, **(storage_options or {})})
         rank, world_size = _rank_and_world(collective)
         # Rank 0 decides where this save writes; all ranks must agree.
-        token, direct = _on_rank0(collective, lambda: (new_token(), not location.local and not location.exists()))
+        token, direct = _on_rank0(collective, lambda: (new_token(), _writes_in_place(location)))
         target = location if direct else location.staging(token)
         info = {
             **(info or {}),
@@ -314,6 +314,20 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
 
 _LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
 """Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
+
+
+def _writes_in_place(location: Location) -> bool:
+    """Whether a save writes straight into ``location`` (object stores, name free) or into a staging directory.
+
+    Local disks always stage (the commit is one rename). On object stores a name holding no committed checkpoint
+    (free, or leftovers of a crashed save, which are removed here) is written in place and committed by ``.commit``;
+    only an overwrite of a committed checkpoint pays for staging and a server-side copy. Rank 0 only.
+    """
+    if location.local:
+        return False
+    if location.exists() and not location.is_committed():
+        location.remove()
+    return not location.exists()
 
 
 def _probe(location: Location) -> tuple[str, Metadata | None]:

@@ -1,16 +1,84 @@
-"""``python -m lightning_dcp.consolidate CKPT_DIR [--output FILE]``: one Lightning ``.ckpt`` from a checkpoint.
+"""``python -m lightning_dcp.consolidate CKPT_DIR``: one ``.ckpt`` or safetensors export of a sharded checkpoint.
 
-Run with ``--help`` for the options. The function is :func:`lightning_dcp.consolidate`.
+Run with ``--help`` for the options and examples. The function is :func:`lightning_dcp.consolidate`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import types
+from collections.abc import Sequence
 
-from lightning_dcp._consolidate import consolidate, main
+from lightning_dcp._consolidate import DTYPES, FORMATS, SUFFIX, consolidate
+from lightning_dcp.errors import CheckpointError
 
 __all__ = ["consolidate", "main"]
+
+_EXAMPLES = f"""\
+examples:
+  python -m lightning_dcp.consolidate checkpoints/last.ckpt
+      full Lightning checkpoint (weights, optimizer, loops, ...) -> checkpoints/last.ckpt{SUFFIX}
+  python -m lightning_dcp.consolidate checkpoints/last.ckpt -o model.safetensors --dtype bf16
+      model weights only, cast to bfloat16, one safetensors file
+  python -m lightning_dcp.consolidate checkpoints/last.ckpt -o hf_model --max-shard-size 5GB
+      hf_model/model-00001-of-0000N.safetensors + hf_model/model.safetensors.index.json
+  python -m lightning_dcp.consolidate s3://bucket/run/step=100.ckpt -o weights.ckpt --weights-only \\
+      --exclude 'head.*' --storage-options '{{"anon": false}}'
+  python -m lightning_dcp.inspect checkpoints/last.ckpt
+      list what a checkpoint holds without reading tensor data
+
+Inputs: lightning_dcp checkpoints, Lightning's own sharded checkpoints (a DCP directory with meta.pt) and plain
+DCP directories. Memory stays near one read batch plus the largest tensor, whatever the checkpoint size.
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m lightning_dcp.consolidate",
+        description="Stream a sharded DCP checkpoint directory into one Lightning .ckpt file or safetensors.",
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("checkpoint", help="checkpoint directory (local path or fsspec URL)")
+    parser.add_argument("--output", "-o", default=None, help=f"output path (default: CHECKPOINT{SUFFIX} for ckpt)")
+    parser.add_argument("--format", choices=FORMATS, default=None, help="default: from --output's suffix")
+    parser.add_argument("--weights-only", action="store_true", default=None, help="model weights only")
+    parser.add_argument("--full", dest="weights_only", action="store_false", help="everything (default for ckpt)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast floating-point tensors")
+    parser.add_argument("--include", action="append", default=[], metavar="GLOB", help="keep matching FQNs")
+    parser.add_argument("--exclude", action="append", default=[], metavar="GLOB", help="drop matching FQNs")
+    parser.add_argument("--max-shard-size", default=None, metavar="SIZE", help="sharded safetensors, e.g. 5GB")
+    parser.add_argument("--storage-options", default=None, metavar="JSON", help="fsspec options as a JSON object")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--no-progress", dest="progress", action="store_false", default=None, help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line entry point. Returns the exit code: 0 on success, 1 on a checkpoint or option error."""
+    args = _parser().parse_args(argv)
+    try:
+        storage_options = json.loads(args.storage_options) if args.storage_options else None
+        dst = consolidate(
+            args.checkpoint,
+            dst=args.output,
+            storage_options=storage_options,
+            overwrite=args.overwrite,
+            format=args.format,
+            weights_only=args.weights_only,
+            dtype=args.dtype,
+            include=args.include,
+            exclude=args.exclude,
+            max_shard_size=args.max_shard_size,
+            progress=args.progress,
+        )
+    except (CheckpointError, FileExistsError, ValueError, TypeError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    print(dst)
+    return 0
 
 
 class _CallableModule(types.ModuleType):

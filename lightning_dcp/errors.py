@@ -10,11 +10,13 @@ import errno
 from collections.abc import Iterable
 
 __all__ = [
+    "BucketNotFoundError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
     "NotACheckpointError",
     "StateDictMismatchError",
+    "StorageAccessError",
 ]
 
 
@@ -34,6 +36,14 @@ def _restore(cls: type, args: tuple, state: dict) -> CheckpointError:
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path does not exist."""
+
+
+class StorageAccessError(CheckpointError, PermissionError):
+    """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
+
+
+class BucketNotFoundError(CheckpointNotFoundError):
+    """The bucket (or container) named in a checkpoint URL does not exist."""
 
 
 class NotACheckpointError(CheckpointError, ValueError):

@@ -1,0 +1,82 @@
+"""What a checkpoint holds, from DCP's ``.metadata`` and the small non-tensor state only (no tensor data).
+
+The command line is :mod:`lightning_dcp.inspect`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Any
+
+from lightning_dcp import _format
+from lightning_dcp._storage import Location
+from lightning_dcp._stream_source import Source
+
+__all__ = ["inspect_checkpoint"]
+
+_DATA_FILE = re.compile(r"__(\d+)_\d+\.distcp")
+
+
+def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Describe the checkpoint directory at ``path`` from its metadata.
+
+    Args:
+        path: A lightning_dcp checkpoint, a Lightning sharded checkpoint (with ``meta.pt``) or any DCP directory;
+            local path or fsspec URL.
+        storage_options: fsspec options (credentials, endpoint).
+
+    Returns:
+        A JSON-serializable dict: ``path``, ``format`` (``"lightning_dcp"``, ``"lightning_sharded"`` or ``"dcp"``),
+        ``world_size`` (ranks at save: recorded by lightning_dcp; otherwise the number of ranks that wrote data
+        files, a lower bound), ``strategy``, ``global_step`` and ``epoch`` (``None`` when not recorded),
+        ``num_tensors``, ``total_bytes`` and ``weight_bytes`` (bytes of the full, unsharded tensors),
+        ``files`` (data files), and ``tensors``: one dict per tensor with ``key`` (flat DCP key), ``name`` (FQN for
+        model weights), ``weight``, ``shape``, ``dtype`` (e.g. ``"float32"``), ``bytes`` and ``chunks`` (saved
+        shards).
+
+    Rank 0 only (or any single process).
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+        NotACheckpointError: ``path`` is not a DCP checkpoint directory.
+        CheckpointError: The non-tensor state cannot be read with ``weights_only`` unpickling.
+    """
+    source = Source(Location(path, storage_options=storage_options))
+    extra = source.read_extra()
+    info = extra.get(_format.INFO_KEY, {}) if isinstance(extra.get(_format.INFO_KEY), dict) else {}
+    files = sorted(
+        {
+            info_.relative_path
+            for info_ in (source.metadata.storage_data or {}).values()
+            if hasattr(info_, "relative_path")
+        }
+    )
+    writers = {int(m.group(1)) for f in files if (m := _DATA_FILE.fullmatch(f))}
+    state = source.metadata.state_dict_metadata
+    tensors = [
+        {
+            "key": e.key,
+            "name": e.name,
+            "weight": e.weight,
+            "shape": list(e.shape),
+            "dtype": str(e.dtype).removeprefix("torch."),
+            "bytes": e.nbytes,
+            "chunks": len(state[e.key].chunks),
+        }
+        for e in source.entries
+    ]
+    strategy = info.get("strategy") or ("lightning (sharded)" if source.kind == "lightning_sharded" else None)
+    return {
+        "path": source.location.url,
+        "format": source.kind,
+        "world_size": info.get("world_size", len(writers) or None),
+        "strategy": strategy,
+        "global_step": extra.get("global_step"),
+        "epoch": extra.get("epoch"),
+        "num_tensors": len(tensors),
+        "total_bytes": sum(t["bytes"] for t in tensors),
+        "weight_bytes": sum(t["bytes"] for t in tensors if t["weight"]),
+        "files": files,
+        "tensors": tensors,
+    }

@@ -26,6 +26,7 @@ from lightning_dcp.strategies import (
     register_strategies,
 )
 from lightning_dcp.verify import verify_checkpoint
+from lightning_dcp.weights import LoadReport, load_model_weights
 
 __version__ = "0.1.0"
 
@@ -42,11 +43,13 @@ __all__ = [
     "DCPSingleDeviceStrategy",
     "DCPStrategyMixin",
     "ExportCallback",
+    "LoadReport",
     "NotACheckpointError",
     "StateDictMismatchError",
     "StorageAccessError",
     "consolidate",
     "inspect_checkpoint",
+    "load_model_weights",
     "verify_checkpoint",
 ]
 

@@ -32,6 +32,7 @@ __all__ = [
     "INFO_KEY",
     "MODEL_KEY",
     "OPTIMIZER_KEY",
+    "RANK_KEY",
     "SafeLoadPlanner",
     "fqns_to_param_ids",
     "param_ids_to_fqns",
@@ -39,12 +40,15 @@ __all__ = [
     "encode_extra",
     "from_dcp_state_dict",
     "metadata_target",
+    "saved_world_size",
     "to_dcp_state_dict",
 ]
 
 MODEL_KEY = "state_dict"
 OPTIMIZER_KEY = "optimizer_states"
 EXTRA_KEY = "lightning"
+RANK_KEY = "rank_states"
+"""``rank_states.{rank}``: one ``bytes`` blob per rank (its RNG states), written by that rank."""
 INFO_KEY = "lightning_dcp"
 FORMAT_VERSION = 1
 
@@ -63,13 +67,22 @@ def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
     return FQN
 
 
-def to_dcp_state_dict(checkpoint: Mapping[str, Any], *, info: Mapping[str, Any], write_extra: bool) -> dict:
+def to_dcp_state_dict(
+    checkpoint: Mapping[str, Any],
+    *,
+    info: Mapping[str, Any],
+    write_extra: bool,
+    rank: int = 0,
+    rank_state: Mapping[str, Any] | None = None,
+) -> dict:
     """Split a Lightning checkpoint dict into the DCP state dict described in this module's docstring.
 
     Args:
         checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified.
         info: Facts about the save recorded under ``"lightning_dcp"`` (world size, strategy, ...).
         write_extra: Whether this rank writes the ``"lightning"`` blob (rank 0 only, so exactly one copy exists).
+        rank: This process's rank.
+        rank_state: This rank's own state (RNG states), stored as ``rank_states.{rank}``.
 
     Returns:
         The state dict for ``dcp.save``; model and optimizer tensors are not copied.
@@ -89,7 +102,15 @@ def to_dcp_state_dict(checkpoint: Mapping[str, Any], *, info: Mapping[str, Any],
         extra = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
         extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION, "optimizer_layout": layout}
         dcp_state[EXTRA_KEY] = encode_extra(extra)
+    if rank_state is not None:
+        dcp_state[RANK_KEY] = {str(rank): encode_extra(rank_state)}
     return dcp_state
+
+
+def saved_world_size(metadata: Metadata) -> int | None:
+    """The world size a checkpoint was saved at, from its ``rank_states.*`` entries (``None`` without them)."""
+    ranks = [k for k in metadata.state_dict_metadata if k.startswith(RANK_KEY + ".")]
+    return len(ranks) or None
 
 
 def from_dcp_state_dict(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool) -> dict[str, Any]:

@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-import pickle
-import re
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import lightning
@@ -15,20 +13,14 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.metadata import Metadata
 from typing_extensions import override
 
 from lightning_dcp import _format
 from lightning_dcp._async import AsyncSaves
-from lightning_dcp._compat import flatten_state_dict
-from lightning_dcp._integrity import check_checkpoint, newest_valid_sibling
+from lightning_dcp._loading import fit_target, lightning_model_key, load_file, probe, read_lightning_meta
 from lightning_dcp._storage import Location, new_token
 from lightning_dcp.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
-    NotACheckpointError,
-    StateDictMismatchError,
     checkpoint_failure,
 )
 
@@ -90,6 +82,7 @@ class DCPCheckpointIO(CheckpointIO):
         *,
         collective: bool = False,
         info: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
     ) -> None:
         """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
 
@@ -102,6 +95,7 @@ class DCPCheckpointIO(CheckpointIO):
             collective: ``True`` when every rank calls this (the DCP strategies do); ``False`` when only rank 0
                 does (stock Lightning strategies), which then writes everything without any collective.
             info: Extra facts recorded in the checkpoint (strategy name, ...).
+            rank_state: This rank's own state (its RNG states), written by this rank as ``rank_states.{rank}``.
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -132,7 +126,9 @@ class DCPCheckpointIO(CheckpointIO):
 
         writer = target.storage_writer(thread_count=self.thread_count, sync_files=self.sync_files)
         try:
-            dcp_state = _format.to_dcp_state_dict(checkpoint, info=info, write_extra=rank == 0)
+            dcp_state = _format.to_dcp_state_dict(
+                checkpoint, info=info, write_extra=rank == 0, rank=rank, rank_state=rank_state
+            )
             if self._async is not None:
                 self._async.start(
                     dcp_state,
@@ -163,6 +159,8 @@ class DCPCheckpointIO(CheckpointIO):
         state_dict: dict[str, Any] | None = None,
         strict: bool = True,
         collective: bool = False,
+        only_model: bool = False,
+        exclude: Sequence[str] = (),
     ) -> dict[str, Any]:
         """Load a checkpoint written by this plugin, or a single-file Lightning checkpoint.
 
@@ -174,6 +172,8 @@ class DCPCheckpointIO(CheckpointIO):
                 fills in place (resharding to the current world size). ``None`` loads every tensor into CPU memory.
             strict: Require the checkpoint's model keys to equal the target's (see ``StateDictMismatchError``).
             collective: ``True`` when every rank calls this with its own ``state_dict`` target.
+            only_model: With a target, read the model entries only (no Trainer state, optimizer or RNG states).
+            exclude: Glob patterns of model FQNs neither loaded nor reported as unexpected (with a target).
 
         A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``; what
         ``ckpt_path="last"`` resolves to) that is incomplete or corrupt falls back to the newest valid checkpoint
@@ -192,17 +192,30 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: Non-tensor state that ``weights_only`` refuses.
         """
         self._await_pending(collective)
-        location = Location(path, storage_options=self.storage_options)
         weights_only = True if weights_only is None else weights_only
-        url, metadata = _on_rank0(collective, lambda: _probe(location))
-        location = Location(url, storage_options=self.storage_options)
-        if metadata is None:
-            return _load_file(location, map_location=map_location, weights_only=weights_only)
+        found = _on_rank0(collective, lambda: probe(Location(path, storage_options=self.storage_options)))
+        location = Location(found.url, storage_options=self.storage_options)
+        if found.kind == "file":
+            return load_file(location, map_location=map_location, weights_only=weights_only)
+        metadata = found.metadata
+        lightning_layout = found.kind == "lightning"
+        model_key = lightning_model_key(metadata) if lightning_layout else _format.MODEL_KEY
+        rank, world_size = _rank_and_world(collective)
+        saved_world_size = _format.saved_world_size(metadata)
         if state_dict is None:
             target = _format.metadata_target(metadata)
         else:
-            target = _fit_target(location.url, dict(state_dict), metadata, strict=strict)
-            target[_format.EXTRA_KEY] = b""
+            target = {_format.MODEL_KEY: state_dict[_format.MODEL_KEY]} if only_model else dict(state_dict)
+            if lightning_layout:
+                target = _to_lightning_layout(target, model_key)
+            target, missing, unexpected = fit_target(
+                location.url, target, metadata, strict=strict, model_key=model_key, exclude=exclude
+            )
+            if not lightning_layout and not only_model:
+                target[_format.EXTRA_KEY] = b""
+                if saved_world_size:  # this rank's own state, or rank 0's to derive from at another world size
+                    own = rank if saved_world_size == world_size else 0
+                    target[_format.RANK_KEY] = {str(own): b""}
         try:
             with _single_process_ok():
                 dcp.load(
@@ -213,8 +226,23 @@ class DCPCheckpointIO(CheckpointIO):
                 )
         except dcp.CheckpointException as err:  # DCP gathers every rank's failure; raise the first one plainly
             raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
-        extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
-        return _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
+        if lightning_layout:
+            extra = {} if only_model else read_lightning_meta(location, weights_only=weights_only)
+            target = _from_lightning_layout(target, model_key)
+        elif _format.EXTRA_KEY in target:
+            extra = _format.decode_extra(target.pop(_format.EXTRA_KEY), path=location.url, weights_only=weights_only)
+        else:
+            extra = {}
+        checkpoint = _format.from_dcp_state_dict(target, extra, in_place=state_dict is not None)
+        if state_dict is not None:
+            checkpoint[_format.INFO_KEY].update(missing_keys=missing, unexpected_keys=unexpected)
+        blobs = target.get(_format.RANK_KEY) if state_dict is not None else None
+        if blobs:
+            checkpoint[_format.INFO_KEY]["rank_state"] = _format.decode_extra(
+                next(iter(blobs.values())), path=location.url, weights_only=weights_only
+            )
+            checkpoint[_format.INFO_KEY]["rank_state_exact"] = saved_world_size == world_size
+        return checkpoint
 
     # --------------------------------------------------------------------------------------------- remove
     @override
@@ -312,10 +340,6 @@ def _on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
     return value
 
 
-_LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
-"""Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
-
-
 def _writes_in_place(location: Location) -> bool:
     """Whether a save writes straight into ``location`` (object stores, name free) or into a staging directory.
 
@@ -330,89 +354,18 @@ def _writes_in_place(location: Location) -> bool:
     return not location.exists()
 
 
-def _probe(location: Location) -> tuple[str, Metadata | None]:
-    """Resolve ``location`` and check what it holds.
-
-    Returns:
-        The resolved URL, and DCP metadata for a checkpoint directory (``None`` for a single file).
-    """
-    location = location.resolve()
-    if not location.exists():
-        raise CheckpointNotFoundError(
-            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
-        )
-    if not location.isdir():
-        return location.url, None
-    try:
-        metadata = check_checkpoint(location)
-    except NotACheckpointError as err:
-        found = newest_valid_sibling(location, exclude=location) if _LAST_NAME.match(location.name) else None
-        if found is None:
-            raise
-        rank_zero_warn(
-            f"The checkpoint {location.url!r} cannot be loaded ({err}). Resuming from the newest valid checkpoint"
-            f" beside it instead: {found[0].url!r}."
-        )
-        location, metadata = found
-    if _format.EXTRA_KEY not in metadata.state_dict_metadata:
-        raise NotACheckpointError(
-            f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
-            f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
-        )
-    return location.url, metadata
+def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
+    """Our target keys -> Lightning's sharded layout (``state_dict``/``model``, ``optimizer_{i}``)."""
+    layout = {model_key: target[_format.MODEL_KEY]}
+    for i, state in enumerate(target.get(_format.OPTIMIZER_KEY, [])):
+        layout[f"optimizer_{i}"] = state
+    return layout
 
 
-def _load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
-    try:
-        with location.open() as f:
-            checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
-    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-            raise CheckpointError(
-                f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
-                " pass `weights_only=False`."
-            ) from err
-        raise NotACheckpointError(
-            f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
-        ) from err
-    if not isinstance(checkpoint, dict) or _format.MODEL_KEY not in checkpoint:
-        raise NotACheckpointError(
-            f"{location.url!r} is not a Lightning checkpoint: it has no {_format.MODEL_KEY!r} entry."
-        )
-    return checkpoint
-
-
-def _fit_target(path: str, target: dict[str, Any], metadata: Metadata, *, strict: bool) -> dict[str, Any]:
-    """Check ``target`` against the checkpoint before anything is loaded; drop what the checkpoint lacks.
-
-    Raises:
-        StateDictMismatchError: Model keys differ (``strict``), optimizer keys differ, or shapes/dtypes differ.
-    """
-    saved = metadata.state_dict_metadata
-    if _format.OPTIMIZER_KEY in target and not any(k.startswith(_format.OPTIMIZER_KEY + ".") for k in saved):
-        del target[_format.OPTIMIZER_KEY]  # a weights-only checkpoint: Lightning reports it when restoring
-    flat, _ = flatten_state_dict(target)
-    model_prefix = _format.MODEL_KEY + "."
-    missing = {k for k in flat if k not in saved}
-    unexpected = {k for k in saved if k.startswith(model_prefix) and k not in flat}
-    mismatched = {}
-    for key, value in flat.items():
-        meta = saved.get(key)
-        if isinstance(value, torch.Tensor) and meta is not None and hasattr(meta, "size"):
-            if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
-                mismatched[key] = (tuple(meta.size), meta.properties.dtype, tuple(value.shape), value.dtype)
-    if not strict:
-        missing = {k for k in missing if not k.startswith(model_prefix)}
-        unexpected = set()
-    if missing or unexpected or mismatched:
-
-        def strip(key: str) -> str:
-            return key[len(model_prefix) :] if key.startswith(model_prefix) else key
-
-        raise StateDictMismatchError(
-            path,
-            missing_keys=map(strip, missing),
-            unexpected_keys=map(strip, unexpected),
-            mismatched={strip(k): v for k, v in mismatched.items()},
-        )
-    return target
+def _from_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
+    """Lightning's sharded layout -> ``{"state_dict": ..., "optimizer_states": [...]}``."""
+    optimizers = sorted((int(k.split("_", 1)[1]), v) for k, v in target.items() if k.startswith("optimizer_"))
+    result: dict[str, Any] = {_format.MODEL_KEY: target[model_key]}
+    if optimizers:
+        result[_format.OPTIMIZER_KEY] = [state for _, state in optimizers]
+    return result

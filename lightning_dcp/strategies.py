@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     StrategyRegistry,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -37,6 +38,7 @@ from typing_extensions import override
 
 from lightning_dcp import _format
 from lightning_dcp._compat import TrainerFn, unwrap_checkpoint_io
+from lightning_dcp._rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import CheckpointError
 
@@ -164,6 +166,7 @@ class DCPStrategyMixin:
             storage_options=storage_options,
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
+            rank_state={"rng": collect_rng_states()},
         )
 
     @override
@@ -192,12 +195,30 @@ class DCPStrategyMixin:
             target[_format.OPTIMIZER_KEY] = [
                 get_optimizer_state_dict(module, optimizer, options=StateDictOptions()) for optimizer in self.optimizers
             ]
-        return self._dcp_io.load_checkpoint(
+        checkpoint = self._dcp_io.load_checkpoint(
             checkpoint_path,
             weights_only=weights_only,
             state_dict=target,
             strict=self.lightning_module.strict_loading,
             collective=True,
+        )
+        self._restore_rank_state(checkpoint)
+        return checkpoint
+
+    def _restore_rank_state(self, checkpoint: Mapping[str, Any]) -> None:
+        info = checkpoint.get(_format.INFO_KEY, {})
+        state = info.get("rank_state")
+        if not state or "rng" not in state:
+            return
+        if info.get("rank_state_exact"):
+            restore_rng_states(state["rng"])
+            return
+        derive_rng_states(state["rng"], rank=self.global_rank)
+        rank_zero_warn(
+            f"The checkpoint was saved at world size {info.get('world_size')} and is resumed at {self.world_size}:"
+            " per-rank random states cannot carry over one-to-one, so each rank's generators (torch, numpy, python)"
+            " are re-seeded deterministically from rank 0's saved state and the rank. Random streams (dropout,"
+            " augmentation) differ from an uninterrupted run; model, optimizer and loop state are exact."
         )
 
     @override

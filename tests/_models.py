@@ -128,3 +128,14 @@ class FSDP2Model(TinyModel):
             if isinstance(layer, nn.Linear):
                 fully_shard(layer, mesh=mesh)
         fully_shard(self, mesh=mesh)
+
+
+class DropoutModel(TinyModel):
+    """TinyModel with dropout: its training consumes the global torch RNG every step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.body(x)))

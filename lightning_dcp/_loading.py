@@ -1,0 +1,209 @@
+"""Loading: what a checkpoint path holds, checking a load target against it, Lightning's own sharded layout.
+
+Three kinds of checkpoint load through ``DCPCheckpointIO``:
+
+- ``"dcp"``: a lightning_dcp directory (``.commit``, ``.metadata``, ``__{rank}_{n}.distcp``);
+- ``"lightning"``: a directory written by Lightning's ``ModelParallelStrategy`` or ``FSDPStrategy(state_dict_type=
+  "sharded")``: DCP files with ``state_dict.*`` (``model.*`` for FSDP) and ``optimizer_{i}.*`` entries, plus
+  ``meta.pt`` (a ``torch.save`` of the rest of the Trainer state), so users of those strategies can switch;
+- ``"file"``: one ``torch.save`` file (Lightning's ``.ckpt``, or lightning_dcp's consolidated output).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import io
+import pickle
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_dcp import _format
+from lightning_dcp._compat import flatten_state_dict
+from lightning_dcp._integrity import check_checkpoint, newest_valid_sibling
+from lightning_dcp._storage import Location
+from lightning_dcp.errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    NotACheckpointError,
+    StateDictMismatchError,
+)
+
+__all__ = [
+    "LIGHTNING_META_FILE",
+    "Probe",
+    "fit_target",
+    "lightning_model_key",
+    "load_file",
+    "probe",
+    "read_lightning_meta",
+]
+
+LIGHTNING_META_FILE = "meta.pt"
+"""The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
+
+_LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
+"""Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What :func:`probe` found: the resolved URL, the kind of checkpoint and, for directories, DCP metadata."""
+
+    url: str
+    kind: Literal["file", "dcp", "lightning"]
+    metadata: Metadata | None = None
+
+
+def probe(location: Location) -> Probe:
+    """Resolve ``location`` (pointers, fallback from a broken ``last``) and check what it holds.
+
+    Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists there.
+        NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
+        CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
+    """
+    location = location.resolve()
+    if not location.exists():
+        raise CheckpointNotFoundError(
+            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
+        )
+    if not location.isdir():
+        return Probe(location.url, "file")
+    if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
+        return Probe(location.url, "lightning", location.read_metadata())
+    try:
+        metadata = check_checkpoint(location)
+    except NotACheckpointError as err:
+        found = newest_valid_sibling(location, exclude=location) if _LAST_NAME.match(location.name) else None
+        if found is None:
+            raise
+        rank_zero_warn(
+            f"The checkpoint {location.url!r} cannot be loaded ({err}). Resuming from the newest valid checkpoint"
+            f" beside it instead: {found[0].url!r}."
+        )
+        location, metadata = found
+    if _format.EXTRA_KEY not in metadata.state_dict_metadata:
+        raise NotACheckpointError(
+            f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
+            f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
+        )
+    return Probe(location.url, "dcp", metadata)
+
+
+def lightning_model_key(metadata: Metadata) -> str:
+    """Top-level key of the model state in a Lightning sharded checkpoint: ``"state_dict"``, or ``"model"`` (FSDP).
+
+    Its optimizers are under ``optimizer_0``, ``optimizer_1``, ... in ``get_optimizer_state_dict``'s FQN layout.
+    """
+    saved = metadata.state_dict_metadata
+    if any(k.startswith("state_dict.") for k in saved) or not any(k.startswith("model.") for k in saved):
+        return "state_dict"
+    return "model"
+
+
+def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, Any]:
+    """Load ``meta.pt`` (the non-tensor Trainer state) of a Lightning sharded checkpoint, ``weights_only`` by default.
+
+    Raises:
+        CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
+    """
+    try:
+        with location.open(LIGHTNING_META_FILE) as f:
+            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(
+            f"{location.url!r}/{LIGHTNING_META_FILE} cannot be loaded with `weights_only=True`: {err} If you trust"
+            " this checkpoint, pass `weights_only=False`."
+        ) from err
+
+
+def load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
+    try:
+        with location.open() as f:
+            checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
+            raise CheckpointError(
+                f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
+                " pass `weights_only=False`."
+            ) from err
+        raise NotACheckpointError(
+            f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
+        ) from err
+    if not isinstance(checkpoint, dict) or _format.MODEL_KEY not in checkpoint:
+        raise NotACheckpointError(
+            f"{location.url!r} is not a Lightning checkpoint: it has no {_format.MODEL_KEY!r} entry."
+        )
+    return checkpoint
+
+
+def fit_target(
+    path: str,
+    target: dict[str, Any],
+    metadata: Metadata,
+    *,
+    strict: bool,
+    model_key: str = _format.MODEL_KEY,
+    exclude: Sequence[str] = (),
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Check ``target`` against the checkpoint before anything is loaded; drop what the checkpoint lacks.
+
+    Args:
+        path: The checkpoint (for messages).
+        target: ``{model_key: model state, optimizer entries...}`` as DCP will flatten it.
+        metadata: The checkpoint's DCP metadata.
+        strict: Model keys must match exactly; otherwise only the shared keys load.
+        model_key: Top-level key of the model state (``"state_dict"``; ``"model"`` in Lightning's FSDP layout).
+        exclude: Glob patterns of model FQNs that are neither loaded nor reported.
+
+    Returns:
+        The target, trimmed to what the checkpoint has; the missing and the unexpected model FQNs.
+
+    Raises:
+        StateDictMismatchError: Model keys differ (``strict``), optimizer keys differ, or shapes/dtypes differ.
+    """
+    saved = metadata.state_dict_metadata
+    for key in [k for k in target if k != model_key]:
+        if not any(s.startswith(key + ".") or s == key for s in saved):
+            del target[key]  # e.g. a weights-only checkpoint: Lightning reports missing optimizer state itself
+    flat, _ = flatten_state_dict(target)
+    model_prefix = model_key + "."
+
+    def excluded(key: str) -> bool:
+        return key.startswith(model_prefix) and any(fnmatch.fnmatchcase(key[len(model_prefix) :], p) for p in exclude)
+
+    missing = {k for k in flat if k not in saved}
+    unexpected = {k for k in saved if k.startswith(model_prefix) and k not in flat and not excluded(k)}
+    report = (
+        sorted(k[len(model_prefix) :] for k in missing if k.startswith(model_prefix)),
+        sorted(k[len(model_prefix) :] for k in unexpected),
+    )
+    mismatched = {}
+    for key, value in flat.items():
+        meta = saved.get(key)
+        if isinstance(value, torch.Tensor) and meta is not None and hasattr(meta, "size"):
+            if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+                mismatched[key] = (tuple(meta.size), meta.properties.dtype, tuple(value.shape), value.dtype)
+    if not strict:
+        missing = {k for k in missing if not k.startswith(model_prefix)}
+        unexpected = set()
+    if missing or unexpected or mismatched:
+
+        def strip(key: str) -> str:
+            return key[len(model_prefix) :] if key.startswith(model_prefix) else key
+
+        raise StateDictMismatchError(
+            path,
+            missing_keys=map(strip, missing),
+            unexpected_keys=map(strip, unexpected),
+            mismatched={strip(k): v for k, v in mismatched.items()},
+        )
+    return target, *report

@@ -1,0 +1,119 @@
+"""Partial loads for fine-tuning: model weights only from a checkpoint, with key exclusion and a report."""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from lightning_dcp import _format
+from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.errors import StateDictMismatchError
+
+__all__ = ["LoadReport", "load_model_weights"]
+
+
+@dataclass(frozen=True)
+class LoadReport:
+    """What :func:`load_model_weights` did.
+
+    Attributes:
+        loaded_keys: FQNs whose values came from the checkpoint.
+        missing_keys: FQNs of the model that the checkpoint lacks (kept as initialised).
+        unexpected_keys: FQNs in the checkpoint that the model lacks (ignored).
+        excluded_keys: FQNs of the model skipped by ``exclude`` patterns (kept as initialised).
+    """
+
+    loaded_keys: list[str] = field(default_factory=list)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    excluded_keys: list[str] = field(default_factory=list)
+
+
+def load_model_weights(
+    model: torch.nn.Module,
+    path: str | os.PathLike,
+    *,
+    exclude: Sequence[str] = (),
+    strict: bool = True,
+    storage_options: dict[str, Any] | None = None,
+) -> LoadReport:
+    """Load only the model weights of a checkpoint into ``model``: no optimizer, scheduler or loop state.
+
+    Works for plain modules and for sharded ones (FSDP2/DTensor parameters load only this rank's shard, resharding
+    from whatever world size wrote the checkpoint), from lightning_dcp checkpoints, Lightning's own sharded
+    directories and single ``.ckpt`` files. Typical use: in ``LightningModule.configure_model`` (after sharding) or
+    before ``trainer.fit`` without ``ckpt_path``, to fine-tune from a pretraining run.
+
+    Args:
+        model: The module to fill (its ``state_dict`` FQNs name the entries; for a LightningModule, the same FQNs
+            as the checkpoint's ``state_dict``).
+        path: Checkpoint directory or file (local path or fsspec URL).
+        exclude: Glob patterns of FQNs to leave untouched (e.g. ``["head.*"]`` for a new classification head).
+        strict: Every non-excluded key of the model must be in the checkpoint and vice versa; with ``False`` only
+            the shared keys load and the report lists the rest.
+        storage_options: fsspec options for remote storage.
+
+    Returns:
+        A :class:`LoadReport`.
+
+    Collective: call on all ranks when a process group is initialised.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and keys differ, or a shared key's shape or dtype differs (always); the
+            message names the FQNs, the saved and the expected shapes. Nothing is loaded then.
+        CheckpointNotFoundError, NotACheckpointError: As for ``DCPCheckpointIO.load_checkpoint``.
+    """
+    live = get_model_state_dict(model, options=StateDictOptions())
+    excluded = sorted(k for k in live if any(fnmatch.fnmatchcase(k, p) for p in exclude))
+    target = {k: v for k, v in live.items() if k not in excluded}
+    io = DCPCheckpointIO(storage_options=storage_options)
+    checkpoint = io.load_checkpoint(
+        path,
+        state_dict={_format.MODEL_KEY: target},
+        strict=strict,
+        collective=dist.is_available() and dist.is_initialized(),
+        only_model=True,
+        exclude=exclude,
+    )
+    info = checkpoint.get(_format.INFO_KEY, {})
+    loaded = checkpoint[_format.MODEL_KEY]
+    if not info.get("loaded_in_place"):  # a single file: full tensors, checked here as the DCP path does
+        loaded, missing, unexpected = _fit_full(str(path), target, loaded, strict=strict, exclude=exclude)
+    else:
+        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
+    full = not info.get("loaded_in_place", False)
+    set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=full, strict=False))
+    return LoadReport(
+        loaded_keys=sorted(set(target) - set(missing)),
+        missing_keys=list(missing),
+        unexpected_keys=list(unexpected),
+        excluded_keys=excluded,
+    )
+
+
+def _fit_full(
+    path: str, target: dict[str, Any], saved: dict[str, Any], *, strict: bool, exclude: Sequence[str]
+) -> tuple[dict[str, Any], list[str], list[str]]:
+    saved = {k: v for k, v in saved.items() if not any(fnmatch.fnmatchcase(k, p) for p in exclude)}
+    missing = sorted(set(target) - set(saved))
+    unexpected = sorted(set(saved) - set(target))
+    mismatched = {
+        k: (tuple(saved[k].shape), saved[k].dtype, tuple(v.shape), v.dtype)
+        for k, v in target.items()
+        if k in saved and (tuple(saved[k].shape) != tuple(v.shape) or saved[k].dtype != v.dtype)
+    }
+    if mismatched or (strict and (missing or unexpected)):
+        raise StateDictMismatchError(
+            path,
+            missing_keys=missing if strict else (),
+            unexpected_keys=unexpected if strict else (),
+            mismatched=mismatched,
+        )
+    return {k: saved[k] for k in target if k in saved}, missing, unexpected

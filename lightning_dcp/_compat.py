@@ -39,9 +39,12 @@ __all__ = [
     "TrainerFn",
     "check_private_api",
     "flatten_state_dict",
+    "install_flag_only_sigterm_handler",
     "narrow_tensor_by_index",
     "rebuild_tensor",
+    "restart_train_iterator",
     "set_element",
+    "shift_epoch_batches",
     "storage_type_name",
     "unflatten_state_dict",
     "unwrap_checkpoint_io",
@@ -84,3 +87,56 @@ def check_private_api(cls: type, names: tuple[str, ...]) -> None:
             f"lightning_dcp needs {cls.__name__}.{', '.join(missing)}, which Lightning {lightning.__version__} does"
             " not have (checked against 2.6.6). Install a supported Lightning version."
         )
+
+
+# Lightning 2.6.6 fit-loop internals that lightning_dcp.ElasticResume (callbacks.py) touches. ``FitLoop.setup_data``
+# creates the train iterator (``_data_fetcher``) before ``on_train_start``; the epoch loop's ``batch_progress``
+# counts the epoch's batches (``current``) and all batches (``total``) per rank.
+def restart_train_iterator(trainer: object) -> None:
+    """Re-create the train iterator so a sampler replaced in ``on_train_start`` draws the first epoch's indices.
+
+    ``FitLoop.setup_data`` iterated the loader already (with ``num_workers > 0`` the workers prefetch indices then).
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is not None:
+        iter(fetcher)
+
+
+def shift_epoch_batches(trainer: object, delta: int) -> None:
+    """Add ``delta`` batches to every counter of the epoch loop's ``batch_progress`` (current and total).
+
+    Lightning tells where a run stopped (restart stage) from the differences between these counters, which an equal
+    shift keeps; the position in the epoch (``batch_idx``, accumulation windows, the last batch) follows ``current``.
+    """
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    for tracker in (progress.current, progress.total):
+        tracker.ready += delta
+        tracker.started += delta
+        tracker.processed += delta
+        tracker.completed += delta
+
+
+# Lightning 2.6's SIGTERM handler (``trainer._signal_connector._sigterm_notifier_fn``) runs ``dist.broadcast`` inside
+# the signal handler, i.e. at whatever point the main thread was interrupted: paired with any other collective in
+# flight (a DDP all-reduce, a checkpoint's collectives) it deadlocks the ranks. Lightning's training loop already
+# broadcasts the flag at every batch boundary (``_broadcast_sigterm_tensor``) and then raises ``SIGTERMException``
+# on all ranks together, so a handler that only sets the flag (and forwards the signal to launched children, as
+# Lightning's does) keeps the behaviour without the deadlock. Checked against Lightning 2.6.6.
+def install_flag_only_sigterm_handler(trainer: object) -> bool:
+    """Replace the Trainer's SIGTERM handler by one without collectives; False when it cannot be installed."""
+    import signal
+    import threading
+
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or threading.current_thread() is not threading.main_thread():
+        return False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        if not connector.received_sigterm:
+            launcher = trainer.strategy.launcher
+            if launcher is not None:
+                launcher.kill(signum)
+        connector.received_sigterm = True
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    return True

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from typing_extensions import override
 
 from lightning_dcp import _format
-from lightning_dcp._compat import TrainerFn, unwrap_checkpoint_io
+from lightning_dcp._compat import TrainerFn, install_flag_only_sigterm_handler, unwrap_checkpoint_io
 from lightning_dcp._rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import CheckpointError
@@ -113,6 +113,18 @@ class DCPStrategyMixin:
     def lightning_restore_optimizer(self) -> bool:
         """Lightning calls ``load_optimizer_state_dict`` for sharded loads."""
         return True if self._dcp_sharded else super().lightning_restore_optimizer
+
+    @override
+    def on_train_start(self) -> None:
+        """Make SIGTERM (preemption) safe for checkpoints: the handler only sets Lightning's flag.
+
+        Lightning's own handler runs a collective inside the signal handler, which deadlocks against a checkpoint's
+        collectives (or any other). The flag is still broadcast at the next batch boundary, all ranks stop together,
+        and ``teardown`` finishes the save in flight before the process exits.
+        """
+        super().on_train_start()
+        if self._dcp_sharded and self.lightning_module is not None:
+            install_flag_only_sigterm_handler(self.lightning_module.trainer)
 
     @override
     def teardown(self) -> None:

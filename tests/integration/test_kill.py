@@ -1,0 +1,86 @@
+"""Real ``kill -9`` (and SIGTERM) of a 2-rank training run at random moments during saves.
+
+Every time, the newest complete checkpoint verifies and the run resumes from it; the chain of killed and resumed
+runs ends with exactly the weights of an uninterrupted run (bit for bit).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from lightning_dcp import verify_checkpoint
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EPOCHS = 30
+
+
+def _start(directory: str, use_async: bool) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "tests.integration._kill_train", directory, str(EPOCHS), "1" if use_async else "0"],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+
+
+def _committed(ckpt_dir: str) -> list[str]:
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, ".commit")))
+
+
+def _run_to_end(directory: str, use_async: bool) -> dict:
+    proc = _start(directory, use_async)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err.decode()[-3000:]
+    return torch.load(os.path.join(directory, "final.pt"), weights_only=True)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    return _run_to_end(str(tmp_path_factory.mktemp("reference")), use_async=False)
+
+
+@pytest.mark.parametrize(
+    ("use_async", "kills", "sig"), [(False, 12, signal.SIGKILL), (True, 8, signal.SIGKILL), (True, 2, signal.SIGTERM)]
+)
+def test_killed_saves_never_break_resume(tmp_path, reference, use_async, kills, sig):
+    rng = random.Random(1234 + kills + int(use_async))
+    directory = str(tmp_path)
+    ckpt_dir = os.path.join(directory, "ckpts")
+    mid_save = 0
+    for _ in range(kills):
+        before = set(_committed(ckpt_dir))
+        proc = _start(directory, use_async)
+        # wait until this run is saving (a staging directory or a new committed checkpoint appears)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and proc.poll() is None:
+            names = os.listdir(ckpt_dir) if os.path.isdir(ckpt_dir) else []
+            if any(n.startswith(".") for n in names) or set(_committed(ckpt_dir)) - before:
+                break
+            time.sleep(0.005)
+        time.sleep(rng.uniform(0.0, 0.6))
+        os.killpg(proc.pid, sig)
+        proc.wait(timeout=120)
+        if os.path.isdir(ckpt_dir) and any(n.startswith(".") for n in os.listdir(ckpt_dir)):
+            mid_save += 1  # killed with a save in flight: its staging directory is left behind
+        committed = _committed(ckpt_dir)
+        assert committed, "the first checkpoint must exist by now"
+        for name in committed:  # every checkpoint that looks complete is complete, byte for byte
+            verify_checkpoint(os.path.join(ckpt_dir, name))
+    if sig == signal.SIGKILL:
+        assert mid_save >= kills // 3, f"only {mid_save} of {kills} kills hit a save in flight"
+    final = _run_to_end(directory, use_async)
+    assert final.keys() == reference.keys()
+    for key in reference:
+        assert torch.equal(final[key], reference[key]), key
+    assert not any(n.startswith(".") for n in os.listdir(ckpt_dir))  # staging left by kills was cleaned up

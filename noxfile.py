@@ -8,6 +8,7 @@ Set ``LIGHTNING_DCP_TORCH`` to install another torch (e.g. ``"torch>=2.6"`` on a
 from __future__ import annotations
 
 import os
+import shutil
 
 import nox
 
@@ -40,27 +41,20 @@ def lint(session: nox.Session) -> None:
 @nox.session(python=PYTHON)
 def demo(session: nox.Session) -> None:
     """The main job: train the byte-level GPT on the stdlib sources with DDP over 2 CPU processes, checkpointing
-    through lightning_dcp; then resume it on 1 process and consolidate the last checkpoint."""
+    through lightning_dcp; resume it on 1 process; consolidate and verify the last checkpoint."""
     _install(session, "examples")
-    run_dir = os.path.abspath("outputs/demo")
-    session.run("python", "examples/train.py", f"run_dir={run_dir}", *session.posargs)
+    run = os.path.abspath("outputs/demo")
+    shutil.rmtree(run, ignore_errors=True)
+    where = [f"ckpt_dir={run}/checkpoints", f"hydra.run.dir={run}/train"]
+    session.run("python", "examples/train.py", *where, *session.posargs)
     session.run(
-        "python",
-        "examples/train.py",
-        f"run_dir={run_dir}",
-        "ckpt_path=last",
-        "trainer.devices=1",
-        "trainer.max_steps=80",
-        *session.posargs,
+        "python", "examples/train.py", *where[:1], f"hydra.run.dir={run}/resume", "ckpt_path=last",
+        "trainer.devices=1", "trainer.max_steps=80", "model.max_steps=60", *session.posargs,
     )
+    session.run("python", "-m", "lightning_dcp.verify", f"{run}/checkpoints/last.ckpt")
     session.run(
-        "python",
-        "-m",
-        "lightning_dcp.consolidate",
-        f"{run_dir}/checkpoints/last.ckpt",
-        "--output",
-        f"{run_dir}/last.consolidated.ckpt",
-        "--overwrite",
+        "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/last.ckpt",
+        "--output", f"{run}/last.consolidated.ckpt", "--overwrite",
     )
 
 

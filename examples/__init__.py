@@ -1,0 +1,1 @@
+"""Runnable examples: ByteGPT on the standard library sources (see examples/train.py and examples/cli.py)."""

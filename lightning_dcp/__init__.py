@@ -4,6 +4,7 @@ Importing the package registers the ``dcp_*`` strategy names in Lightning's stra
 """
 
 from lightning_dcp._consolidate import consolidate
+from lightning_dcp._integrity import verify_checkpoint
 from lightning_dcp._stream_inspect import inspect_checkpoint
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import (
@@ -25,7 +26,6 @@ from lightning_dcp.strategies import (
     DCPStrategyMixin,
     register_strategies,
 )
-from lightning_dcp.verify import verify_checkpoint
 from lightning_dcp.weights import LoadReport, load_model_weights
 
 __version__ = "0.1.0"

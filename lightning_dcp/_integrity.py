@@ -9,17 +9,15 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from typing import TYPE_CHECKING
+from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE, load_metadata, read_commit
-from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
+from lightning_dcp._storage import Location
+from lightning_dcp.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-if TYPE_CHECKING:
-    from lightning_dcp._storage import Location
-
-__all__ = ["check_checkpoint", "newest_valid_sibling"]
+__all__ = ["check_checkpoint", "newest_valid_sibling", "verify_checkpoint"]
 
 
 def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
@@ -120,3 +118,27 @@ def newest_valid_sibling(location: Location, *, exclude: Location) -> tuple[Loca
         except NotACheckpointError:
             continue
     return None
+
+
+def verify_checkpoint(
+    path: str | os.PathLike, *, full: bool = True, storage_options: dict[str, Any] | None = None
+) -> None:
+    """Check that the checkpoint at ``path`` is committed and every byte matches what was saved.
+
+    Args:
+        path: Checkpoint directory (local path or fsspec URL).
+        full: Read every record of every data file and check its CRC32 (default). ``False``: the fast checks that
+            also run before every load (commit marker, ``.metadata`` CRC32, data file sizes).
+        storage_options: fsspec options for remote storage.
+
+    Rank 0 only (or any single process).
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+        NotACheckpointError: No commit marker (an incomplete save).
+        CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
+    """
+    location = Location(path, storage_options=storage_options).resolve()
+    if not location.exists():
+        raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
+    check_checkpoint(location, full=full)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
@@ -27,6 +29,7 @@ from lightning_dcp.errors import (
 __all__ = ["DCPCheckpointIO"]
 
 _T = TypeVar("_T")
+log = logging.getLogger(__name__)
 
 
 class DCPCheckpointIO(CheckpointIO):
@@ -71,6 +74,8 @@ class DCPCheckpointIO(CheckpointIO):
         self.sync_files = sync_files
         self.async_save = async_save
         self._async = AsyncSaves() if async_save else None
+        self.last_save_seconds: float | None = None
+        """Seconds the last ``save_checkpoint`` call blocked its caller (the training-loop stall), on this rank."""
 
     # ----------------------------------------------------------------------------------------------- save
     @override
@@ -103,6 +108,7 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
+        started = time.perf_counter()
         location = Location(path, storage_options={**self.storage_options, **(storage_options or {})})
         rank, world_size = _rank_and_world(collective)
         # Rank 0 decides where this save writes; all ranks must agree.
@@ -139,6 +145,7 @@ class DCPCheckpointIO(CheckpointIO):
                     commit=commit,
                     abandon=abandon,
                 )
+                self._record(started, location, "staged (writing in the background)")
                 return
             with _single_process_ok():
                 dcp.save(dcp_state, storage_writer=writer, no_dist=not _distributed(collective))
@@ -147,6 +154,11 @@ class DCPCheckpointIO(CheckpointIO):
                 abandon()
             raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed on rank {rank}") from err
         _on_rank0(collective, commit)
+        self._record(started, location, "saved")
+
+    def _record(self, started: float, location: Location, what: str) -> None:
+        self.last_save_seconds = time.perf_counter() - started
+        log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
 
     # ----------------------------------------------------------------------------------------------- load
     @override

@@ -3,40 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
-from lightning_dcp._integrity import check_checkpoint
-from lightning_dcp._storage import Location
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError
+from lightning_dcp._integrity import verify_checkpoint
+from lightning_dcp.errors import CheckpointError
 
 __all__ = ["main", "verify_checkpoint"]
-
-
-def verify_checkpoint(
-    path: str | os.PathLike, *, full: bool = True, storage_options: dict[str, Any] | None = None
-) -> None:
-    """Check that the checkpoint at ``path`` is committed and every byte matches what was saved.
-
-    Args:
-        path: Checkpoint directory (local path or fsspec URL).
-        full: Read every record of every data file and check its CRC32 (default). ``False``: the fast checks that
-            also run before every load (commit marker, ``.metadata`` CRC32, data file sizes).
-        storage_options: fsspec options for remote storage.
-
-    Rank 0 only (or any single process).
-
-    Raises:
-        CheckpointNotFoundError: Nothing exists at ``path``.
-        NotACheckpointError: No commit marker (an incomplete save).
-        CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
-    """
-    location = Location(path, storage_options=storage_options).resolve()
-    if not location.exists():
-        raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
-    check_checkpoint(location, full=full)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

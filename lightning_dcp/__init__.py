@@ -6,6 +6,7 @@ Importing the package registers the ``dcp_*`` strategy names in Lightning's stra
 from lightning_dcp._consolidate import consolidate
 from lightning_dcp._integrity import verify_checkpoint
 from lightning_dcp._stream_inspect import inspect_checkpoint
+from lightning_dcp.callbacks import ElasticResume
 from lightning_dcp.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -42,6 +43,7 @@ __all__ = [
     "DCPModelParallelStrategy",
     "DCPSingleDeviceStrategy",
     "DCPStrategyMixin",
+    "ElasticResume",
     "ExportCallback",
     "LoadReport",
     "NotACheckpointError",

@@ -139,3 +139,42 @@ class DropoutModel(TinyModel):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.drop(self.body(x)))
+
+
+class IndexedDataset(torch.utils.data.Dataset):
+    """Fixed random regression data whose items carry their own index: ``(x, y, index)``."""
+
+    def __init__(self, n: int = 64, dim: int = 8) -> None:
+        g = torch.Generator().manual_seed(1234)
+        self.x = torch.randn(n, dim, generator=g)
+        self.y = torch.randn(n, 2, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], i
+
+
+class IndexedDataModule(LightningDataModule):
+    """``IndexedDataset`` shuffled, ``batch_size`` samples per device."""
+
+    def __init__(self, n: int = 64, batch_size: int = 4) -> None:
+        super().__init__()
+        self.n, self.batch_size = n, batch_size
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(IndexedDataset(self.n), batch_size=self.batch_size, shuffle=True)
+
+
+class IdLoggingModel(TinyModel):
+    """TinyModel that records, per training batch, ``(epoch, global_step, sample ids)`` in ``self.seen_ids``."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.seen_ids: list[tuple[int, int, list[int]]] = []
+
+    def training_step(self, batch, batch_idx):
+        x, y, ids = batch
+        self.seen_ids.append((self.current_epoch, self.trainer.global_step, ids.tolist()))
+        return super().training_step((x, y), batch_idx)

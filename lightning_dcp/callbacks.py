@@ -1,0 +1,363 @@
+"""``ElasticResume``: resume on a different number of devices and keep what the run means.
+
+Two things change when a run resumes at another data-parallel world size, and this callback puts both back:
+
+- **The global batch size** (world size x per-device batch size x ``accumulate_grad_batches``): kept by setting
+  ``trainer.accumulate_grad_batches`` (the attribute Lightning's own ``GradientAccumulationScheduler`` sets).
+- **The position in the epoch**: Lightning restarts a plain ``DataLoader`` at the first batch of the epoch, so a
+  mid-epoch resume sees the epoch's first samples again. The callback replaces the train sampler by one that draws
+  the same world-size-independent order (what ``DistributedSampler`` draws: a permutation seeded with
+  ``seed + epoch``, dealt to the ranks in turn) and skips exactly the samples already consumed, whatever world size
+  consumed them.
+
+See ``docs/resume.md`` ("Resuming at another world size") for what is and is not preserved.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from typing_extensions import override
+
+from lightning_dcp._compat import restart_train_iterator, shift_epoch_batches
+
+__all__ = ["ElasticResume", "GlobalOrderSampler", "accumulation_for"]
+
+STATE_VERSION = 1
+
+
+class GlobalOrderSampler(Sampler[int]):
+    """``DistributedSampler``'s order (same seed, epoch, padding and split), able to start an epoch part-way.
+
+    Outside the epoch given to :meth:`skip`, it yields exactly what ``DistributedSampler(dataset_size, ...)`` yields.
+    In that epoch it drops the first ``samples`` indices of the epoch's global order (the permutation before padding,
+    which does not depend on the world size), then pads/trims and deals the rest as ``DistributedSampler`` would.
+    ``len()`` is always the full epoch's per-rank length, which is what Lightning's batch counting expects.
+
+    Args:
+        dataset_size: Number of samples in the dataset.
+        num_replicas: Data-parallel world size (ranks that draw different samples).
+        rank: This rank's index among ``num_replicas``.
+        shuffle: Permute with ``seed + epoch`` (else the natural order).
+        seed: The shuffle seed (Lightning uses ``PL_GLOBAL_SEED``).
+        drop_last: Trim to a multiple of ``num_replicas`` instead of padding with repeated samples.
+        epoch: The epoch used until :meth:`set_epoch` is called.
+    """
+
+    def __init__(
+        self,
+        dataset_size: int,
+        *,
+        num_replicas: int,
+        rank: int,
+        shuffle: bool,
+        seed: int,
+        drop_last: bool = False,
+        epoch: int = 0,
+    ) -> None:
+        self.dataset_size = dataset_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = epoch
+        self.skip_epoch: int | None = None
+        self.skip_samples = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch (Lightning calls this before each epoch)."""
+        self.epoch = epoch
+
+    def skip(self, *, epoch: int, samples: int) -> None:
+        """Start ``epoch`` after its first ``samples`` samples (global count, all ranks together)."""
+        self.skip_epoch, self.skip_samples = epoch, samples
+
+    def global_order(self, epoch: int) -> list[int]:
+        """The epoch's sample indices in the order all ranks together consume them (no padding)."""
+        if not self.shuffle:
+            return list(range(self.dataset_size))
+        generator = torch.Generator()
+        generator.manual_seed(self.seed + epoch)
+        return torch.randperm(self.dataset_size, generator=generator).tolist()
+
+    def _per_rank(self, n: int) -> int:
+        if self.drop_last and n % self.num_replicas:
+            return math.ceil((n - self.num_replicas) / self.num_replicas)
+        return math.ceil(n / self.num_replicas)
+
+    def __len__(self) -> int:
+        return self._per_rank(self.dataset_size)
+
+    def __iter__(self):
+        order = self.global_order(self.epoch)
+        if self.epoch == self.skip_epoch:
+            order = order[self.skip_samples :]
+        total = self._per_rank(len(order)) * self.num_replicas
+        if total > len(order) and order:
+            order = (order * math.ceil(total / len(order)))[:total]
+        return iter(order[self.rank : total : self.num_replicas])
+
+
+def accumulation_for(global_batch_size: int, *, world_size: int, batch_size: int) -> int:
+    """The ``accumulate_grad_batches`` that keeps ``global_batch_size`` samples per optimizer step.
+
+    Raises:
+        ValueError: ``global_batch_size`` is not a multiple of ``world_size * batch_size``.
+    """
+    per_micro_step = world_size * batch_size
+    if global_batch_size % per_micro_step:
+        fits = [w for w in range(1, global_batch_size + 1) if global_batch_size % (w * batch_size) == 0]
+        where = f"Resume on {_or(fits)} rank(s) with this batch size, or change" if fits else "Change"
+        raise ValueError(
+            f"ElasticResume cannot keep the global batch size of {global_batch_size} samples on {world_size} ranks"
+            f" with {batch_size} samples per device: {global_batch_size} is not a multiple of {per_micro_step}."
+            f" {where} the per-device batch size so that world size x batch size divides {global_batch_size}, or"
+            " remove ElasticResume to accept a different global batch size."
+        )
+    return global_batch_size // per_micro_step
+
+
+def _or(values: list[int]) -> str:
+    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
+
+
+class ElasticResume(Callback):
+    """Resume a run at another data-parallel world size with the same global batch size and sample order.
+
+    At every save it records (``state_dict``, stored in the checkpoint's ``callbacks`` entry) the data-parallel
+    world size, the per-device batch size, ``accumulate_grad_batches``, the epoch, and the samples consumed in the
+    epoch and in total (counts of samples drawn from the sampler by all ranks together, padding included). When a
+    fit resumes from such a checkpoint it, in ``on_train_start``:
+
+    1. sets ``trainer.accumulate_grad_batches`` so that world size x batch size x accumulation equals the saved
+       global batch size (or raises if no integer accumulation does);
+    2. for a mid-epoch checkpoint, makes the train sampler skip the epoch's samples already consumed (globally) and
+       moves Lightning's batch counters of the epoch to the same position at the new world size.
+
+    Every optimizer step then sees the same set of samples as in the uninterrupted run (the epoch's global order is
+    consumed in global-batch-size chunks at any world size), as long as no padding is involved; see
+    ``docs/resume.md``.
+
+    The train sampler is replaced by :class:`GlobalOrderSampler` in every fit (not only when resuming), when it is
+    Lightning's ``DistributedSampler``, or a ``RandomSampler``/``SequentialSampler`` on one device; a
+    ``DistributedSampler`` run is unchanged by this, a one-device shuffled run draws the ``seed + epoch``
+    permutation instead of the global random generator's. Other samplers are left alone, and a mid-epoch resume
+    with one of them at another world size raises.
+
+    Every rank computes the same from the same checkpoint; no hook is collective.
+
+    Args:
+        verbose: Log (rank 0) the accumulation change and the resume position.
+
+    Raises:
+        ValueError: At resume: the global batch size cannot be kept (the message names world sizes that work), it
+            would need gradient accumulation under manual optimization or under a ``GradientAccumulationScheduler``,
+            or a mid-epoch position cannot be reproduced (other sampler, other shuffle seed or dataset size, a
+            checkpoint saved within a gradient-accumulation window at another world size).
+    """
+
+    def __init__(self, *, verbose: bool = True) -> None:
+        self.verbose = verbose
+        self._trainer: Trainer | None = None
+        self._sampler: GlobalOrderSampler | None = None
+        self._order: dict[str, Any] | None = None
+        self._restored: dict[str, Any] | None = None
+        self._world_size = 1
+        self._batch_size: int | None = None
+        self._per_rank_samples = 0
+        self._epoch_samples = 0
+        self._epoch = 0
+        self._in_epoch = 0
+        self._before_epoch = 0
+
+    # ---------------------------------------------------------------------------------------------- state
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        """What a resume needs (samples are global counts; all values plain Python, ``weights_only``-safe)."""
+        trainer = self._trainer
+        accumulation = trainer.accumulate_grad_batches if trainer is not None else 1
+        return {
+            "version": STATE_VERSION,
+            "world_size": self._world_size,
+            "batch_size": self._batch_size,
+            "accumulate_grad_batches": accumulation,
+            "global_batch_size": None
+            if self._batch_size is None
+            else self._world_size * self._batch_size * accumulation,
+            "epoch": self._epoch,
+            "epoch_samples": self._epoch_samples,
+            "samples_in_epoch": self._in_epoch,
+            "samples_total": self._before_epoch + self._in_epoch,
+            "order": self._order,
+        }
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Keep the saved state until ``on_train_start`` applies it (the loops are restored by then)."""
+        self._restored = dict(state_dict)
+        self._epoch = state_dict["epoch"]
+        self._in_epoch = state_dict["samples_in_epoch"]
+        self._before_epoch = state_dict["samples_total"] - state_dict["samples_in_epoch"]
+
+    # ---------------------------------------------------------------------------------------------- hooks
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._trainer = trainer
+
+    @override
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install(trainer)
+        saved, self._restored = self._restored, None
+        if saved is not None:
+            self._resume(trainer, pl_module, saved)
+        if self._sampler is not None:
+            restart_train_iterator(trainer)  # FitLoop.setup_data iterated the loader before this hook
+
+    @override
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._install(trainer)  # the loader is new if `reload_dataloaders_every_n_epochs` reloaded it
+        self._before_epoch += self._in_epoch
+        self._in_epoch = 0
+        self._epoch = trainer.current_epoch
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._batch_size is not None:
+            per_rank = min((batch_idx + 1) * self._batch_size, self._per_rank_samples)
+            self._in_epoch = self._world_size * per_rank
+        self._epoch = trainer.current_epoch
+
+    # -------------------------------------------------------------------------------------------- helpers
+    def _install(self, trainer: Trainer) -> None:
+        """Find the train loader's batch size and sampler; put a :class:`GlobalOrderSampler` in where supported."""
+        kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
+        self._world_size = kwargs.get("num_replicas", 1)
+        loader = trainer.train_dataloader
+        batch_sampler = getattr(loader, "batch_sampler", None)
+        if not isinstance(loader, DataLoader) or not isinstance(batch_sampler, BatchSampler):
+            self._batch_size = self._sampler = self._order = None
+            return
+        self._batch_size = batch_sampler.batch_size
+        sampler = batch_sampler.sampler
+        if not isinstance(sampler, GlobalOrderSampler):
+            sampler = _global_order_sampler(sampler, world_size=self._world_size, epoch=trainer.current_epoch)
+            if sampler is not None:
+                batch_sampler.sampler = sampler
+        self._sampler = sampler
+        self._per_rank_samples = len(batch_sampler.sampler)
+        batches = min(len(batch_sampler), trainer.num_training_batches)
+        self._epoch_samples = self._world_size * min(batches * self._batch_size, self._per_rank_samples)
+        self._order = None
+        if sampler is not None:
+            self._order = {"dataset_size": sampler.dataset_size, "shuffle": sampler.shuffle, "seed": sampler.seed}
+
+    def _resume(self, trainer: Trainer, pl_module: LightningModule, saved: dict[str, Any]) -> None:
+        world, batch = self._world_size, self._batch_size
+        old = f"{saved['world_size']} rank(s) x {saved['batch_size']} x {saved['accumulate_grad_batches']}"
+        target = saved["global_batch_size"]
+        if target is not None and (batch is None or world * batch * trainer.accumulate_grad_batches != target):
+            if batch is None:
+                raise ValueError(
+                    "ElasticResume cannot keep the global batch size: the train loader's batch size is unknown."
+                )
+            accumulation = accumulation_for(target, world_size=world, batch_size=batch)
+            if accumulation != 1 and not pl_module.automatic_optimization:
+                raise ValueError(
+                    f"ElasticResume would need accumulate_grad_batches={accumulation} to keep the global batch size"
+                    f" of {target} ({old}), but manual optimization ignores it. Resume on {saved['world_size']} ranks."
+                )
+            if any(isinstance(cb, GradientAccumulationScheduler) for cb in trainer.callbacks):
+                raise ValueError(
+                    "ElasticResume cannot change accumulate_grad_batches while a GradientAccumulationScheduler sets"
+                    f" it each epoch; resume on {saved['world_size']} ranks or drop one of the two callbacks."
+                )
+            trainer.accumulate_grad_batches = accumulation
+            if self.verbose:
+                rank_zero_info(
+                    f"ElasticResume: global batch size {target} kept ({old} saved, now {world} rank(s) x {batch} x"
+                    f" accumulate_grad_batches={accumulation})."
+                )
+        consumed = saved["samples_in_epoch"]
+        if not 0 < consumed < saved["epoch_samples"]:
+            return  # saved at an epoch boundary: Lightning starts the next epoch at its first sample
+        self._position(trainer, saved, consumed)
+
+    def _position(self, trainer: Trainer, saved: dict[str, Any], consumed: int) -> None:
+        """Skip the ``consumed`` samples of the saved epoch and move the batch counters to match."""
+        world, batch = self._world_size, self._batch_size
+        same_layout = (world, batch) == (saved["world_size"], saved["batch_size"])
+        if self._sampler is None or saved["order"] is None:
+            if not same_layout:
+                raise ValueError(
+                    "ElasticResume cannot continue this mid-epoch checkpoint at another world size or batch size:"
+                    " the train sampler is not a DistributedSampler/RandomSampler/SequentialSampler, so which samples"
+                    " were consumed is unknown. Resume from an end-of-epoch checkpoint, or with the saved world size"
+                    f" ({saved['world_size']}) and batch size ({saved['batch_size']})."
+                )
+            rank_zero_warn("ElasticResume: this sampler cannot skip the consumed samples; the epoch restarts.")
+            return
+        if saved["order"] != self._order:
+            raise ValueError(
+                f"ElasticResume cannot continue this mid-epoch checkpoint: its epoch order came from {saved['order']},"
+                f" this run's from {self._order}. Use the same dataset and seed (`seed_everything(...)` sets"
+                " `PL_GLOBAL_SEED`, which the sampler shuffles with), or resume from an end-of-epoch checkpoint."
+            )
+        if trainer.current_epoch != saved["epoch"]:
+            raise ValueError(
+                f"ElasticResume: the checkpoint was saved in epoch {saved['epoch']} but the loops resume epoch"
+                f" {trainer.current_epoch}; the checkpoint's callback and loop states disagree."
+            )
+        if consumed % (world * batch):
+            raise ValueError(
+                f"ElasticResume cannot continue at {world} rank(s) x {batch} samples: the checkpoint was saved after"
+                f" {consumed} samples of the epoch, which is not a whole number of batches here (it was saved inside"
+                " a gradient-accumulation window). Resume with the saved world size, or from a checkpoint saved"
+                " after an optimizer step."
+            )
+        new_batches = consumed // (world * batch)
+        shift_epoch_batches(trainer, new_batches - consumed // (saved["world_size"] * saved["batch_size"]))
+        self._sampler.skip(epoch=saved["epoch"], samples=consumed)
+        if self.verbose:
+            rank_zero_info(
+                f"ElasticResume: epoch {saved['epoch']} continues after {consumed} of its samples (batch"
+                f" {new_batches} per rank at {world} rank(s))."
+            )
+
+
+def _global_order_sampler(sampler: Sampler, *, world_size: int, epoch: int) -> GlobalOrderSampler | None:
+    """The :class:`GlobalOrderSampler` drawing what ``sampler`` draws (``None`` when that cannot be reproduced)."""
+    if type(sampler) is DistributedSampler:  # not DistributedSamplerWrapper: that one wraps a custom order
+        return GlobalOrderSampler(
+            len(sampler.dataset),
+            num_replicas=sampler.num_replicas,
+            rank=sampler.rank,
+            shuffle=sampler.shuffle,
+            seed=sampler.seed,
+            drop_last=sampler.drop_last,
+            epoch=epoch,
+        )
+    if world_size != 1:  # every rank draws the whole dataset (`use_distributed_sampler=False`): not ours to change
+        return None
+    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # what Lightning's DistributedSampler would use
+    if type(sampler) is SequentialSampler:
+        return GlobalOrderSampler(len(sampler.data_source), num_replicas=1, rank=0, shuffle=False, seed=seed)
+    if (
+        type(sampler) is RandomSampler
+        and not sampler.replacement
+        and sampler.generator is None
+        and sampler.num_samples == len(sampler.data_source)
+    ):
+        return GlobalOrderSampler(
+            len(sampler.data_source), num_replicas=1, rank=0, shuffle=True, seed=seed, epoch=epoch
+        )
+    return None

@@ -44,12 +44,11 @@ from lightning_dcp.errors import (
 )
 
 __all__ = [
-    "BucketNotFoundError",
     "COMMIT_FILE",
     "METADATA_FILE",
-    "Location",
     "POINTER_HEADER",
-    "StorageAccessError",
+    "Location",
+    "fsync_dir",
     "new_token",
 ]
 
@@ -405,10 +404,11 @@ def _local_replace(src: str, dst: str) -> None:
         os.rename(dst, old)
         os.rename(src, dst)
         Location(old).remove()
-    _fsync_dir(os.path.dirname(os.path.abspath(dst)))
+    fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
 
-def _fsync_dir(path: str) -> None:
+def fsync_dir(path: str) -> None:
+    """``fsync`` a local directory so a rename inside it survives a power loss (best effort)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

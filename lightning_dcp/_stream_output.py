@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import IO
 
-from lightning_dcp._storage import Location, new_token
+from lightning_dcp._storage import Location, fsync_dir, new_token
 
 __all__ = ["atomic_directory", "atomic_file", "refuse_existing"]
 
@@ -55,7 +55,7 @@ def atomic_file(out: Location) -> Iterator[IO[bytes]]:
         if os.path.isdir(out.path) and not os.path.islink(out.path):
             out.remove()
         os.replace(tmp, out.path)
-        _fsync_dir(parent)
+        fsync_dir(parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -74,16 +74,3 @@ def atomic_directory(out: Location) -> Iterator[Location]:
         out.commit_from(staging)
     finally:
         staging.remove()
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

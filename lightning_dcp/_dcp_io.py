@@ -3,28 +3,31 @@
 Files stay exactly DCP's (``__{rank}_{n}.distcp`` records written with ``torch.save``, ``.metadata``), so any DCP
 reader loads them. On top of that:
 
-- the writer computes a CRC32 of every record while writing it (no second pass over the disk) and the coordinator
-  writes them, with the size and CRC32 of ``.metadata``, to ``.commit`` **after** ``.metadata``: ``.commit`` is
+- the writer computes a checksum (xxHash3-64) of every record while writing it (no second pass over the disk) and
+  the coordinator writes them, with the size and checksum of ``.metadata``, to ``.commit`` **after** ``.metadata``:
+  ``.commit`` is
   lightning_dcp's commit marker, and a directory without it is never treated as a checkpoint;
-- the reader verifies the CRC32 of every record it reads (so a flipped bit never loads silently) and names the file;
+- the reader verifies the checksum of every record it reads (so a flipped bit never loads silently) and names the file;
 - ``.metadata`` is unpickled by :func:`load_metadata`, which admits DCP's metadata classes only (DCP itself uses plain
   ``pickle.load``, which runs code from a crafted file).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import json
 import os
 import pickle
+import threading
 import time
-import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -47,8 +50,10 @@ if TYPE_CHECKING:
     from lightning_dcp._storage import Location
 
 __all__ = [
+    "CHECKSUM",
     "COMMIT_FILE",
     "METADATA_FILE",
+    "checksum",
     "load_metadata",
     "read_commit",
     "storage_reader",
@@ -60,6 +65,13 @@ METADATA_FILE = ".metadata"
 COMMIT_FILE = ".commit"
 """lightning_dcp's commit marker (JSON: checksums and sizes), written last."""
 DATA_SUFFIX = ".distcp"
+CHECKSUM = "xxh3_64"
+"""Checksum of every record and of ``.metadata``: 64-bit xxHash3 (~12 GB/s here, vs ~2 GB/s for zlib's CRC32)."""
+
+
+def checksum(data: Any) -> int:
+    """The :data:`CHECKSUM` of a bytes-like object, as an unsigned 64-bit integer."""
+    return xxhash.xxh3_64_intdigest(data)
 
 
 def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -> StorageWriter:
@@ -95,14 +107,19 @@ def read_commit(location: Location) -> dict[str, Any] | None:
 
 
 # ------------------------------------------------------------------------------------------------------ writing
-class _CrcStream:
-    """A write-only stream that forwards to ``raw`` and keeps a running CRC32 and byte count."""
+class _HashingStream:
+    """A write-only stream that forwards to ``raw`` and keeps a running checksum and byte count."""
 
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
         self.position = 0
-        self.crc = 0
+        self.hasher = xxhash.xxh3_64()
         self.error: OSError | None = None  # torch.save's zip writer hides OSErrors behind a RuntimeError
+
+    def begin_record(self) -> int:
+        """Start a new record: reset the running checksum; returns the record's offset."""
+        self.hasher.reset()
+        return self.position
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
@@ -111,7 +128,7 @@ class _CrcStream:
         except OSError as err:
             self.error = err
             raise
-        self.crc = zlib.crc32(view, self.crc)
+        self.hasher.update(view)
         self.position += view.nbytes
         return view.nbytes
 
@@ -120,6 +137,35 @@ class _CrcStream:
 
     def writable(self) -> bool:
         return True
+
+
+_ZIP_CRC_LOCK = threading.Lock()
+_ZIP_CRC_USERS = 0
+_ZIP_CRC_BEFORE = True
+
+
+@contextlib.contextmanager
+def _without_zip_crc32() -> Iterator[None]:
+    """Skip the CRC32 ``torch.save`` computes for its zip records while we write ours.
+
+    That CRC is never verified by ``torch.load`` and costs a full pass over every byte at ~1.5 GB/s (here it was
+    most of the serialization time); each record already gets our own, faster checksum. The setting is process-wide
+    (``torch.serialization.set_crc32_options``), so it is switched off while any of our saves runs and restored after
+    the last one; a ``torch.save`` elsewhere in the meantime writes a zip without CRCs, which torch loads the same.
+    """
+    global _ZIP_CRC_USERS, _ZIP_CRC_BEFORE
+    with _ZIP_CRC_LOCK:
+        if _ZIP_CRC_USERS == 0:
+            _ZIP_CRC_BEFORE = torch.serialization.get_crc32_options()
+            torch.serialization.set_crc32_options(False)
+        _ZIP_CRC_USERS += 1
+    try:
+        yield
+    finally:
+        with _ZIP_CRC_LOCK:
+            _ZIP_CRC_USERS -= 1
+            if _ZIP_CRC_USERS == 0:
+                torch.serialization.set_crc32_options(_ZIP_CRC_BEFORE)
 
 
 def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
@@ -140,18 +186,19 @@ def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
 
 
 class _ChecksummingWriter:
-    """Write DCP records ourselves so each record's CRC32 is known exactly; then commit with ``.commit``."""
+    """Write DCP records ourselves so each record's checksum is known exactly; then commit with ``.commit``."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         prefix = plan.storage_data.prefix
         jobs = [
             (f"{prefix}{i}{DATA_SUFFIX}", bucket) for i, bucket in enumerate(_balance(plan.items, self.thread_count))
         ]
-        if len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                per_file = list(pool.map(lambda job: self._write_file(planner, *job), jobs))
-        else:
-            per_file = [self._write_file(planner, *job) for job in jobs]
+        with _without_zip_crc32():
+            if len(jobs) > 1:
+                with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                    per_file = list(pool.map(lambda job: self._write_file(planner, *job), jobs))
+            else:
+                per_file = [self._write_file(planner, *job) for job in jobs]
         future: Future[list[WriteResult]] = Future()
         future.set_result([result for results in per_file for result in results])
         return future
@@ -159,10 +206,10 @@ class _ChecksummingWriter:
     def _write_file(self, planner: SavePlanner, file_name: str, items: list[WriteItem]) -> list[WriteResult]:
         results = []
         with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as raw:
-            out = _CrcStream(raw)
+            out = _HashingStream(raw)
             for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
                 data = planner.resolve_data(item)
-                start, out.crc = out.position, 0
+                start = out.begin_record()
                 if item.type == WriteItemType.BYTE_IO:
                     out.write(data.getbuffer())
                 else:
@@ -176,8 +223,12 @@ class _ChecksummingWriter:
                             raise out.error from None
                         raise
                 info = StorageInfo(file_name, start, out.position - start)
-                # The CRC rides along to the coordinator and is moved into .commit in finish().
-                results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=(info, out.crc)))
+                # The checksum rides along to the coordinator and is moved into .commit in finish().
+                results.append(
+                    WriteResult(
+                        index=item.index, size_in_bytes=info.length, storage_data=(info, out.hasher.intdigest())
+                    )
+                )
             raw.flush()
             if self.sync_files:
                 os.fsync(raw.fileno())
@@ -189,9 +240,9 @@ class _ChecksummingWriter:
         for rank_results in results:
             plain.append([])
             for result in rank_results:
-                info, crc = result.storage_data
+                info, digest = result.storage_data
                 entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
-                entry["records"].append([info.offset, info.length, crc])
+                entry["records"].append([info.offset, info.length, digest])
                 entry["size"] = max(entry["size"], info.offset + info.length)
                 plain[-1].append(dataclasses.replace(result, storage_data=info))
         super().finish(metadata, plain)
@@ -200,9 +251,9 @@ class _ChecksummingWriter:
         marker = {
             "format": "lightning_dcp",
             "version": 1,
-            "algorithm": "crc32",
+            "algorithm": CHECKSUM,
             "committed_at": time.time(),
-            "metadata": {"size": len(metadata_bytes), "crc32": zlib.crc32(metadata_bytes)},
+            "metadata": {"size": len(metadata_bytes), "checksum": checksum(metadata_bytes)},
             "files": files,
         }
         with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "wb") as f:
@@ -242,7 +293,7 @@ def _keep_options(io: Any, storage_options: dict[str, Any]) -> Any:
 
 # ------------------------------------------------------------------------------------------------------ reading
 class _VerifyingReader:
-    """Read records as DCP's filesystem readers do, checking each record's CRC32 from ``.commit`` first."""
+    """Read records as DCP's filesystem readers do, checking each record's checksum from ``.commit`` first."""
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
@@ -256,15 +307,15 @@ class _VerifyingReader:
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.crcs: dict[tuple[str, int], tuple[int, int]] = {}
+        self.checksums: dict[tuple[str, int], tuple[int, int]] = {}
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "rb") as f:
                 marker = json.loads(f.read())
         except FileNotFoundError:
             return  # not written by lightning_dcp: nothing to verify against
         for name, entry in marker.get("files", {}).items():
-            for offset, length, crc in entry["records"]:
-                self.crcs[(name, offset)] = (length, crc)
+            for offset, length, digest in entry["records"]:
+                self.checksums[(name, offset)] = (length, digest)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
@@ -302,10 +353,10 @@ class _VerifyingReader:
                 f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
                 file=name,
             )
-        expected = self.crcs.get((name, info.offset))
-        if expected is not None and (expected[0] != info.length or zlib.crc32(record) != expected[1]):
+        expected = self.checksums.get((name, info.offset))
+        if expected is not None and (expected[0] != info.length or checksum(record) != expected[1]):
             raise CorruptCheckpointError(
-                f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the CRC32 recorded"
+                f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded"
                 " at save. Restore the file or resume from another checkpoint.",
                 file=name,
             )

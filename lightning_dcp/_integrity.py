@@ -1,6 +1,6 @@
 """Checking a checkpoint before it is loaded: committed, metadata intact, data files whole; full verification.
 
-The records' CRC32s are written by :mod:`lightning_dcp._dcp_io` at save into ``.commit``; its reader checks every
+The records' checksums are written by :mod:`lightning_dcp._dcp_io` at save into ``.commit``; its reader checks every
 record it loads. Here, the cheap checks that run before every load (fast mode) and the full pass over every record.
 """
 
@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE, load_metadata, read_commit
+from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE, checksum, load_metadata, read_commit
 from lightning_dcp._storage import Location
 from lightning_dcp.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
@@ -24,8 +23,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     """Check that ``location`` holds a complete, undamaged checkpoint and return its DCP metadata.
 
     Fast mode (``full=False``, run before every load): the ``.commit`` marker exists, ``.metadata`` matches its
-    recorded size and CRC32, and every data file exists with at least its recorded size. Records are then checked
-    one by one as they are read. ``full=True`` also reads every record of every file and checks its CRC32.
+    recorded size and checksum, and every data file exists with at least its recorded size. Records are then checked
+    one by one as they are read. ``full=True`` also reads every record of every file and checks its checksum.
 
     Rank 0 only (or any single process).
 
@@ -48,9 +47,10 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
             f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
         ) from err
     expected = marker["metadata"]
-    if len(metadata_bytes) != expected["size"] or zlib.crc32(metadata_bytes) != expected["crc32"]:
+    if len(metadata_bytes) != expected["size"] or checksum(metadata_bytes) != expected["checksum"]:
         raise CorruptCheckpointError(
-            f"{location.url!r}: {METADATA_FILE} does not match the size and CRC32 recorded at save.", file=METADATA_FILE
+            f"{location.url!r}: {METADATA_FILE} does not match the size and checksum recorded at save.",
+            file=METADATA_FILE,
         )
     sizes = _file_sizes(location)
     for name, entry in marker["files"].items():
@@ -73,10 +73,10 @@ def _file_sizes(location: Location) -> dict[str, int]:
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
     with location.open(name) as f:
-        for offset, length, crc in sorted(records):
+        for offset, length, digest in sorted(records):
             f.seek(offset)
             data = f.read(length)
-            if len(data) != length or zlib.crc32(data) != crc:
+            if len(data) != length or checksum(data) != digest:
                 raise CorruptCheckpointError(
                     f"{location.url!r}: data file {name} is corrupt at bytes {offset}..{offset + length}.", file=name
                 )
@@ -127,8 +127,8 @@ def verify_checkpoint(
 
     Args:
         path: Checkpoint directory (local path or fsspec URL).
-        full: Read every record of every data file and check its CRC32 (default). ``False``: the fast checks that
-            also run before every load (commit marker, ``.metadata`` CRC32, data file sizes).
+        full: Read every record of every data file and check its checksum (default). ``False``: the fast checks that
+            also run before every load (commit marker, ``.metadata`` checksum, data file sizes).
         storage_options: fsspec options for remote storage.
 
     Rank 0 only (or any single process).

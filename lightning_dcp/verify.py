@@ -16,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Returns 0 when the checkpoint verifies, 1 otherwise."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_dcp.verify",
-        description="Verify a lightning_dcp checkpoint against the CRC32 checksums recorded when it was saved.",
+        description="Verify a lightning_dcp checkpoint against the checksums recorded when it was saved.",
         epilog="example:\n  python -m lightning_dcp.verify checkpoints/last.ckpt",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import pickle
-import zlib
 
 import pytest
 import torch
@@ -16,6 +15,7 @@ from lightning_dcp import (
     NotACheckpointError,
     verify_checkpoint,
 )
+from lightning_dcp._dcp_io import checksum
 from lightning_dcp.verify import main as verify_main
 
 
@@ -40,12 +40,12 @@ def test_commit_marker_records_every_record(tmp_path):
     path = str(tmp_path / "a.ckpt")
     _save(path)
     marker = json.loads((tmp_path / "a.ckpt" / ".commit").read_text())
-    assert marker["algorithm"] == "crc32"
+    assert marker["algorithm"] == "xxh3_64"
     records = marker["files"]["__0_0.distcp"]["records"]
     assert len(records) == 5  # 4 tensors + the Trainer-state blob
     data = (tmp_path / "a.ckpt" / "__0_0.distcp").read_bytes()
-    for offset, length, crc in records:
-        assert zlib.crc32(data[offset : offset + length]) == crc
+    for offset, length, digest in records:
+        assert checksum(data[offset : offset + length]) == digest
     assert marker["files"]["__0_0.distcp"]["size"] == len(data)
     verify_checkpoint(path)
     assert verify_main([path]) == 0
@@ -109,7 +109,7 @@ def test_crafted_metadata_runs_nothing(tmp_path):
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(crafted)
     commit = json.loads((tmp_path / "a.ckpt" / ".commit").read_text())
-    commit["metadata"] = {"size": len(crafted), "crc32": zlib.crc32(crafted)}
+    commit["metadata"] = {"size": len(crafted), "checksum": checksum(crafted)}
     (tmp_path / "a.ckpt" / ".commit").write_text(json.dumps(commit))
     with pytest.raises(NotACheckpointError, match="not part of DCP's metadata format"):
         DCPCheckpointIO().load_checkpoint(path)

@@ -16,6 +16,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -113,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
     repeats = 1 if args.quick else args.repeats
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_", dir=os.path.abspath("."))
-    report: dict = {"machine": machine(), "command": "python -m benchmarks.run " + " ".join(argv or []), "save": []}
+    report: dict = {
+        "machine": machine(),
+        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        "save": [],
+    }
     try:
         for size in sizes:
             for ws in world_sizes:

@@ -13,18 +13,20 @@ the median of ``repeats`` runs is reported. Files are read from a warm page cach
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+try:
+    from benchmarks._cli import bench_main
+except ImportError:  # run as a script: python benchmarks/bench_consolidate.py
+    from _cli import bench_main
 
 VOCAB, CONTEXT, WIDTH = 50257, 1024, 768
 
@@ -150,18 +152,7 @@ def run(size_gb: float, workdir: str, *, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=2.0)
-    parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_consolidate_")
-    try:
-        print(json.dumps(run(args.size_gb, workdir, repeats=args.repeats), indent=2))
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return bench_main(run, argv, doc=__doc__, default_size_gb=2.0, prefix="bench_consolidate_")
 
 
 if __name__ == "__main__":

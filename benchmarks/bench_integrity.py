@@ -9,18 +9,21 @@ save) and read (at load), so its share is timed by hashing the same bytes again,
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
 import statistics
-import tempfile
 import time
 
 import torch
 
 from lightning_dcp import DCPCheckpointIO
 from lightning_dcp._dcp_io import checksum
+
+try:
+    from benchmarks._cli import bench_main
+except ImportError:  # run as a script: python benchmarks/bench_integrity.py
+    from _cli import bench_main
 
 
 def _state(size_gb: float) -> dict:
@@ -76,18 +79,7 @@ def run(size_gb: float, workdir: str, *, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_integrity_")
-    try:
-        print(json.dumps(run(args.size_gb, workdir, repeats=args.repeats), indent=2))
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return bench_main(run, argv, doc=__doc__, default_size_gb=1.0, prefix="bench_integrity_")
 
 
 if __name__ == "__main__":

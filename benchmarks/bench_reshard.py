@@ -18,18 +18,20 @@ Files are read from a warm page cache (dropping it needs root). Goal: ``new_ws1`
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import shutil
 import socket
 import statistics
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+try:
+    from benchmarks._cli import bench_main
+except ImportError:  # run as a script: python benchmarks/bench_reshard.py
+    from _cli import bench_main
 
 VOCAB, CONTEXT, WIDTH = 50257, 1024, 768
 _LAYER = {
@@ -167,18 +169,7 @@ def run(size_gb: float, workdir: str, *, repeats: int = 3) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_reshard_")
-    try:
-        print(json.dumps(run(args.size_gb, workdir, repeats=args.repeats), indent=2))
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return bench_main(run, argv, doc=__doc__, default_size_gb=1.0, prefix="bench_reshard_")
 
 
 if __name__ == "__main__":

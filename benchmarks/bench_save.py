@@ -21,20 +21,23 @@ checkpoint's bytes over that time; peak RSS is each process's high-water mark wh
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import resource
 import shutil
 import socket
 import statistics
-import tempfile
 import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+try:
+    from benchmarks._cli import bench_main
+except ImportError:  # run as a script: python benchmarks/bench_save.py
+    from _cli import bench_main
 
 METHODS = (
     "lightning_dcp",
@@ -196,19 +199,7 @@ def run(size_gb: float, workdir: str, *, world_size: int = 2, repeats: int = 3, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-gb", type=float, default=1.0)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workdir", default=None)
-    args = parser.parse_args(argv)
-    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_save_")
-    try:
-        print(json.dumps(run(args.size_gb, workdir, world_size=args.world_size, repeats=args.repeats), indent=2))
-    finally:
-        if args.workdir is None:
-            shutil.rmtree(workdir, ignore_errors=True)
-    return 0
+    return bench_main(run, argv, doc=__doc__, default_size_gb=1.0, prefix="bench_save_", world_size=True)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from lightning_dcp import (
     NotACheckpointError,
     StateDictMismatchError,
 )
+from tests._models import Payload
 from tests._trainer import assert_same
 
 
@@ -142,20 +143,10 @@ def test_mismatched_target_fails_before_loading_and_changes_nothing(tmp_path):
         )
 
 
-class _Payload:
-    """Unpickling this would create a marker file: loading must never run it."""
-
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_non_tensor_state_never_runs_code(tmp_path):
     marker = str(tmp_path / "pwned")
     checkpoint = _checkpoint()
-    checkpoint["hyper_parameters"] = {"evil": _Payload(marker)}
+    checkpoint["hyper_parameters"] = {"evil": Payload(marker)}
     path = str(tmp_path / "a.ckpt")
     DCPCheckpointIO().save_checkpoint(checkpoint, path)
     assert not os.path.exists(marker)

@@ -17,6 +17,7 @@ from lightning_dcp import (
 )
 from lightning_dcp._dcp_io import checksum
 from lightning_dcp.verify import main as verify_main
+from tests._models import Payload
 
 
 def _save(path: str) -> dict:
@@ -92,20 +93,12 @@ def test_missing_commit_marker_is_an_incomplete_save(tmp_path):
         DCPCheckpointIO().load_checkpoint(path)
 
 
-class _Payload:
-    def __init__(self, marker: str) -> None:
-        self.marker = marker
-
-    def __reduce__(self):
-        return (open, (self.marker, "w"))
-
-
 def test_crafted_metadata_runs_nothing(tmp_path):
     # An attacker replaces .metadata and recomputes the commit marker: the metadata unpickler still refuses.
     path = str(tmp_path / "a.ckpt")
     _save(path)
     marker_file = str(tmp_path / "pwned")
-    crafted = pickle.dumps(_Payload(marker_file))
+    crafted = pickle.dumps(Payload(marker_file))
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(crafted)
     commit = json.loads((tmp_path / "a.ckpt" / ".commit").read_text())

@@ -143,8 +143,7 @@ class AsyncSaves:
         try:
             self.wait()
         finally:
-            self.stager.close()
-            self._group = None
+            self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
 
 
 def _quietly(fn: Callable[[], None]) -> None:

@@ -28,6 +28,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env
         NODE_RANK="0",
     )
     fn(rank, world_size, *args)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # leave together and in order: a peer exiting first can abort gloo's threads
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, env: dict | None = None) -> None:

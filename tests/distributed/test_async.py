@@ -95,6 +95,7 @@ def _torn_worker(rank: int, world_size: int, tmp: str) -> None:
     trainer.save_checkpoint(os.path.join(tmp, "after.ckpt"))  # the plugin keeps working
     io.wait(collective=True)  # every rank returns once rank 0 committed
     assert os.path.isfile(os.path.join(tmp, "after.ckpt", ".commit"))
+    io.teardown()
 
 
 def test_async_no_torn_state_and_errors_surface(tmp_path):

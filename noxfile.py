@@ -33,9 +33,11 @@ def tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
-    """Ruff over the package, tests, examples and benchmarks."""
-    session.install("ruff>=0.6")
+    """Ruff over the package, tests, examples and benchmarks; import-linter holds the layering (pyproject.toml)."""
+    _install(session, "lint")
     session.run("ruff", "check", "lightning_dcp", "tests", "examples", "benchmarks", "noxfile.py")
+    session.run("ruff", "format", "--check", "lightning_dcp", "tests")
+    session.run("lint-imports")
 
 
 @nox.session(python=PYTHON)

@@ -3,11 +3,7 @@
 Importing the package registers the ``dcp_*`` strategy names in Lightning's strategy registry.
 """
 
-from lightning_dcp._consolidate import consolidate
-from lightning_dcp._integrity import verify_checkpoint
-from lightning_dcp._stream_inspect import inspect_checkpoint
-from lightning_dcp.callbacks import ElasticResume
-from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.engine.integrity import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -17,9 +13,14 @@ from lightning_dcp.errors import (
     StateDictMismatchError,
     StorageAccessError,
 )
-from lightning_dcp.export import ExportCallback
-from lightning_dcp.model_checkpoint import DCPModelCheckpoint
-from lightning_dcp.strategies import (
+from lightning_dcp.tools.consolidate import consolidate
+from lightning_dcp.tools.inspect import inspect_checkpoint
+from lightning_dcp.tools.weights import LoadReport, load_model_weights
+from lightning_dcp.trainer.callbacks import ElasticResume
+from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.export import ExportCallback
+from lightning_dcp.trainer.model_checkpoint import DCPModelCheckpoint
+from lightning_dcp.trainer.strategies import (
     DCPDDPStrategy,
     DCPFSDPStrategy,
     DCPModelParallelStrategy,
@@ -27,7 +28,6 @@ from lightning_dcp.strategies import (
     DCPStrategyMixin,
     register_strategies,
 )
-from lightning_dcp.weights import LoadReport, load_model_weights
 
 __version__ = "0.1.0"
 

@@ -1,14 +1,13 @@
 """Every private torch / Lightning API that lightning_dcp touches, and every version gate, in one place.
 
 When torch or Lightning move one of these, this is the only module to change. Each block says what it is for and
-which versions it was checked against (torch 2.13, Lightning 2.6.6).
+which versions it was checked against (torch 2.13, Lightning 2.6.6). Lightning's own modules are imported inside the
+functions that need them, so the engine (which imports this module) never loads ``lightning.pytorch``.
 """
 
 from __future__ import annotations
 
 import torch
-from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning_utilities.core.imports import compare_version
 
 # How ``torch.save`` pickles a tensor (``_rebuild_tensor_v2`` over a typed storage named by its legacy storage
@@ -20,8 +19,9 @@ from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
 # DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
-# without the storage options; lightning_dcp._dcp_io subclasses it to keep them.
+# without the storage options; lightning_dcp.engine.dcp_io subclasses it to keep them.
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 # DCP's own nested-dict helpers: the exact flattening DCP applies when it saves, so that the keys we validate and
 # the keys DCP writes cannot drift apart.
@@ -31,12 +31,13 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
 __all__ = [
     "DCPFsspecFileSystem",
+    "FsspecReader",
+    "FsspecWriter",
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
-    "TrainerFn",
     "check_private_api",
     "flatten_state_dict",
     "install_flag_only_sigterm_handler",
@@ -56,6 +57,8 @@ TORCH_GREATER_EQUAL_2_9 = compare_version("torch", lambda a, b: a >= b, "2.9.0")
 
 def unwrap_checkpoint_io(checkpoint_io: object) -> object:
     """Return the innermost CheckpointIO of Lightning's wrappers (``AsyncCheckpointIO``)."""
+    from lightning.pytorch.plugins.io.wrapper import _WrappingCheckpointIO  # Trainer-only: not imported by the engine
+
     while isinstance(checkpoint_io, _WrappingCheckpointIO) and checkpoint_io.checkpoint_io is not None:
         checkpoint_io = checkpoint_io.checkpoint_io
     return checkpoint_io

@@ -11,8 +11,8 @@ import sys
 import types
 from collections.abc import Sequence
 
-from lightning_dcp._consolidate import DTYPES, FORMATS, SUFFIX, consolidate
 from lightning_dcp.errors import CheckpointError
+from lightning_dcp.tools.consolidate import DTYPES, FORMATS, SUFFIX, consolidate
 
 __all__ = ["consolidate", "main"]
 

@@ -12,8 +12,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dcp._stream_inspect import inspect_checkpoint
 from lightning_dcp.errors import CheckpointError
+from lightning_dcp.tools.inspect import inspect_checkpoint
 
 __all__ = ["inspect_checkpoint", "main"]
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from lightning_dcp._integrity import verify_checkpoint
+from lightning_dcp.engine.integrity import verify_checkpoint
 from lightning_dcp.errors import CheckpointError
 
 __all__ = ["main", "verify_checkpoint"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO, NotACheckpointError
-from lightning_dcp._dcp_io import COMMIT_FILE
-from lightning_dcp._storage import Location
+from lightning_dcp.engine.dcp_io import COMMIT_FILE
+from lightning_dcp.engine.storage import Location
 
 
 @pytest.fixture(params=["local", "memory", "s3"])

@@ -12,7 +12,8 @@ import torch.distributed.checkpoint as dcp
 
 import lightning_dcp
 from lightning_dcp import BucketNotFoundError, CheckpointError, DCPCheckpointIO, DCPModelCheckpoint, StorageAccessError
-from lightning_dcp._storage import Location
+from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
+from lightning_dcp.engine.storage import Location
 from tests._models import RandomDataModule, TinyModel
 from tests._s3 import SECRET_KEY
 from tests._spawn import spawn
@@ -99,10 +100,10 @@ def test_storage_options_survive_dcp_reset_and_no_host_sync(s3_server, s3_bucket
     for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL"):
         monkeypatch.delenv(key, raising=False)  # keys only in storage_options; the server enforces them
     monkeypatch.setattr(os, "sync", lambda: pytest.fail("a remote save must never call the host-wide os.sync()"))
-    writer = Location(url + "/first", storage_options=options).storage_writer(thread_count=1, sync_files=True)
+    writer = storage_writer(Location(url + "/first", storage_options=options), thread_count=1, sync_files=True)
     writer.reset(url + "/second")  # DCP's reset re-creates its filesystem from the URL alone
     dcp.save({"w": torch.arange(6.0)}, storage_writer=writer, checkpoint_id=url + "/second", no_dist=True)
-    reader = Location(url + "/first", storage_options=options).storage_reader()
+    reader = storage_reader(Location(url + "/first", storage_options=options))
     target = {"w": torch.zeros(6)}
     dcp.load(target, storage_reader=reader, checkpoint_id=url + "/second", no_dist=True)
     assert torch.equal(target["w"], torch.arange(6.0))

@@ -1,7 +1,7 @@
 """Consolidation: stream a sharded checkpoint into one Lightning ``.ckpt`` or safetensors, in bounded memory.
 
-The input is read entry by entry (:mod:`lightning_dcp._stream_source`) and written as it arrives
-(:mod:`lightning_dcp._stream_write`), so peak memory is about one read batch plus the largest tensor, whatever the
+The input is read entry by entry (:mod:`lightning_dcp.engine.source`) and written as it arrives
+(:mod:`lightning_dcp.tools.writers`), so peak memory is about one read batch plus the largest tensor, whatever the
 checkpoint size. The command line lives in :mod:`lightning_dcp.consolidate`.
 """
 
@@ -17,15 +17,15 @@ from typing import Any
 
 import torch
 
-from lightning_dcp import _format
 from lightning_dcp._compat import set_element
-from lightning_dcp._storage import Location
-from lightning_dcp._stream_output import atomic_directory, atomic_file, refuse_existing
-from lightning_dcp._stream_source import Source, TensorEntry
-from lightning_dcp._stream_write import CkptWriter, SafetensorsWriter
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.source import Source, TensorEntry
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError
+from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
+from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter
 
-__all__ = ["DTYPES", "FORMATS", "consolidate", "parse_size"]
+__all__ = ["DTYPES", "FORMATS", "cast_dtype", "cast_tensor", "consolidate", "parse_size", "resolve_dtype", "selected"]
 
 SUFFIX = ".consolidated"
 """Default ``.ckpt`` output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
@@ -34,7 +34,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Accepted ``dtype`` names (``torch.dtype`` objects of these three are accepted too)."""
 DEFAULT_BATCH_BYTES = 64 << 20
 """Bytes read per ``dcp.load`` call; a larger tensor is read alone."""
-_TRAINING_KEYS = (_format.OPTIMIZER_KEY, "lr_schedulers", "callbacks")
+_TRAINING_KEYS = (layout.OPTIMIZER_KEY, "lr_schedulers", "callbacks")
 """What Lightning leaves out of a ``weights_only`` checkpoint."""
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)\s*", re.IGNORECASE)
 
@@ -103,7 +103,7 @@ def consolidate(
     shard_bytes = parse_size(max_shard_size) if max_shard_size is not None else None
     fmt = _resolve_format(format, None if dst is None else os.fspath(dst), sharded=shard_bytes is not None)
     weights_only = fmt == "safetensors" if weights_only is None else weights_only
-    cast = _resolve_dtype(dtype)
+    cast = resolve_dtype(dtype)
     if shard_bytes is not None and fmt != "safetensors":
         raise ValueError("`max_shard_size` applies to safetensors output only; pass `format='safetensors'`.")
     if (include or exclude) and not weights_only:
@@ -119,7 +119,7 @@ def consolidate(
     entries = [
         e
         for e in source.entries
-        if (e.weight or not weights_only) and (not e.weight or _selected(e.name, include, exclude))
+        if (e.weight or not weights_only) and (not e.weight or selected(e.name, include, exclude))
     ]
     if not any(e.weight for e in entries):
         raise CheckpointError(f"No model weights of {src!r} are selected (include={include}, exclude={exclude}).")
@@ -129,7 +129,7 @@ def consolidate(
             _write_ckpt(source, entries, out, weights_only=weights_only, cast=cast, batch_bytes=batch_bytes, bar=bar)
         else:
             metadata = _safetensors_metadata(source)
-            planned = [(e.name, _cast_dtype(e.dtype, cast), e.shape) for e in entries]
+            planned = [(e.name, cast_dtype(e.dtype, cast), e.shape) for e in entries]
             stream = source.iter_tensors(entries, batch_bytes=batch_bytes)
             if shard_bytes is None:
                 with atomic_file(out) as f:
@@ -168,10 +168,10 @@ def _write_ckpt(
     with atomic_file(out) as f:
         writer = CkptWriter(f)
         try:
-            refs = {e.key: writer.reserve(_cast_dtype(e.dtype, cast), e.shape) for e in entries}
+            refs = {e.key: writer.reserve(cast_dtype(e.dtype, cast), e.shape) for e in entries}
             skeleton = _ckpt_skeleton(source, entries, refs, weights_only=weights_only)
             for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
-                writer.write_tensor(refs[entry.key], _cast(tensor, cast))
+                writer.write_tensor(refs[entry.key], cast_tensor(tensor, cast))
                 bar.update(entry.nbytes)
                 del tensor
             writer.finish(skeleton)
@@ -192,21 +192,19 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
         return nested
     extra = source.read_extra()
     if source.kind == "lightning_dcp":
-        nested.setdefault(_format.MODEL_KEY, {})
-        checkpoint = _format.from_dcp_state_dict(nested, extra, in_place=False)
-        info = {k: v for k, v in checkpoint[_format.INFO_KEY].items() if k != "loaded_in_place"}
-        layout = info.get("optimizer_layout")
-        if layout == _format.FQN and _format.OPTIMIZER_KEY in checkpoint:
-            checkpoint[_format.OPTIMIZER_KEY] = [
-                _format.fqns_to_param_ids(s) for s in checkpoint[_format.OPTIMIZER_KEY]
-            ]
+        nested.setdefault(layout.MODEL_KEY, {})
+        checkpoint = layout.join_checkpoint(nested, extra, in_place=False)
+        info = {k: v for k, v in checkpoint[layout.INFO_KEY].items() if k != "loaded_in_place"}
+        optimizer_layout = info.get("optimizer_layout")
+        if optimizer_layout == layout.FQN and layout.OPTIMIZER_KEY in checkpoint:
+            checkpoint[layout.OPTIMIZER_KEY] = [layout.fqns_to_param_ids(s) for s in checkpoint[layout.OPTIMIZER_KEY]]
     else:  # Lightning's sharded layout: ``optimizer_{i}`` entries in get_optimizer_state_dict's (FQN) layout
-        checkpoint = {**extra, _format.MODEL_KEY: nested.get(source.model_key, {})}
+        checkpoint = {**extra, layout.MODEL_KEY: nested.get(source.model_key, {})}
         optimizers = sorted((i, k) for k in nested if (i := source.optimizer_index((k,))) is not None)
         if optimizers:
-            checkpoint[_format.OPTIMIZER_KEY] = [_format.fqns_to_param_ids(nested[k]) for _, k in optimizers]
+            checkpoint[layout.OPTIMIZER_KEY] = [layout.fqns_to_param_ids(nested[k]) for _, k in optimizers]
         info = {"strategy": "lightning_sharded"}
-    checkpoint[_format.INFO_KEY] = {**info, "consolidated_from": source.location.url, "optimizer_layout": "param_id"}
+    checkpoint[layout.INFO_KEY] = {**info, "consolidated_from": source.location.url, "optimizer_layout": "param_id"}
     if weights_only:
         for key in _TRAINING_KEYS:
             checkpoint.pop(key, None)
@@ -218,7 +216,7 @@ def _write_safetensors(f, planned, stream, metadata: dict[str, str], cast, bar) 
     writer = SafetensorsWriter(f, planned, metadata)
     for name, _, _ in planned:
         entry, tensor = next(stream)  # no other reference may outlive this iteration: the next read reuses memory
-        writer.write(name, _cast(tensor, cast))
+        writer.write(name, cast_tensor(tensor, cast))
         bar.update(entry.nbytes)
         del tensor
     writer.finish()
@@ -264,7 +262,12 @@ def _resolve_format(format: str | None, dst: str | None, *, sharded: bool) -> st
     return format
 
 
-def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+def resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bf16"``/``"fp16"``/``"fp32"`` (or those torch dtypes) as a ``torch.dtype``; ``None`` stays ``None``.
+
+    Raises:
+        ValueError: Any other value.
+    """
     if dtype is None or (isinstance(dtype, torch.dtype) and dtype in DTYPES.values()):
         return dtype
     if isinstance(dtype, str) and dtype in DTYPES:
@@ -272,15 +275,18 @@ def _resolve_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     raise ValueError(f"`dtype` must be one of {sorted(DTYPES)} (or the torch dtypes), got {dtype!r}.")
 
 
-def _cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+def cast_dtype(dtype: torch.dtype, cast: torch.dtype | None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is written with: ``cast`` for floating point, else unchanged."""
     return cast if cast is not None and dtype.is_floating_point else dtype
 
 
-def _cast(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
-    return tensor.to(_cast_dtype(tensor.dtype, cast))
+def cast_tensor(tensor: torch.Tensor, cast: torch.dtype | None) -> torch.Tensor:
+    """``tensor`` in :func:`cast_dtype`'s dtype (no copy when unchanged)."""
+    return tensor.to(cast_dtype(tensor.dtype, cast))
 
 
-def _selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+def selected(name: str, include: Sequence[str], exclude: Sequence[str]) -> bool:
+    """Whether the FQN ``name`` matches an ``include`` glob (or there is none) and no ``exclude`` glob."""
     if include and not any(fnmatch.fnmatchcase(name, p) for p in include):
         return False
     return not any(fnmatch.fnmatchcase(name, p) for p in exclude)

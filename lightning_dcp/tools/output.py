@@ -13,7 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import IO
 
-from lightning_dcp._storage import Location, fsync_dir, new_token
+from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 
 __all__ = ["atomic_directory", "atomic_file", "refuse_existing"]
 

@@ -1,10 +1,11 @@
 """Background saves: at most one in flight; its commit and the removals queued behind it run when it completes.
 
-The training loop pays only for staging (:mod:`lightning_dcp._staging`). ``dcp.async_save`` then plans and writes in
-a background thread over a dedicated gloo process group (created once per run; DCP requires a CPU backend and the
-training collectives must not share a group with a background thread). When the save completes on rank 0 (DCP's
-coordinator finishes only after every rank wrote), rank 0 commits it in that thread, then deletes the checkpoints
-whose removal was requested while it was in flight: a checkpoint is never removed before its successor is saved.
+The training loop pays only for staging (:mod:`lightning_dcp.engine.staging`). ``dcp.async_save`` then plans and
+writes in a background thread over a dedicated gloo process group (created once per run; DCP requires a CPU backend
+and the training collectives must not share a group with a background thread). When the save completes on rank 0
+(DCP's coordinator finishes only after every rank wrote), rank 0 commits it in that thread, then deletes the
+checkpoints whose removal was requested while it was in flight: a checkpoint is never removed before its successor
+is saved.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import StorageWriter
 
-from lightning_dcp._staging import Stager
-from lightning_dcp._storage import Location
+from lightning_dcp.engine.staging import Stager
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import checkpoint_failure
 
 __all__ = ["AsyncSaves"]

@@ -20,13 +20,14 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp import _format
 from lightning_dcp._compat import flatten_state_dict
-from lightning_dcp._integrity import check_checkpoint, newest_valid_sibling
-from lightning_dcp._storage import Location
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.dcp_io import read_metadata
+from lightning_dcp.engine.integrity import check_checkpoint, newest_valid_sibling
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -78,7 +79,7 @@ def probe(location: Location) -> Probe:
     if not location.isdir():
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
-        return Probe(location.url, "lightning", location.read_metadata())
+        return Probe(location.url, "lightning", read_metadata(location))
     try:
         metadata = check_checkpoint(location)
     except NotACheckpointError as err:
@@ -90,10 +91,10 @@ def probe(location: Location) -> Probe:
             f" beside it instead: {found[0].url!r}."
         )
         location, metadata = found
-    if _format.EXTRA_KEY not in metadata.state_dict_metadata:
+    if layout.EXTRA_KEY not in metadata.state_dict_metadata:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
-            f" {_format.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
+            f" {layout.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
         )
     return Probe(location.url, "dcp", metadata)
 
@@ -126,6 +127,12 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
 
 
 def load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
+    """Load a single-file Lightning checkpoint (``torch.save`` of the checkpoint dict) with ``torch.load``.
+
+    Raises:
+        NotACheckpointError: The file is not a ``torch.load``-able Lightning checkpoint.
+        CheckpointError: It holds objects that ``weights_only`` loading refuses.
+    """
     try:
         with location.open() as f:
             checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
@@ -138,9 +145,9 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
         raise NotACheckpointError(
             f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
         ) from err
-    if not isinstance(checkpoint, dict) or _format.MODEL_KEY not in checkpoint:
+    if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
-            f"{location.url!r} is not a Lightning checkpoint: it has no {_format.MODEL_KEY!r} entry."
+            f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
         )
     return checkpoint
 
@@ -151,7 +158,7 @@ def fit_target(
     metadata: Metadata,
     *,
     strict: bool,
-    model_key: str = _format.MODEL_KEY,
+    model_key: str = layout.MODEL_KEY,
     exclude: Sequence[str] = (),
 ) -> tuple[dict[str, Any], list[str], list[str]]:
     """Check ``target`` against the checkpoint before anything is loaded; drop what the checkpoint lacks.

@@ -1,7 +1,8 @@
 """Checking a checkpoint before it is loaded: committed, metadata intact, data files whole; full verification.
 
-The records' checksums are written by :mod:`lightning_dcp._dcp_io` at save into ``.commit``; its reader checks every
-record it loads. Here, the cheap checks that run before every load (fast mode) and the full pass over every record.
+The records' checksums are written by :mod:`lightning_dcp.engine.dcp_io` at save into ``.commit``; its reader checks
+every record it loads. Here, the cheap checks that run before every load (fast mode) and the full pass over every
+record.
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE, checksum, load_metadata, read_commit
-from lightning_dcp._storage import Location
+from lightning_dcp.engine.dcp_io import load_metadata
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
+from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["check_checkpoint", "newest_valid_sibling", "verify_checkpoint"]

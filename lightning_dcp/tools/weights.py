@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from lightning_dcp import _format
-from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.errors import StateDictMismatchError
 
 __all__ = ["LoadReport", "load_model_weights"]
@@ -73,23 +73,20 @@ def load_model_weights(
     live = get_model_state_dict(model, options=StateDictOptions())
     excluded = sorted(k for k in live if any(fnmatch.fnmatchcase(k, p) for p in exclude))
     target = {k: v for k, v in live.items() if k not in excluded}
-    io = DCPCheckpointIO(storage_options=storage_options)
-    checkpoint = io.load_checkpoint(
+    loaded = Checkpointer(storage_options=storage_options).load(
         path,
-        state_dict={_format.MODEL_KEY: target},
+        target={layout.MODEL_KEY: target},
         strict=strict,
         collective=dist.is_available() and dist.is_initialized(),
-        only_model=True,
+        only=[layout.MODEL_KEY],
         exclude=exclude,
     )
-    info = checkpoint.get(_format.INFO_KEY, {})
-    loaded = checkpoint[_format.MODEL_KEY]
-    if not info.get("loaded_in_place"):  # a single file: full tensors, checked here as the DCP path does
-        loaded, missing, unexpected = _fit_full(str(path), target, loaded, strict=strict, exclude=exclude)
+    if loaded.kind == "file":  # a single file: full tensors, checked here as the DCP path does
+        saved = loaded.objects[layout.MODEL_KEY]
+        weights, missing, unexpected = _fit_full(str(path), target, saved, strict=strict, exclude=exclude)
     else:
-        missing, unexpected = info["missing_keys"], info["unexpected_keys"]
-    full = not info.get("loaded_in_place", False)
-    set_model_state_dict(model, loaded, options=StateDictOptions(full_state_dict=full, strict=False))
+        weights, missing, unexpected = loaded.tree[layout.MODEL_KEY], loaded.missing_keys, loaded.unexpected_keys
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=not loaded.in_place, strict=False))
     return LoadReport(
         loaded_keys=sorted(set(target) - set(missing)),
         missing_keys=list(missing),

@@ -25,9 +25,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dcp import _compat, _dcp_io
-from lightning_dcp._storage import STAGING_INFIX, Location
-from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp import _compat
+from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.storage import STAGING_INFIX, Location, read_commit
+from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
 __all__ = ["DCPModelCheckpoint"]
 
@@ -179,7 +180,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
             return set()
         reference = max(found, key=_time)[1]
         if reference.isdir() and not reference.local:
-            return {reference.url.rstrip("/") + "/" + _dcp_io.COMMIT_FILE}  # S3 "directories" have no mtime
+            return {reference.url.rstrip("/") + "/" + COMMIT_FILE}  # S3 "directories" have no mtime
         return {reference.url}
 
     # ------------------------------------------------------------------------------------------------ helpers
@@ -218,7 +219,7 @@ def _time(entry: tuple) -> float:
 
 def _read_commit(location: Location) -> dict[str, Any] | None:
     try:
-        return _dcp_io.read_commit(location)
+        return read_commit(location)
     except (NotADirectoryError, IsADirectoryError, ValueError):
         return None
 

@@ -9,9 +9,9 @@ import os
 import re
 from typing import Any
 
-from lightning_dcp import _format
-from lightning_dcp._storage import Location
-from lightning_dcp._stream_source import Source
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.source import Source
+from lightning_dcp.engine.storage import Location
 
 __all__ = ["inspect_checkpoint"]
 
@@ -44,7 +44,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
     """
     source = Source(Location(path, storage_options=storage_options))
     extra = source.read_extra()
-    info = extra.get(_format.INFO_KEY, {}) if isinstance(extra.get(_format.INFO_KEY), dict) else {}
+    info = extra.get(layout.INFO_KEY, {}) if isinstance(extra.get(layout.INFO_KEY), dict) else {}
     files = sorted(
         {
             info_.relative_path

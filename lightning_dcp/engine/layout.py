@@ -34,14 +34,15 @@ __all__ = [
     "OPTIMIZER_KEY",
     "RANK_KEY",
     "SafeLoadPlanner",
+    "build_state",
     "fqns_to_param_ids",
     "param_ids_to_fqns",
     "decode_extra",
     "encode_extra",
-    "from_dcp_state_dict",
+    "join_checkpoint",
     "metadata_target",
     "saved_world_size",
-    "to_dcp_state_dict",
+    "split_checkpoint",
 ]
 
 MODEL_KEY = "state_dict"
@@ -67,44 +68,65 @@ def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
     return FQN
 
 
-def to_dcp_state_dict(
-    checkpoint: Mapping[str, Any],
-    *,
-    info: Mapping[str, Any],
-    write_extra: bool,
-    rank: int = 0,
-    rank_state: Mapping[str, Any] | None = None,
-) -> dict:
-    """Split a Lightning checkpoint dict into the DCP state dict described in this module's docstring.
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Split a Lightning checkpoint dict into the engine's tree, objects and info (see this module's docstring).
 
     Args:
-        checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified.
-        info: Facts about the save recorded under ``"lightning_dcp"`` (world size, strategy, ...).
-        write_extra: Whether this rank writes the ``"lightning"`` blob (rank 0 only, so exactly one copy exists).
-        rank: This process's rank.
-        rank_state: This rank's own state (RNG states), stored as ``rank_states.{rank}``.
+        checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified; tensors are not copied.
 
     Returns:
-        The state dict for ``dcp.save``; model and optimizer tensors are not copied.
+        ``(tree, objects, info)``: ``{"state_dict", "optimizer_states"}`` for DCP, the rest of the dict for the
+        rank-0 blob, and ``{"optimizer_layout": ...}`` to record.
+
+    Raises:
+        CheckpointError: The dict has no ``"state_dict"``.
     """
     if MODEL_KEY not in checkpoint:
         raise CheckpointError(f"The checkpoint dict has no {MODEL_KEY!r} entry; got keys {sorted(checkpoint)}.")
-    dcp_state: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
-    layout = None
+    tree: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
+    optimizers = None
     if OPTIMIZER_KEY in checkpoint:
         states = list(checkpoint[OPTIMIZER_KEY])
-        layout = optimizer_layout(states)
-        if layout == PARAM_ID:
+        optimizers = optimizer_layout(states)
+        if optimizers == PARAM_ID:
             # DCP rebuilds integer path components as list indices: store the ids as strings.
             states = [{**osd, "state": {str(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
-        dcp_state[OPTIMIZER_KEY] = states
-    if write_extra:
-        extra = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
-        extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION, "optimizer_layout": layout}
-        dcp_state[EXTRA_KEY] = encode_extra(extra)
-    if rank_state is not None:
-        dcp_state[RANK_KEY] = {str(rank): encode_extra(rank_state)}
-    return dcp_state
+        tree[OPTIMIZER_KEY] = states
+    objects = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+    return tree, objects, {"optimizer_layout": optimizers}
+
+
+def build_state(
+    tree: Mapping[str, Any],
+    *,
+    objects: Mapping[str, Any] | None,
+    info: Mapping[str, Any],
+    rank: int = 0,
+    rank_objects: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DCP state dict of one rank's part of a save.
+
+    Args:
+        tree: Top-level keys to nested state dicts; reserved keys (``"lightning"``, ``"rank_states"``) are refused.
+        objects: The rank-0 blob's content (``None`` on the other ranks: exactly one copy is written).
+        info: Recorded under ``"lightning_dcp"`` in the blob, with the format version.
+        rank: This process's rank.
+        rank_objects: This rank's own state, stored as ``rank_states.{rank}``.
+
+    Raises:
+        CheckpointError: ``tree`` uses a reserved key.
+    """
+    reserved = {EXTRA_KEY, RANK_KEY} & set(tree)
+    if reserved:
+        raise CheckpointError(f"The keys {sorted(reserved)} are reserved by lightning_dcp; rename these entries.")
+    state: dict[str, Any] = dict(tree)
+    if objects is not None:
+        extra = dict(objects)
+        extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION}
+        state[EXTRA_KEY] = encode_extra(extra)
+    if rank_objects is not None:
+        state[RANK_KEY] = {str(rank): encode_extra(rank_objects)}
+    return state
 
 
 def saved_world_size(metadata: Metadata) -> int | None:
@@ -113,7 +135,7 @@ def saved_world_size(metadata: Metadata) -> int | None:
     return len(ranks) or None
 
 
-def from_dcp_state_dict(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool) -> dict[str, Any]:
+def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool) -> dict[str, Any]:
     """Reassemble a Lightning checkpoint dict from a loaded DCP state dict and its decoded extra state.
 
     ``in_place`` records (under ``"lightning_dcp"``) that tensors were loaded into a target from

@@ -26,6 +26,7 @@ from lightning.pytorch.strategies import (
     SingleDeviceStrategy,
     StrategyRegistry,
 )
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -36,11 +37,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
-from lightning_dcp import _format
-from lightning_dcp._compat import TrainerFn, install_flag_only_sigterm_handler, unwrap_checkpoint_io
-from lightning_dcp._rng import collect_rng_states, derive_rng_states, restore_rng_states
-from lightning_dcp.checkpoint_io import DCPCheckpointIO
+from lightning_dcp._compat import install_flag_only_sigterm_handler, unwrap_checkpoint_io
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
+from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
 __all__ = [
     "DCPDDPStrategy",
@@ -201,10 +202,10 @@ class DCPStrategyMixin:
         if not self._dcp_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self._dcp_module()
-        target: dict[str, Any] = {_format.MODEL_KEY: get_model_state_dict(module, options=StateDictOptions())}
+        target: dict[str, Any] = {layout.MODEL_KEY: get_model_state_dict(module, options=StateDictOptions())}
         trainer = self.lightning_module.trainer
         if self.optimizers and trainer.state.fn == TrainerFn.FITTING:
-            target[_format.OPTIMIZER_KEY] = [
+            target[layout.OPTIMIZER_KEY] = [
                 get_optimizer_state_dict(module, optimizer, options=StateDictOptions()) for optimizer in self.optimizers
             ]
         checkpoint = self._dcp_io.load_checkpoint(
@@ -218,7 +219,7 @@ class DCPStrategyMixin:
         return checkpoint
 
     def _restore_rank_state(self, checkpoint: Mapping[str, Any]) -> None:
-        info = checkpoint.get(_format.INFO_KEY, {})
+        info = checkpoint.get(layout.INFO_KEY, {})
         state = info.get("rank_state")
         if not state or "rng" not in state:
             return
@@ -239,7 +240,7 @@ class DCPStrategyMixin:
         if not self._dcp_sharded:
             return super().load_model_state_dict(checkpoint, strict=strict)
         options = StateDictOptions(full_state_dict=_is_single_file(checkpoint), strict=strict)
-        set_model_state_dict(self._dcp_module(), checkpoint[_format.MODEL_KEY], options=options)
+        set_model_state_dict(self._dcp_module(), checkpoint[layout.MODEL_KEY], options=options)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -248,21 +249,21 @@ class DCPStrategyMixin:
             return super().load_optimizer_state_dict(checkpoint)
         full = _is_single_file(checkpoint)
         module = self._dcp_module()
-        states = checkpoint[_format.OPTIMIZER_KEY]
+        states = checkpoint[layout.OPTIMIZER_KEY]
         if len(states) != len(self.optimizers):
             raise CheckpointError(
                 f"The checkpoint holds the state of {len(states)} optimizer(s) but `configure_optimizers` returned"
                 f" {len(self.optimizers)}. Resume with the same optimizers, or load weights only."
             )
         for optimizer, state in zip(self.optimizers, states, strict=True):
-            if _format.optimizer_layout([state]) == _format.PARAM_ID:
-                state = _format.param_ids_to_fqns(state, module, optimizer)
+            if layout.optimizer_layout([state]) == layout.PARAM_ID:
+                state = layout.param_ids_to_fqns(state, module, optimizer)
             set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
 
 
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:
     """Whether ``checkpoint`` holds full tensors (not this rank's shards filled in place by a sharded load)."""
-    return not checkpoint.get(_format.INFO_KEY, {}).get("loaded_in_place", False)
+    return not checkpoint.get(layout.INFO_KEY, {}).get("loaded_in_place", False)
 
 
 class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):

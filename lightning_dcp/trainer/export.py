@@ -31,10 +31,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_dcp._consolidate import _cast, _cast_dtype, _resolve_dtype, _selected, consolidate
-from lightning_dcp._storage import Location
-from lightning_dcp._stream_output import atomic_file
-from lightning_dcp._stream_write import CkptWriter, SafetensorsWriter
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.tools.consolidate import cast_dtype, cast_tensor, consolidate, resolve_dtype, selected
+from lightning_dcp.tools.output import atomic_file
+from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter
 
 __all__ = ["ExportCallback"]
 
@@ -88,7 +88,7 @@ class ExportCallback(Callback):
         self.dirpath = None if dirpath is None else os.fspath(dirpath)
         self.filename = filename
         self.format = format
-        self.dtype = _resolve_dtype(dtype)
+        self.dtype = resolve_dtype(dtype)
         self.export_on_train_end = on_train_end
         self.export_on_best = on_best
         self.include, self.exclude = tuple(include), tuple(exclude)
@@ -208,22 +208,22 @@ class ExportCallback(Callback):
     def _write(self, state: dict[str, Any], dst: str, *, extra: dict[str, Any]) -> None:
         """Rank 0 only: write ``state`` (full CPU tensors) as one weights-only file at ``dst``, atomically."""
         keep = self.include, self.exclude
-        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and _selected(k, *keep)}
+        state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and selected(k, *keep)}
         out = Location(dst, storage_options=self.storage_options)
         with atomic_file(out) as f:
             if self.format == "safetensors":
-                planned = [(k, _cast_dtype(v.dtype, self.dtype), tuple(v.shape)) for k, v in state.items()]
+                planned = [(k, cast_dtype(v.dtype, self.dtype), tuple(v.shape)) for k, v in state.items()]
                 writer = SafetensorsWriter(f, planned, {"format": "pt", "global_step": str(extra.get("global_step"))})
                 for name, tensor in state.items():
-                    writer.write(name, _cast(tensor.detach().cpu(), self.dtype))
+                    writer.write(name, cast_tensor(tensor.detach().cpu(), self.dtype))
                 writer.finish()
             else:
                 writer = CkptWriter(f)
                 try:  # each tensor is cast and written on its own, then the small pickle refers to them
                     refs = {}
                     for name, tensor in state.items():
-                        refs[name] = writer.reserve(_cast_dtype(tensor.dtype, self.dtype), tuple(tensor.shape))
-                        writer.write_tensor(refs[name], _cast(tensor.detach().cpu(), self.dtype))
+                        refs[name] = writer.reserve(cast_dtype(tensor.dtype, self.dtype), tuple(tensor.shape))
+                        writer.write_tensor(refs[name], cast_tensor(tensor.detach().cpu(), self.dtype))
                     writer.finish({**extra, "state_dict": refs})
                 except BaseException:
                     writer.abandon()

@@ -31,14 +31,12 @@ from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint import StorageReader, StorageWriter
-from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp import _dcp_io
-from lightning_dcp._dcp_io import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, parse_commit
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
+    CorruptCheckpointError,
     NotACheckpointError,
     StorageAccessError,
 )
@@ -50,6 +48,7 @@ __all__ = [
     "Location",
     "fsync_dir",
     "new_token",
+    "read_commit",
 ]
 
 STAGING_INFIX = ".tmp-"
@@ -57,6 +56,24 @@ POINTER_HEADER = b"lightning_dcp pointer v1\n"
 """First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
 _POINTER_MAX_BYTES = 4096
 _MAX_HOPS = 8
+
+
+def read_commit(location: Location) -> dict[str, Any] | None:
+    """The parsed ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
+
+    Raises:
+        CorruptCheckpointError: The marker is not valid JSON.
+    """
+    try:
+        with location.open(COMMIT_FILE) as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        return parse_commit(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        msg = f"{location.url!r}: {COMMIT_FILE} is not valid JSON ({err})."
+        raise CorruptCheckpointError(msg, file=COMMIT_FILE) from err
 
 
 def new_token() -> str:
@@ -236,33 +253,10 @@ class Location:
         committed = []
         for name, kind in self.sibling("").entries():
             if kind == "directory" and name.startswith(prefix):
-                marker = _dcp_io.read_commit(self.sibling(name))
+                marker = read_commit(self.sibling(name))
                 if marker is not None:
                     committed.append((marker.get("committed_at", 0.0), name))
         return self.sibling(max(committed)[1]) if committed else self
-
-    # ------------------------------------------------------------------------------------------- DCP plumbing
-    def storage_writer(self, *, thread_count: int, sync_files: bool) -> StorageWriter:
-        """A DCP storage writer for this directory that keeps the storage options through ``reset(path)``."""
-        return _dcp_io.storage_writer(self, thread_count=thread_count, sync_files=sync_files)
-
-    def storage_reader(self) -> StorageReader:
-        """A DCP storage reader for this directory that keeps the storage options through ``reset(path)``."""
-        return _dcp_io.storage_reader(self)
-
-    def read_metadata(self) -> Metadata:
-        """Read this checkpoint's DCP metadata with :func:`lightning_dcp._dcp_io.load_metadata`.
-
-        Raises:
-            NotACheckpointError: It cannot be read, or it holds anything but DCP metadata.
-        """
-        try:
-            with self.open(METADATA_FILE) as f:
-                return _dcp_io.load_metadata(f)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise NotACheckpointError(f"Cannot read the DCP metadata of {self.url!r}: {err}") from err
 
     # ------------------------------------------------------------------------------------------------ changes
     def remove(self) -> None:

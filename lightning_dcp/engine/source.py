@@ -2,7 +2,7 @@
 
 Three layouts are recognised, all plain DCP directories underneath:
 
-- ``"lightning_dcp"``: ours (see :mod:`lightning_dcp._format`): ``state_dict.*``, ``optimizer_states.*`` and the
+- ``"lightning_dcp"``: ours (see :mod:`lightning_dcp.engine.layout`): ``state_dict.*``, ``optimizer_states.*`` and the
   ``lightning`` blob with the non-tensor Trainer state;
 - ``"lightning_sharded"``: Lightning's own sharded layout: ``state_dict.*`` (``ModelParallelStrategy``) or
   ``model.*`` (``FSDPStrategy(state_dict_type="sharded")``), ``optimizer_{i}.*`` and a ``meta.pt`` file
@@ -10,8 +10,8 @@ Three layouts are recognised, all plain DCP directories underneath:
 - ``"dcp"``: any other DCP directory; every tensor is a weight named by its flat DCP key.
 
 Tensors are read with ``dcp.load`` into a partial target built from the metadata, one bounded batch at a time,
-through :meth:`Location.storage_reader` and :class:`~lightning_dcp._format.SafeLoadPlanner`; nothing is ever
-unpickled with ``weights_only=False``.
+through :func:`~lightning_dcp.engine.dcp_io.storage_reader` and :class:`~lightning_dcp.engine.layout.SafeLoadPlanner`;
+nothing is ever unpickled with ``weights_only=False``.
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from lightning_dcp import _format
-from lightning_dcp._storage import METADATA_FILE, Location
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.dcp_io import read_metadata, storage_reader
+from lightning_dcp.engine.marker import METADATA_FILE
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 
 __all__ = ["LIGHTNING_META_FILE", "Source", "TensorEntry"]
@@ -85,20 +87,20 @@ class Source:
                 f"{location.url!r} is not a DCP checkpoint directory (no {METADATA_FILE!r} file in it); pass a"
                 " directory written by lightning_dcp, by Lightning's sharded strategies or by `dcp.save`."
             )
-        self.metadata: Metadata = location.read_metadata()
+        self.metadata: Metadata = read_metadata(self.location)
         keys = self.metadata.state_dict_metadata
-        if _format.EXTRA_KEY in keys:
+        if layout.EXTRA_KEY in keys:
             self.kind = "lightning_dcp"
         elif location.fs.exists(location.join(LIGHTNING_META_FILE)):
             self.kind = "lightning_sharded"
         else:
             self.kind = "dcp"
-        self.model_key = _format.MODEL_KEY
+        self.model_key = layout.MODEL_KEY
         """The top-level key of the model weights (``"model"`` in Lightning's FSDPStrategy layout)."""
-        if self.kind == "lightning_sharded" and not any(self._path(k)[0] == _format.MODEL_KEY for k in keys):
+        if self.kind == "lightning_sharded" and not any(self._path(k)[0] == layout.MODEL_KEY for k in keys):
             self.model_key = _LIGHTNING_FSDP_MODEL_KEY
         self.entries = [self._entry(k, m) for k, m in keys.items() if isinstance(m, TensorStorageMetadata)]
-        self.byte_keys = [k for k, m in keys.items() if isinstance(m, BytesStorageMetadata) and k != _format.EXTRA_KEY]
+        self.byte_keys = [k for k, m in keys.items() if isinstance(m, BytesStorageMetadata) and k != layout.EXTRA_KEY]
 
     def _path(self, key: str) -> tuple:
         return tuple((self.metadata.planner_data or {}).get(key, (key,)))
@@ -113,7 +115,7 @@ class Source:
     def optimizer_index(self, entry_path: tuple) -> int | None:
         """The optimizer an entry belongs to (``None``: not optimizer state)."""
         head = entry_path[0]
-        if self.kind == "lightning_dcp" and head == _format.OPTIMIZER_KEY:
+        if self.kind == "lightning_dcp" and head == layout.OPTIMIZER_KEY:
             return int(entry_path[1])
         if self.kind == "lightning_sharded" and isinstance(head, str):
             match = _LIGHTNING_OPTIMIZER.fullmatch(head)
@@ -127,8 +129,8 @@ class Source:
             CheckpointError: It cannot be read with ``weights_only`` unpickling, or is corrupt (the file is named).
         """
         if self.kind == "lightning_dcp":
-            blob = self.read_values([_format.EXTRA_KEY], weights_only=weights_only)[_format.EXTRA_KEY]
-            return _format.decode_extra(blob, path=self.location.url, weights_only=weights_only)
+            blob = self.read_values([layout.EXTRA_KEY], weights_only=weights_only)[layout.EXTRA_KEY]
+            return layout.decode_extra(blob, path=self.location.url, weights_only=weights_only)
         if self.kind == "lightning_sharded":
             name = self.location.join(LIGHTNING_META_FILE)
             try:
@@ -174,8 +176,8 @@ class Source:
             with _quiet():
                 dcp.load(
                     target,
-                    storage_reader=self.location.storage_reader(),
-                    planner=_format.SafeLoadPlanner(weights_only=weights_only),
+                    storage_reader=storage_reader(self.location),
+                    planner=layout.SafeLoadPlanner(weights_only=weights_only),
                     no_dist=True,
                 )
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException

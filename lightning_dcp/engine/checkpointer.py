@@ -1,0 +1,372 @@
+"""``Checkpointer``: the engine's verbs. Save, load and remove a DCP checkpoint of a state tree on any storage.
+
+A front end (the Trainer's ``DCPCheckpointIO``, the Fabric strategies) turns its users' state into three parts and
+hands them here (see :mod:`lightning_dcp.engine.layout`):
+
+- the *tree*: top-level keys mapping to nested state dicts of tensors (DTensor shards included) and small leaves,
+  written by DCP with every rank writing its part;
+- the *objects*: everything else, one ``weights_only``-safe blob written by rank 0;
+- the *rank objects*: each rank's own blob (its RNG states).
+
+The save writes into a fresh directory (or a hidden staging directory beside an existing checkpoint) and commits it
+once every rank finished; loads reshard to the current world size and verify every record they read.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.metadata
+import logging
+import os
+import time
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.async_save import AsyncSaves
+from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
+from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
+from lightning_dcp.engine.loading import fit_target, lightning_model_key, load_file, probe, read_lightning_meta
+from lightning_dcp.engine.storage import Location, new_token
+from lightning_dcp.errors import CheckpointError, checkpoint_failure
+
+__all__ = ["Checkpointer", "Loaded"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Loaded:
+    """What :meth:`Checkpointer.load` read.
+
+    Attributes:
+        url: The checkpoint actually loaded (after pointers and a fallback from a broken ``last``).
+        kind: ``"dcp"`` (lightning_dcp), ``"lightning"`` (Lightning's sharded layout with ``meta.pt``) or ``"file"``
+            (one ``torch.save`` file, returned whole in ``objects``).
+        tree: The loaded tree: the filled target, or full CPU tensors without a target.
+        objects: The decoded rank-0 blob (or ``meta.pt``, or the whole file); ``{}`` when not read.
+        rank_objects: This rank's own blob (rank 0's at another world size), ``None`` when not read or not saved.
+        rank_objects_exact: Whether ``rank_objects`` is this rank's own (same world size as at save).
+        in_place: Whether tensors were loaded into a given target (this rank's shards) rather than full tensors.
+        missing_keys: Model FQNs of the target that the checkpoint lacks (non-strict loads).
+        unexpected_keys: Model FQNs the checkpoint holds that the target lacks (non-strict loads).
+        saved_world_size: The world size at save, when recorded.
+    """
+
+    url: str
+    kind: Literal["dcp", "lightning", "file"]
+    tree: dict[str, Any]
+    objects: dict[str, Any]
+    rank_objects: dict[str, Any] | None = None
+    rank_objects_exact: bool = False
+    in_place: bool = False
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
+    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
+    saved_world_size: int | None = None
+
+
+class Checkpointer:
+    """Save, load and remove committed, checksummed DCP checkpoints; the engine under both front ends.
+
+    Args:
+        storage_options: fsspec filesystem options (credentials, endpoint, region) used for every read, write, list
+            and delete; per-call ``storage_options`` are merged on top.
+        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
+        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
+        async_save: Write in the background (``dcp.async_save`` over a dedicated gloo group): :meth:`save` returns
+            once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight; the
+            next save, a load, a removal of that checkpoint and :meth:`close` wait for it and raise its error.
+
+    Raises:
+        ValueError: ``thread_count`` is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        async_save: bool = False,
+    ) -> None:
+        if not isinstance(thread_count, int) or thread_count < 1:
+            raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
+        self.storage_options = dict(storage_options or {})
+        self.thread_count = thread_count
+        self.sync_files = sync_files
+        self.async_save = async_save
+        self._async = AsyncSaves() if async_save else None
+        self.last_save_seconds: float | None = None
+        """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
+
+    def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
+        """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
+        return Location(path, storage_options={**self.storage_options, **(storage_options or {})})
+
+    # ----------------------------------------------------------------------------------------------- save
+    def save(
+        self,
+        tree: dict[str, Any],
+        path: str | os.PathLike,
+        *,
+        objects: dict[str, Any] | None = None,
+        rank_objects: dict[str, Any] | None = None,
+        info: dict[str, Any] | None = None,
+        storage_options: dict[str, Any] | None = None,
+        collective: bool = False,
+    ) -> None:
+        """Write ``tree`` (and the blobs) as a DCP directory at ``path`` and commit it.
+
+        Args:
+            tree: Top-level keys to nested state dicts of tensors; not modified, tensors are not copied (sync).
+            path: Target directory, a local path or fsspec URL. An existing checkpoint there is replaced only once
+                the new one is complete.
+            objects: Rank 0's non-tensor state (ignored on other ranks), written as one ``weights_only``-safe blob.
+            rank_objects: This rank's own state, written by this rank.
+            info: Facts recorded in the blob's ``"lightning_dcp"`` entry, beside the world size and versions.
+            storage_options: fsspec options for this call, merged over the checkpointer's.
+            collective: ``True`` when every rank calls this; ``False`` when one process writes everything.
+
+        Collective: call on all ranks when ``collective=True``; otherwise on one process only.
+
+        Raises:
+            CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
+        """
+        self._await_pending(collective)
+        started = time.perf_counter()
+        location = self.location(path, storage_options)
+        rank, world_size = rank_and_world(collective)
+        # Rank 0 decides where this save writes; all ranks must agree.
+        token, direct = on_rank0(collective, lambda: (new_token(), _writes_in_place(location)))
+        target = location if direct else location.staging(token)
+        info = {**(info or {}), "world_size": world_size, **_versions()}
+
+        def commit() -> None:  # rank 0, once every rank finished writing
+            if not direct:
+                location.commit_from(target)
+            location.remove_stale_staging(keep=None if direct else token)
+
+        def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
+            if not direct:
+                target.remove()
+
+        writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
+        try:
+            state = layout.build_state(
+                tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
+            )
+            if self._async is not None:
+                self._async.start(
+                    state,
+                    writer=writer,
+                    location=location,
+                    rank=rank,
+                    distributed=distributed(collective),
+                    commit=commit,
+                    abandon=abandon,
+                )
+                self._record(started, location, "staged (writing in the background)")
+                return
+            with single_process_ok():
+                dcp.save(state, storage_writer=writer, no_dist=not distributed(collective))
+        except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
+            if rank == 0:
+                abandon()
+            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed on rank {rank}") from err
+        on_rank0(collective, commit)
+        self._record(started, location, "saved")
+
+    def _record(self, started: float, location: Location, what: str) -> None:
+        self.last_save_seconds = time.perf_counter() - started
+        log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
+
+    # ----------------------------------------------------------------------------------------------- load
+    def load(
+        self,
+        path: str | os.PathLike,
+        *,
+        target: dict[str, Any] | None = None,
+        strict: bool = True,
+        collective: bool = False,
+        weights_only: bool = True,
+        only: Sequence[str] | None = None,
+        exclude: Sequence[str] = (),
+        map_location: Any | None = None,
+    ) -> Loaded:
+        """Load the checkpoint at ``path``: a lightning_dcp directory, Lightning's sharded layout or one file.
+
+        Args:
+            path: Checkpoint directory or file, local path or fsspec URL.
+            target: The tree to fill in place (from ``get_state_dict``: this rank's shards, resharding to the
+                current world size). ``None`` loads every tensor into CPU memory.
+            strict: Require the checkpoint's model keys to equal the target's (see ``StateDictMismatchError``).
+            collective: ``True`` when every rank calls this with its own target.
+            weights_only: Restrict unpickling of non-tensor state to safe types.
+            only: With a target, read these top-level keys only and no blobs (``None``: everything).
+            exclude: Glob patterns of model FQNs neither loaded nor reported as unexpected (with a target).
+            map_location: Passed to ``torch.load`` for single-file checkpoints.
+
+        A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``) that is incomplete
+        or corrupt falls back to the newest valid checkpoint in the same directory, with a warning naming both.
+
+        Collective: call on all ranks when ``collective=True``.
+
+        Raises:
+            CheckpointNotFoundError: Nothing exists at ``path``.
+            NotACheckpointError: ``path`` is not a readable checkpoint (or an incomplete save).
+            StateDictMismatchError: Keys, shapes or dtypes differ from the target; nothing was loaded.
+            CheckpointError: Non-tensor state that ``weights_only`` refuses.
+        """
+        self._await_pending(collective)
+        found = on_rank0(collective, lambda: probe(self.location(path)))
+        location = self.location(found.url)
+        if found.kind == "file":
+            objects = load_file(location, map_location=map_location, weights_only=weights_only)
+            return Loaded(url=location.url, kind="file", tree={}, objects=objects)
+        metadata = found.metadata
+        lightning_layout = found.kind == "lightning"
+        model_key = lightning_model_key(metadata) if lightning_layout else layout.MODEL_KEY
+        rank, world_size = rank_and_world(collective)
+        loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
+        loaded.saved_world_size = layout.saved_world_size(metadata)
+        if target is None:
+            state = layout.metadata_target(metadata)
+        else:
+            state = {k: v for k, v in target.items() if only is None or k in only}
+            if lightning_layout:
+                state = _to_lightning_layout(state, model_key)
+            state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
+                location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
+            )
+            if not lightning_layout and only is None:
+                state[layout.EXTRA_KEY] = b""
+                if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
+                    own = rank if loaded.saved_world_size == world_size else 0
+                    state[layout.RANK_KEY] = {str(own): b""}
+        try:
+            with single_process_ok():
+                dcp.load(
+                    state,
+                    storage_reader=storage_reader(location),
+                    planner=layout.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
+                    no_dist=not distributed(collective),
+                )
+        except dcp.CheckpointException as err:  # DCP gathers every rank's failure; raise the first one plainly
+            raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
+        if lightning_layout:
+            loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
+            state = _from_lightning_layout(state, model_key)
+        elif layout.EXTRA_KEY in state:
+            blob = state.pop(layout.EXTRA_KEY)
+            loaded.objects = layout.decode_extra(blob, path=location.url, weights_only=weights_only)
+        blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
+        if blobs:
+            loaded.rank_objects = layout.decode_extra(
+                next(iter(blobs.values())), path=location.url, weights_only=weights_only
+            )
+            loaded.rank_objects_exact = loaded.saved_world_size == world_size
+        loaded.tree = state
+        return loaded
+
+    # --------------------------------------------------------------------------------------------- remove
+    def remove(self, path: str | os.PathLike, *, collective: bool = False) -> None:
+        """Delete the checkpoint at ``path`` (and any staging left by an interrupted save to it) once.
+
+        A removal of another checkpoint while a background save is in flight runs after that save commits, so a
+        checkpoint is never deleted before its successor exists.
+
+        Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
+        """
+        location = self.location(path)
+        in_flight = self._async.in_flight if self._async is not None else None
+        if in_flight is not None and in_flight.url == location.url:
+            self._await_pending(collective)  # removing the checkpoint being written: let it finish first
+        elif in_flight is not None:
+            if rank_and_world(collective)[0] == 0 and not self._async.defer_removal(location):
+                location.remove()
+            return
+
+        def remove() -> None:
+            location.remove()
+            location.remove_stale_staging()
+
+        on_rank0(collective, remove)
+
+    # --------------------------------------------------------------------------------------------- async
+    def wait(self, *, collective: bool = False) -> None:
+        """Block until the background save in flight (if any) is committed.
+
+        Collective: call on all ranks when ``collective=True``; then every rank raises if any rank's part failed.
+
+        Raises:
+            CheckpointError: The background save failed (naming the rank and the path); it was not committed.
+        """
+        self._await_pending(collective)
+
+    def close(self) -> None:
+        """Wait for the background save in flight (if any) and release the staging buffers.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+        """
+        if self._async is not None:
+            self._async.close()
+
+    def _await_pending(self, collective: bool) -> None:
+        if self._async is None or self._async.in_flight is None:
+            return
+        error: CheckpointError | None = None
+        try:
+            self._async.wait()
+        except CheckpointError as err:
+            error = err
+        if distributed(collective):
+            errors: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(errors, error)
+            error = error or next((e for e in errors if e is not None), None)
+        if error is not None:
+            raise error
+
+
+# --------------------------------------------------------------------------------------------------- helpers
+def _versions() -> dict[str, str]:
+    try:
+        lightning_version = importlib.metadata.version("lightning")
+    except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
+        lightning_version = importlib.metadata.version("pytorch-lightning")
+    return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}
+
+
+def _writes_in_place(location: Location) -> bool:
+    """Whether a save writes straight into ``location`` (object stores, name free) or into a staging directory.
+
+    Local disks always stage (the commit is one rename). On object stores a name holding no committed checkpoint
+    (free, or leftovers of a crashed save, which are removed here) is written in place and committed by ``.commit``;
+    only an overwrite of a committed checkpoint pays for staging and a server-side copy. Rank 0 only.
+    """
+    if location.local:
+        return False
+    if location.exists() and not location.is_committed():
+        location.remove()
+    return not location.exists()
+
+
+def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
+    """Our target keys -> Lightning's sharded layout (``state_dict``/``model``, ``optimizer_{i}``)."""
+    keyed = {model_key: target[layout.MODEL_KEY]}
+    for i, state in enumerate(target.get(layout.OPTIMIZER_KEY, [])):
+        keyed[f"optimizer_{i}"] = state
+    return keyed
+
+
+def _from_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
+    """Lightning's sharded layout -> ``{"state_dict": ..., "optimizer_states": [...]}``."""
+    optimizers = sorted((int(k.split("_", 1)[1]), v) for k, v in target.items() if k.startswith("optimizer_"))
+    result: dict[str, Any] = {layout.MODEL_KEY: target[model_key]}
+    if optimizers:
+        result[layout.OPTIMIZER_KEY] = [state for _, state in optimizers]
+    return result

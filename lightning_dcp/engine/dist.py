@@ -1,0 +1,61 @@
+"""Who takes part in a checkpoint call, and rank 0's decisions given to every rank.
+
+A call is *collective* when every rank of the default process group makes it (the sharded strategies); otherwise one
+process acts alone (a stock Lightning strategy calls its CheckpointIO on rank 0 only) and nothing here runs a
+collective. Anything that could differ between ranks (does the checkpoint exist, which is the newest, where to write)
+is decided by rank 0 and broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import torch.distributed as dist
+
+__all__ = ["distributed", "on_rank0", "rank_and_world", "single_process_ok"]
+
+_T = TypeVar("_T")
+
+
+def distributed(collective: bool) -> bool:
+    """Whether a call with this ``collective`` flag runs as a collective over the default process group."""
+    return collective and dist.is_available() and dist.is_initialized()
+
+
+def rank_and_world(collective: bool) -> tuple[int, int]:
+    """``(rank, world_size)`` of this call: the default group's when collective, else ``(0, 1)``."""
+    if distributed(collective):
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def on_rank0(collective: bool, fn: Callable[[], _T]) -> _T:
+    """Run ``fn`` on rank 0 and give every rank its result, or raise its exception on every rank.
+
+    Collective: call on all ranks when ``collective`` (one ``broadcast_object_list``).
+    """
+    rank, world_size = rank_and_world(collective)
+    if world_size == 1:
+        return fn()
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = (True, fn())
+        except Exception as err:  # re-raised on every rank below
+            payload[0] = (False, err)
+    dist.broadcast_object_list(payload, src=0)
+    ok, value = payload[0]
+    if not ok:
+        raise value
+    return value
+
+
+@contextlib.contextmanager
+def single_process_ok() -> Iterator[None]:
+    """Silence DCP's warning that it runs in a single process: here that is intended (``no_dist``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield

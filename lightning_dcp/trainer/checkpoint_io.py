@@ -1,0 +1,204 @@
+"""``DCPCheckpointIO``: Lightning's CheckpointIO contract, written as torch.distributed.checkpoint directories."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from typing_extensions import override
+
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.checkpointer import Checkpointer
+
+__all__ = ["DCPCheckpointIO"]
+
+
+class DCPCheckpointIO(CheckpointIO):
+    """Save, load and remove Lightning checkpoints as torch.distributed.checkpoint (DCP) directories.
+
+    A checkpoint is a directory holding DCP's ``.metadata`` and ``__{rank}_{n}.distcp`` data files; model and
+    optimizer tensors are DCP entries, and the rest of Lightning's checkpoint dict (loops, callbacks, hparams, ...)
+    is one ``weights_only``-safe blob inside the same files. A save writes into a hidden staging directory beside
+    the target and is committed (renamed into place) only after every rank finished, so an interrupted save never
+    damages the checkpoint that was there before.
+
+    Use ``Trainer(plugins=[DCPCheckpointIO()])``. With the ``dcp_*`` strategies (``DCPStrategyMixin``) every rank
+    writes its own shard; under a stock Lightning strategy, which calls the plugin on rank 0 only, rank 0 writes the
+    whole (unsharded) state as a DCP directory.
+
+    Args:
+        storage_options: fsspec filesystem options (credentials, endpoint, region) used for every read, write,
+            list and delete. Per-call ``storage_options`` given to ``save_checkpoint`` are merged on top.
+        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
+        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
+        async_save: Write in the background (``dcp.async_save`` over a dedicated gloo group): ``save_checkpoint``
+            returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
+            flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
+            is raised there. Removals requested while it is in flight run after it commits.
+
+    Raises:
+        ValueError: ``thread_count`` is not a positive integer.
+    """
+
+    def __init__(
+        self,
+        *,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        async_save: bool = False,
+    ) -> None:
+        self.checkpointer = Checkpointer(
+            storage_options=storage_options, thread_count=thread_count, sync_files=sync_files, async_save=async_save
+        )
+        """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+
+    @property
+    def storage_options(self) -> dict[str, Any]:
+        """The fsspec options of every storage call (credentials, endpoint)."""
+        return self.checkpointer.storage_options
+
+    @property
+    def async_save(self) -> bool:
+        """Whether saves run in the background."""
+        return self.checkpointer.async_save
+
+    @property
+    def last_save_seconds(self) -> float | None:
+        """Seconds the last ``save_checkpoint`` call blocked its caller (the training-loop stall), on this rank."""
+        return self.checkpointer.last_save_seconds
+
+    # ----------------------------------------------------------------------------------------------- save
+    @override
+    def save_checkpoint(
+        self,
+        checkpoint: dict[str, Any],
+        path: str | os.PathLike,
+        storage_options: dict[str, Any] | None = None,
+        *,
+        collective: bool = False,
+        info: Mapping[str, Any] | None = None,
+        rank_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
+
+        Args:
+            checkpoint: Lightning's checkpoint dict. ``"state_dict"`` and ``"optimizer_states"`` hold the tensors
+                (FQN-keyed from ``get_state_dict`` under the DCP strategies, Lightning's layout otherwise).
+            path: Target directory, a local path or fsspec URL (``str``). An existing checkpoint there is replaced
+                only once the new one is complete.
+            storage_options: fsspec options for this call, merged over the plugin's.
+            collective: ``True`` when every rank calls this (the DCP strategies do); ``False`` when only rank 0
+                does (stock Lightning strategies), which then writes everything without any collective.
+            info: Extra facts recorded in the checkpoint (strategy name, ...).
+            rank_state: This rank's own state (its RNG states), written by this rank as ``rank_states.{rank}``.
+
+        Collective: call on all ranks when ``collective=True``; otherwise on one process only.
+
+        Raises:
+            CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
+        """
+        tree, objects, layout_info = layout.split_checkpoint(checkpoint)
+        self.checkpointer.save(
+            tree,
+            path,
+            objects=objects,
+            rank_objects=None if rank_state is None else dict(rank_state),
+            info={**(info or {}), **layout_info},
+            storage_options=storage_options,
+            collective=collective,
+        )
+
+    # ----------------------------------------------------------------------------------------------- load
+    @override
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        state_dict: dict[str, Any] | None = None,
+        strict: bool = True,
+        collective: bool = False,
+        only_model: bool = False,
+        exclude: Sequence[str] = (),
+    ) -> dict[str, Any]:
+        """Load a checkpoint written by this plugin, or a single-file Lightning checkpoint.
+
+        Args:
+            path: A checkpoint directory (or a ``.ckpt`` file from ``torch.save``), local path or fsspec URL.
+            map_location: Passed to ``torch.load`` for single-file checkpoints; DCP loads into the target's devices.
+            weights_only: Restrict unpickling of non-tensor state to safe types (``None`` means ``True``).
+            state_dict: Target ``{"state_dict": ..., "optimizer_states": [...]}`` from ``get_state_dict`` that DCP
+                fills in place (resharding to the current world size). ``None`` loads every tensor into CPU memory.
+            strict: Require the checkpoint's model keys to equal the target's (see ``StateDictMismatchError``).
+            collective: ``True`` when every rank calls this with its own ``state_dict`` target.
+            only_model: With a target, read the model entries only (no Trainer state, optimizer or RNG states).
+            exclude: Glob patterns of model FQNs neither loaded nor reported as unexpected (with a target).
+
+        A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``; what
+        ``ckpt_path="last"`` resolves to) that is incomplete or corrupt falls back to the newest valid checkpoint
+        in the same directory, with a warning naming both. Any other path fails instead.
+
+        Returns:
+            Lightning's checkpoint dict. With a target, ``"state_dict"``/``"optimizer_states"`` are the filled
+            target objects. A single file is returned as ``torch.load`` gives it.
+
+        Collective: call on all ranks when ``collective=True``.
+
+        Raises:
+            CheckpointNotFoundError: Nothing exists at ``path``.
+            NotACheckpointError: ``path`` is not a readable checkpoint (or an incomplete save).
+            StateDictMismatchError: Keys, shapes or dtypes differ from the target; nothing was loaded.
+            CheckpointError: Non-tensor state that ``weights_only`` refuses.
+        """
+        loaded = self.checkpointer.load(
+            path,
+            target=state_dict,
+            strict=strict,
+            collective=collective,
+            weights_only=True if weights_only is None else weights_only,
+            only=[layout.MODEL_KEY] if only_model else None,
+            exclude=exclude,
+            map_location=map_location,
+        )
+        if loaded.kind == "file":
+            return loaded.objects
+        checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place)
+        info = checkpoint[layout.INFO_KEY]
+        if loaded.in_place:
+            info.update(missing_keys=loaded.missing_keys, unexpected_keys=loaded.unexpected_keys)
+        if loaded.rank_objects is not None:
+            info["rank_state"] = loaded.rank_objects
+            info["rank_state_exact"] = loaded.rank_objects_exact
+        return checkpoint
+
+    # --------------------------------------------------------------------------------------------- remove
+    @override
+    def remove_checkpoint(self, path: str | os.PathLike, *, collective: bool = False) -> None:
+        """Delete the checkpoint at ``path`` (and any staging left by an interrupted save to it) once.
+
+        Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
+        """
+        self.checkpointer.remove(path, collective=collective)
+
+    @override
+    def teardown(self) -> None:
+        """Wait for the background save in flight (if any) and release the staging buffers.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+        """
+        self.checkpointer.close()
+
+    def wait(self, *, collective: bool = False) -> None:
+        """Block until the background save in flight (if any) is committed.
+
+        Collective: call on all ranks when ``collective=True``; then every rank raises if any rank's part failed.
+
+        Raises:
+            CheckpointError: The background save failed (naming the rank and the path); it was not committed.
+        """
+        self.checkpointer.wait(collective=collective)

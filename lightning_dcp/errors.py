@@ -104,22 +104,27 @@ class StateDictMismatchError(CheckpointError, ValueError):
         super().__init__(" ".join(lines))
 
 
-def checkpoint_failure(err: BaseException, context: str) -> Exception:
+def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = None) -> Exception:
     """Turn a failed save or load into one ``Exception`` whose message says where it failed and how to fix it.
 
-    DCP's ``CheckpointException`` (a ``BaseException``) holds each rank's failure; its first failure is used.
+    Args:
+        err: The failure. DCP's ``CheckpointException`` (a ``BaseException``) holds each rank's failure; the lowest
+            failing rank's is used and named.
+        context: What failed, e.g. ``"Saving the checkpoint to 's3://b/x' failed"`` (no rank in it).
+        rank: The rank that saw ``err`` when it is not a ``CheckpointException``, to name it.
     """
     failures = getattr(err, "failures", None)
     if not isinstance(failures, dict):
         if isinstance(err, CheckpointError):
             return err
-        return CheckpointError(f"{context}: {describe_failure(err)}")
-    for rank, wrapped in sorted(failures.items()):
+        where = f" on rank {rank}" if rank is not None else ""
+        return CheckpointError(f"{context}{where}: {describe_failure(err)}")
+    for failed_rank, wrapped in sorted(failures.items()):
         failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
         if isinstance(failure, CheckpointError):
             return failure
         if isinstance(failure, Exception):
-            return CheckpointError(f"{context} on rank {rank}: {describe_failure(failure)}")
+            return CheckpointError(f"{context} on rank {failed_rank}: {describe_failure(failure)}")
     return CheckpointError(f"{context}: {err}")
 
 

@@ -25,14 +25,24 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
-from lightning_dcp.engine.loading import fit_target, lightning_model_key, load_file, probe, read_lightning_meta
-from lightning_dcp.engine.storage import Location, new_token
-from lightning_dcp.errors import CheckpointError, checkpoint_failure
+from lightning_dcp.engine.integrity import committed_checkpoints
+from lightning_dcp.engine.loading import (
+    LIGHTNING_META_FILE,
+    candidates,
+    fit_target,
+    lightning_model_key,
+    load_file,
+    probe,
+    read_lightning_meta,
+)
+from lightning_dcp.engine.storage import Location, fsync_dir, new_token
+from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError, checkpoint_failure
 
 __all__ = ["Checkpointer", "Loaded"]
 
@@ -102,6 +112,7 @@ class Checkpointer:
         self._async = AsyncSaves() if async_save else None
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
+        self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
 
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
         """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
@@ -141,18 +152,27 @@ class Checkpointer:
         location = self.location(path, storage_options)
         rank, world_size = rank_and_world(collective)
         # Rank 0 decides where this save writes; all ranks must agree.
-        token, direct = on_rank0(collective, lambda: (new_token(), _writes_in_place(location)))
+        token, direct = on_rank0(collective, lambda: (new_token(), self._writes_in_place(location)))
         target = location if direct else location.staging(token)
         info = {**(info or {}), "world_size": world_size, **_versions()}
 
         def commit() -> None:  # rank 0, once every rank finished writing
             if not direct:
                 location.commit_from(target)
+            elif location.local:  # the marker's directory entry, and the directory's own, survive a power loss
+                fsync_dir(location.path)
+                fsync_dir(location.parent().path)
+            self._committed_in.add(location.parent().url)
             location.remove_stale_staging(keep=None if direct else token)
 
         def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
-            if not direct:
+            if not (direct and location.local and self._async is not None):
                 target.remove()
+                return
+            # An async save returned before it failed: Lightning may have linked `last` to this directory already.
+            # Keep the (uncommitted, so never loaded) directory so that link never dangles; free its data.
+            for name, _ in target.entries(follow_links=False):
+                target.child(name).remove()
 
         writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
         try:
@@ -176,9 +196,42 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0:
                 abandon()
-            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed on rank {rank}") from err
-        on_rank0(collective, commit)
+            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed", rank=rank) from err
+        try:
+            on_rank0(collective, commit)
+        except Exception as err:  # storage refused the commit (rename, copy or marker): nothing new is visible
+            raise checkpoint_failure(err, f"Committing the checkpoint to {location.url!r} failed", rank=0) from err
         self._record(started, location, "saved")
+
+    def _writes_in_place(self, location: Location) -> bool:
+        """Whether a save writes straight into ``location`` (True) or into a hidden staging directory beside it.
+
+        An existing checkpoint (ours, Lightning's sharded layout, a single file) is only ever replaced once the new
+        one is complete: such a save stages. Leftovers of an interrupted save of ours at that name (a directory
+        without ``.commit`` or ``meta.pt``) are removed first. A new name on an object store is written in place
+        (committed by ``.commit``; staging would cost a server-side copy). A new local name is written in place
+        once a committed checkpoint exists beside it, and the directory is created before the save returns: then
+        Lightning's ``save_last="link"``, made as soon as an async save returns, always points at an existing
+        directory, which the loader passes over for the newest committed one if the save never finished. Before
+        the first commit in a directory it stages, so a run killed during its first save has nothing named
+        ``last`` and starts fresh. Rank 0 only.
+        """
+        if location.exists() and location.isdir() and not location.is_committed():
+            if not location.fs.exists(location.join(LIGHTNING_META_FILE)):
+                location.remove()  # our own interrupted save: never a checkpoint
+        if location.exists():
+            return False
+        if location.local:
+            if not self._has_committed_sibling(location):
+                return False
+            os.makedirs(location.path, exist_ok=True)
+        return True
+
+    def _has_committed_sibling(self, location: Location) -> bool:
+        parent = location.parent()
+        if parent.url not in self._committed_in and committed_checkpoints(parent):
+            self._committed_in.add(parent.url)
+        return parent.url in self._committed_in
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
@@ -222,7 +275,56 @@ class Checkpointer:
             CheckpointError: Non-tensor state that ``weights_only`` refuses.
         """
         self._await_pending(collective)
-        found = on_rank0(collective, lambda: probe(self.location(path)))
+        options = dict(
+            target=target,
+            strict=strict,
+            collective=collective,
+            weights_only=weights_only,
+            only=only,
+            exclude=exclude,
+            map_location=map_location,
+        )
+        urls = on_rank0(collective, lambda: candidates(self.location(path)))
+        failures: list[tuple[str, CheckpointError]] = []
+        for url in urls:
+            loaded, failure = None, None
+            try:
+                loaded = self._load_one(url, **options)
+            except StateDictMismatchError:
+                raise  # about the target, not the checkpoint: an older checkpoint would not fit either
+            except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)
+                failure = checkpoint_failure(err, f"Loading the checkpoint at {url!r} failed")
+            failure = _first_failure(failure, collective)  # every rank moves on together, or none does
+            if failure is None:
+                if failures:
+                    tried = "; ".join(f"{u!r} ({err})" for u, err in failures)
+                    rank_zero_warn(
+                        f"lightning_dcp: the newest checkpoint(s) cannot be loaded: {tried}. Resuming from the newest"
+                        f" valid checkpoint instead: {url!r}."
+                    )
+                return loaded
+            failures.append((url, failure))
+        if len(failures) == 1:
+            raise failures[0][1]
+        raise NotACheckpointError(
+            f"No checkpoint designated by {os.fspath(path)!r} can be loaded; tried, newest first: "
+            + "; ".join(f"{u!r}: {err}" for u, err in failures)
+        )
+
+    def _load_one(
+        self,
+        url: str,
+        *,
+        target: dict[str, Any] | None,
+        strict: bool,
+        collective: bool,
+        weights_only: bool,
+        only: Sequence[str] | None,
+        exclude: Sequence[str],
+        map_location: Any | None,
+    ) -> Loaded:
+        """Load the one checkpoint at ``url``. Collective: call on all ranks when ``collective``."""
+        found = on_rank0(collective, lambda: probe(self.location(url)))
         location = self.location(found.url)
         if found.kind == "file":
             objects = load_file(location, map_location=map_location, weights_only=weights_only)
@@ -255,7 +357,7 @@ class Checkpointer:
                     planner=layout.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
                     no_dist=not distributed(collective),
                 )
-        except dcp.CheckpointException as err:  # DCP gathers every rank's failure; raise the first one plainly
+        except (Exception, dcp.CheckpointException) as err:  # DCP gathers every rank's failure: raise the first
             raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
         if lightning_layout:
             loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
@@ -333,26 +435,21 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
+    """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
+    if not distributed(collective):
+        return failure
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
+
+
 def _versions() -> dict[str, str]:
     try:
         lightning_version = importlib.metadata.version("lightning")
     except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
         lightning_version = importlib.metadata.version("pytorch-lightning")
     return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}
-
-
-def _writes_in_place(location: Location) -> bool:
-    """Whether a save writes straight into ``location`` (object stores, name free) or into a staging directory.
-
-    Local disks always stage (the commit is one rename). On object stores a name holding no committed checkpoint
-    (free, or leftovers of a crashed save, which are removed here) is written in place and committed by ``.commit``;
-    only an overwrite of a committed checkpoint pays for staging and a server-side copy. Rank 0 only.
-    """
-    if location.local:
-        return False
-    if location.exists() and not location.is_committed():
-        location.remove()
-    return not location.exists()
 
 
 def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:

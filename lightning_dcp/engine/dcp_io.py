@@ -1,15 +1,14 @@
-"""The DCP storage writer and reader lightning_dcp uses: checksummed writes, verified reads, safe metadata.
+"""The DCP storage writer and reader lightning_dcp uses: checksummed writes, verified reads.
 
 Files stay exactly DCP's (``__{rank}_{n}.distcp`` records written with ``torch.save``, ``.metadata``), so any DCP
 reader loads them. On top of that:
 
 - the writer computes a checksum (xxHash3-64) of every record while writing it (no second pass over the disk) and
   the coordinator writes them, with the size and checksum of ``.metadata``, to ``.commit`` **after** ``.metadata``:
-  ``.commit`` is
-  lightning_dcp's commit marker, and a directory without it is never treated as a checkpoint;
-- the reader verifies the checksum of every record it reads (so a flipped bit never loads silently) and names the file;
-- ``.metadata`` is unpickled by :func:`load_metadata`, which admits DCP's metadata classes only (DCP itself uses plain
-  ``pickle.load``, which runs code from a crafted file).
+  ``.commit`` is lightning_dcp's commit marker (:mod:`lightning_dcp.engine.marker`), and a directory without it is
+  never treated as a checkpoint;
+- the reader verifies the checksum of every record it reads (so a flipped bit never loads silently) and names the
+  file; ``.metadata`` is read by :mod:`lightning_dcp.engine.metadata` (allow-listed unpickling, then checked).
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import contextlib
 import dataclasses
 import io
 import os
-import pickle
 import threading
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,15 +42,18 @@ from lightning_dcp._compat import DCPFsspecFileSystem, FsspecReader, FsspecWrite
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,
+    MAX_MARKER_BYTES,
     METADATA_FILE,
+    MarkerError,
     checksum,
     encode_commit,
     parse_commit,
 )
+from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["load_metadata", "read_metadata", "storage_reader", "storage_writer"]
+__all__ = ["storage_reader", "storage_writer"]
 
 
 def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -> StorageWriter:
@@ -73,21 +74,6 @@ def storage_reader(location: Location) -> StorageReader:
     if location.local:
         return _LocalReader(location.path)
     return _keep_options(_FsspecReader(location.url, **location.storage_options), location.storage_options)
-
-
-def read_metadata(location: Location) -> Metadata:
-    """Read the DCP metadata of the checkpoint at ``location`` with :func:`load_metadata`.
-
-    Raises:
-        NotACheckpointError: It cannot be read, or it holds anything but DCP metadata.
-    """
-    try:
-        with location.open(METADATA_FILE) as f:
-            return load_metadata(f)
-    except CheckpointError:
-        raise
-    except Exception as err:
-        raise NotACheckpointError(f"Cannot read the DCP metadata of {location.url!r}: {err}") from err
 
 
 # ------------------------------------------------------------------------------------------------------ writing
@@ -269,13 +255,22 @@ def _keep_options(io: Any, storage_options: dict[str, Any]) -> Any:
 
 # ------------------------------------------------------------------------------------------------------ reading
 class _VerifyingReader:
-    """Read records as DCP's filesystem readers do, checking each record's checksum from ``.commit`` first."""
+    """Read records as DCP's filesystem readers do, checking each record against ``.commit`` first.
+
+    A checkpoint with a ``.commit`` marker (lightning_dcp's) must account for every record read: a record that the
+    marker does not list, that lies outside its file, or whose bytes do not match the recorded checksum fails with
+    :class:`CorruptCheckpointError` naming the file; so does a record that does not decode to what the metadata
+    says. Directories without a marker (Lightning's own sharded layout, plain DCP) are read unchecked.
+    """
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
             raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
-            metadata = load_metadata(f)
+            data = f.read(MAX_METADATA_BYTES + 1)
+        if len(data) > MAX_METADATA_BYTES:
+            raise NotACheckpointError(f"{self.path}/{METADATA_FILE} is larger than {MAX_METADATA_BYTES} bytes.")
+        metadata = load_metadata(data, where=f"{self.path}/{METADATA_FILE}")
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -283,13 +278,18 @@ class _VerifyingReader:
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
-        self.checksums: dict[tuple[str, int], tuple[int, int]] = {}
+        self.checksums: dict[tuple[str, int], tuple[int, int]] | None = None
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "rb") as f:
-                marker = parse_commit(f.read())
+                data = f.read(MAX_MARKER_BYTES + 1)
         except FileNotFoundError:
             return  # not written by lightning_dcp: nothing to verify against
-        for name, entry in marker.get("files", {}).items():
+        try:
+            marker = parse_commit(data)
+        except MarkerError as err:
+            raise CorruptCheckpointError(f"{self.path}/{COMMIT_FILE} is not valid: {err}.", file=COMMIT_FILE) from None
+        self.checksums = {}
+        for name, entry in marker["files"].items():
             for offset, length, digest in entry["records"]:
                 self.checksums[(name, offset)] = (length, digest)
 
@@ -299,41 +299,68 @@ class _VerifyingReader:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                size = stream.seek(0, os.SEEK_END)
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    record = self._read_record(stream, name, self.storage_data[item.storage_index], item)
-                    if item.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(item, io.BytesIO(record))
-                        continue
-                    tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-                    del record  # at most two copies of the largest record alive: decoded tensor and target
-                    tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-                    target = planner.resolve_tensor(item).detach()
-                    if target.size() != tensor.size():
+                    info = self.storage_data[item.storage_index]
+                    record = self._read_record(stream, name, size, info, item)
+                    try:
+                        self._apply(record, item, planner)
+                    except CheckpointError:
+                        raise
+                    except Exception as err:  # a record that is not what the metadata says it is
                         raise CorruptCheckpointError(
-                            f"{name}: record {item.storage_index.fqn!r} has shape {tuple(tensor.size())}, the metadata"
-                            f" says {tuple(target.size())}.",
+                            f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
+                            f" describes it ({type(err).__name__}: {err}).",
                             file=name,
-                        )
-                    target.copy_(tensor)
-                    planner.commit_tensor(item, target)
+                        ) from None
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, item: Any) -> bytes:
+    def _apply(self, record: bytes, item: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(record))
+            return
+        tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+        del record  # at most two copies of the largest record alive: decoded tensor and target
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size() or target.dtype != tensor.dtype:
+            raise TypeError(
+                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata says {target.dtype}{tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    def _read_record(self, stream: IO[bytes], name: str, size: int, info: StorageInfo, item: Any) -> bytes:
+        fqn = item.storage_index.fqn
+        if info.offset + info.length > size:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends at {size}.",
+                file=name,
+            )
+        expected = None if self.checksums is None else self.checksums.get((name, info.offset))
+        if self.checksums is not None and (expected is None or expected[0] != info.length):
+            raise CorruptCheckpointError(
+                f"{self.path}/{name}: record {fqn!r} (bytes {info.offset}..{info.offset + info.length}) is not listed"
+                f" in {COMMIT_FILE}; the checkpoint's files and its commit marker disagree.",
+                file=name,
+            )
         stream.seek(info.offset)
         record = stream.read(info.length)
         if len(record) != info.length:
             raise CorruptCheckpointError(
-                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f"{self.path}/{name} is truncated: record {fqn!r} needs bytes"
                 f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
                 file=name,
             )
-        expected = self.checksums.get((name, info.offset))
-        if expected is not None and (expected[0] != info.length or checksum(record) != expected[1]):
+        if expected is not None and checksum(record) != expected[1]:
             raise CorruptCheckpointError(
-                f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded"
-                " at save. Restore the file or resume from another checkpoint.",
+                f"{self.path}/{name} is corrupt: record {fqn!r} does not match the checksum recorded at save. Restore"
+                " the file or resume from another checkpoint.",
                 file=name,
             )
         return record
@@ -345,50 +372,3 @@ class _LocalReader(_VerifyingReader, FileSystemReader):
 
 class _FsspecReader(_VerifyingReader, FsspecReader):
     pass
-
-
-# ---------------------------------------------------------------------------------------------- metadata
-_METADATA_GLOBALS = {
-    "torch.distributed.checkpoint.metadata": {
-        "Metadata",
-        "TensorStorageMetadata",
-        "BytesStorageMetadata",
-        "ChunkStorageMetadata",
-        "TensorProperties",
-        "MetadataIndex",
-        "StorageMeta",
-        "_MEM_FORMAT_ENCODING",
-    },
-    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
-    "torch._utils": {"_get_layout"},
-    "torch.serialization": {"_get_layout"},
-    "torch": {"Size"},
-    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
-    "collections": {"OrderedDict"},
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP metadata only: any other global (a callable that would run code) is refused."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if name in _METADATA_GLOBALS.get(module, ()):
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise NotACheckpointError(
-            f"The DCP metadata refers to {module}.{name}, which is not part of DCP's metadata format; refusing to"
-            " load it (a crafted checkpoint could run code this way)."
-        )
-
-
-def load_metadata(file: IO[bytes]) -> Metadata:
-    """Unpickle DCP's ``.metadata`` allowing only DCP's metadata classes (DCP itself uses plain ``pickle.load``).
-
-    Raises:
-        NotACheckpointError: The file refers to anything else, or is not DCP metadata.
-    """
-    metadata = _MetadataUnpickler(file).load()
-    if not isinstance(metadata, Metadata):
-        raise NotACheckpointError(f"The DCP metadata file holds a {type(metadata).__name__}, not DCP metadata.")
-    return metadata

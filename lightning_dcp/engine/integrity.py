@@ -1,38 +1,42 @@
 """Checking a checkpoint before it is loaded: committed, metadata intact, data files whole; full verification.
 
-The records' checksums are written by :mod:`lightning_dcp.engine.dcp_io` at save into ``.commit``; its reader checks
-every record it loads. Here, the cheap checks that run before every load (fast mode) and the full pass over every
-record.
+A committed checkpoint is exactly what its ``.commit`` marker says (:mod:`lightning_dcp.engine.marker`): the marker
+must be valid, ``.metadata`` must match its recorded size and checksum, every record the metadata points at must be
+listed in the marker, and every data file must be at least its recorded size. Records are then checked one by one as
+they are read (:mod:`lightning_dcp.engine.dcp_io`); ``full=True`` reads them all here.
+
+This module also lists the committed checkpoints of a directory, newest first: what ``ckpt_path="last"`` chooses
+from. Links and pointers are never candidates: only real checkpoint directories inside the directory are.
 """
 
 from __future__ import annotations
 
-import io
 import os
+import warnings
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp.engine.dcp_io import load_metadata
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
+from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit
-from lightning_dcp.errors import CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["check_checkpoint", "newest_valid_sibling", "verify_checkpoint"]
+__all__ = ["check_checkpoint", "committed_checkpoints", "newest_valid", "verify_checkpoint"]
 
 
 def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     """Check that ``location`` holds a complete, undamaged checkpoint and return its DCP metadata.
 
-    Fast mode (``full=False``, run before every load): the ``.commit`` marker exists, ``.metadata`` matches its
-    recorded size and checksum, and every data file exists with at least its recorded size. Records are then checked
-    one by one as they are read. ``full=True`` also reads every record of every file and checks its checksum.
+    Fast mode (``full=False``, run before every load) reads only ``.commit``, ``.metadata`` and the directory
+    listing; ``full=True`` also reads every record of every data file and checks its checksum.
 
     Rank 0 only (or any single process).
 
     Raises:
         NotACheckpointError: No ``.commit`` marker: the save did not finish, or lightning_dcp did not write it.
-        CorruptCheckpointError: A file is missing, truncated or altered (the error names it).
+        CorruptCheckpointError: The marker is invalid, or a file is missing, truncated or altered (the error names
+            it), or the metadata points at records the marker does not list.
     """
     marker = read_commit(location)
     if marker is None:
@@ -43,8 +47,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
         )
     try:
         with location.open(METADATA_FILE) as f:
-            metadata_bytes = f.read()
-    except FileNotFoundError as err:
+            metadata_bytes = f.read(MAX_METADATA_BYTES + 1)
+    except (FileNotFoundError, IsADirectoryError) as err:
         raise CorruptCheckpointError(
             f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
         ) from err
@@ -54,6 +58,11 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
             f"{location.url!r}: {METADATA_FILE} does not match the size and checksum recorded at save.",
             file=METADATA_FILE,
         )
+    try:
+        metadata = load_metadata(metadata_bytes, where=f"{location.url}/{METADATA_FILE}")
+    except NotACheckpointError as err:  # checksum-consistent yet invalid: a crafted or buggy writer
+        raise CorruptCheckpointError(str(err), file=METADATA_FILE) from None
+    _check_records(location, marker, metadata)
     sizes = _file_sizes(location)
     for name, entry in marker["files"].items():
         if name not in sizes:
@@ -65,11 +74,29 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     if full:
         for name, entry in marker["files"].items():
             _verify_file(location, name, entry["records"])
-    return load_metadata(io.BytesIO(metadata_bytes))
+    return metadata
+
+
+def _check_records(location: Location, marker: dict[str, Any], metadata: Metadata) -> None:
+    """Every record the metadata points at is listed, with the same length, in the marker."""
+    listed = {
+        (name, offset): length for name, entry in marker["files"].items() for offset, length, _ in entry["records"]
+    }
+    for index, info in metadata.storage_data.items():
+        if listed.get((info.relative_path, info.offset)) != info.length:
+            raise CorruptCheckpointError(
+                f"{location.url!r}: the metadata's record of {index.fqn!r} ({info.relative_path}, bytes"
+                f" {info.offset}..{info.offset + info.length}) has no checksum in {COMMIT_FILE}: the checkpoint's"
+                " files and its commit marker disagree.",
+                file=COMMIT_FILE,
+            )
 
 
 def _file_sizes(location: Location) -> dict[str, int]:
-    entries = location.fs.ls(location.path, detail=True)
+    try:
+        entries = location.fs.ls(location.path, detail=True)
+    except (FileNotFoundError, NotADirectoryError):
+        return {}
     return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e["type"] == "file"}
 
 
@@ -84,37 +111,34 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 )
 
 
-def newest_valid_sibling(location: Location, *, exclude: Location) -> tuple[Location, Metadata] | None:
-    """The most recently committed checkpoint beside ``location`` that passes the fast checks, if any.
+def committed_checkpoints(directory: Location) -> list[tuple[float, Location]]:
+    """``(committed_at, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
 
-    Candidates are the directories in the same parent that carry a ``.commit`` marker, newest ``committed_at``
-    first; ``exclude`` (the checkpoint that failed, and the target of a link to it) is skipped.
+    Only real directories with a ``.commit`` marker count: hidden entries (staging), symlinks (``save_last="link"``)
+    and pointer objects are skipped, so a link can never lead the choice outside ``directory``. A directory whose
+    marker is malformed is skipped with a warning. Rank 0 only (or any single process).
+    """
+    found = []
+    for name, kind in directory.entries(follow_links=False):
+        if kind != "directory" or name.startswith("."):
+            continue
+        candidate = directory.child(name)
+        try:
+            marker = read_commit(candidate)
+        except CheckpointError as err:
+            warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {err}", stacklevel=2)
+            continue
+        if marker is not None:
+            found.append((float(marker["committed_at"]), candidate))
+    return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
+
+
+def newest_valid(directory: Location) -> tuple[Location, Metadata] | None:
+    """The newest committed checkpoint in ``directory`` that passes the fast checks, if any.
 
     Rank 0 only (or any single process).
     """
-    parent = location.sibling("")
-    try:
-        entries = parent.fs.ls(parent.path, detail=False)
-    except FileNotFoundError:
-        return None
-    skip = {exclude.path.rstrip("/"), location.path.rstrip("/")}
-    if location.local:
-        skip.add(os.path.realpath(location.path))
-    candidates = []
-    for entry in entries:
-        name = entry.rstrip("/").rsplit("/", 1)[-1]
-        if name.startswith(".") or entry.rstrip("/") in skip:
-            continue
-        candidate = location.sibling(name)
-        if location.local and os.path.realpath(candidate.path) in skip:
-            continue
-        try:
-            marker = read_commit(candidate)
-        except (NotADirectoryError, CorruptCheckpointError):
-            continue
-        if marker is not None:
-            candidates.append((marker.get("committed_at", 0.0), candidate))
-    for _, candidate in sorted(candidates, key=lambda c: c[0], reverse=True):
+    for _, candidate in committed_checkpoints(directory):
         try:
             return candidate, check_checkpoint(candidate)
         except NotACheckpointError:

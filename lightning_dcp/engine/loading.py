@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import os
 import pickle
 import re
 from collections.abc import Sequence
@@ -20,13 +21,13 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.dcp_io import read_metadata
-from lightning_dcp.engine.integrity import check_checkpoint, newest_valid_sibling
+from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
@@ -38,6 +39,8 @@ from lightning_dcp.errors import (
 __all__ = [
     "LIGHTNING_META_FILE",
     "Probe",
+    "candidates",
+    "designates_last",
     "fit_target",
     "lightning_model_key",
     "load_file",
@@ -49,7 +52,16 @@ LIGHTNING_META_FILE = "meta.pt"
 """The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
 
 _LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
-"""Names ``ModelCheckpoint`` gives its last checkpoint: loading one of these falls back to the newest valid one."""
+"""Names ``ModelCheckpoint`` gives its last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
+
+
+def designates_last(location: Location) -> bool:
+    """Whether ``location`` asks for "the newest valid checkpoint of its directory" rather than one checkpoint.
+
+    That is a ``last*`` name (what ``ckpt_path="last"`` resolves to under ``ModelCheckpoint``), or a checkpoint's
+    ``.commit`` marker (what ``DCPModelCheckpoint`` hands Lightning when no ``last*`` entry can be stat-ed).
+    """
+    return bool(_LAST_NAME.match(location.name)) or location.name == COMMIT_FILE
 
 
 @dataclass(frozen=True)
@@ -61,8 +73,47 @@ class Probe:
     metadata: Metadata | None = None
 
 
+def candidates(location: Location) -> list[str]:
+    """The checkpoints to try, in order, for a load of ``location``.
+
+    For a path that :func:`designates_last`, the committed checkpoint directories of its directory, newest first
+    (whatever a ``last`` link or pointer says: a dangling, stale or escaping link is never trusted over what is on
+    disk); a single-file ``last.ckpt`` comes first, and a ``last`` directory in Lightning's own sharded layout
+    is tried when nothing committed exists. Any other path: itself, through pointers.
+
+    Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists there (Lightning's ``"Checkpoint file not found"`` case).
+        NotACheckpointError: A ``last`` entry exists but no committed checkpoint beside it; a malformed pointer.
+    """
+    if not designates_last(location):
+        resolved = location.resolve()
+        if not resolved.exists():
+            raise CheckpointNotFoundError(
+                f"No checkpoint exists at {resolved.url!r}. Check the path (and `storage_options` for remote storage)."
+            )
+        return [resolved.url]
+    directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
+    found = [candidate.url for _, candidate in committed_checkpoints(directory)]
+    entry = location.parent() if location.name == COMMIT_FILE else location
+    if entry.local and os.path.isfile(entry.path):  # a single-file checkpoint named last (TorchCheckpointIO)
+        return [entry.url, *found]
+    if found:
+        return found
+    if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
+        return [entry.url]
+    if not entry.exists():
+        raise CheckpointNotFoundError(f"No checkpoint exists at {entry.url!r} and none is committed beside it.")
+    raise NotACheckpointError(
+        f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
+        " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
+        " entries; `DCPModelCheckpoint` does both on its own."
+    )
+
+
 def probe(location: Location) -> Probe:
-    """Resolve ``location`` (pointers, fallback from a broken ``last``) and check what it holds.
+    """Check what ``location`` holds: a committed lightning_dcp checkpoint, Lightning's sharded layout or one file.
 
     Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
 
@@ -71,7 +122,6 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
-    location = location.resolve()
     if not location.exists():
         raise CheckpointNotFoundError(
             f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
@@ -80,17 +130,7 @@ def probe(location: Location) -> Probe:
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
         return Probe(location.url, "lightning", read_metadata(location))
-    try:
-        metadata = check_checkpoint(location)
-    except NotACheckpointError as err:
-        found = newest_valid_sibling(location, exclude=location) if _LAST_NAME.match(location.name) else None
-        if found is None:
-            raise
-        rank_zero_warn(
-            f"The checkpoint {location.url!r} cannot be loaded ({err}). Resuming from the newest valid checkpoint"
-            f" beside it instead: {found[0].url!r}."
-        )
-        location, metadata = found
+    metadata = check_checkpoint(location)
     if layout.EXTRA_KEY not in metadata.state_dict_metadata:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"

@@ -21,8 +21,10 @@ __all__ = [
     "COMMIT_FILE",
     "DATA_SUFFIX",
     "METADATA_FILE",
+    "MarkerError",
     "checksum",
     "encode_commit",
+    "is_plain_name",
     "parse_commit",
 ]
 
@@ -61,10 +63,74 @@ def encode_commit(*, metadata_bytes: bytes, files: dict[str, dict[str, Any]]) ->
     return json.dumps(marker, sort_keys=True).encode()
 
 
+MAX_MARKER_BYTES = 64 << 20
+"""Largest ``.commit`` accepted (a checkpoint of 100k records writes ~6 MB)."""
+
+
+class MarkerError(ValueError):
+    """A ``.commit`` marker that is not what lightning_dcp writes (the caller names the file)."""
+
+
 def parse_commit(data: bytes) -> dict[str, Any]:
-    """Decode a ``.commit`` marker.
+    """Decode and validate a ``.commit`` marker: every field present, of the right type and in range.
+
+    Returns:
+        ``{"committed_at": float, "metadata": {"size", "checksum"}, "files": {name: {"size", "records"}}, ...}``
+        where every file name is a plain name inside the checkpoint directory and every record
+        ``[offset, length, checksum]`` lies within its file's size.
 
     Raises:
-        ValueError: Not valid JSON (the caller names the file).
+        MarkerError: Not valid JSON, or any field missing, mistyped or out of range.
     """
-    return json.loads(data)
+    if len(data) > MAX_MARKER_BYTES:
+        raise MarkerError(f"it is {len(data)} bytes, more than the {MAX_MARKER_BYTES} a marker can be")
+    try:
+        marker = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as err:
+        raise MarkerError(f"it is not valid JSON ({err})") from None
+    if not isinstance(marker, dict):
+        raise MarkerError(f"it holds a JSON {type(marker).__name__}, not an object")
+    if marker.get("format") != FORMAT or marker.get("version") != VERSION or marker.get("algorithm") != CHECKSUM:
+        raise MarkerError(
+            f"format {marker.get('format')!r} version {marker.get('version')!r} algorithm"
+            f" {marker.get('algorithm')!r}; expected {FORMAT!r} {VERSION} {CHECKSUM!r}"
+        )
+    if not _number(marker.get("committed_at")):
+        raise MarkerError("'committed_at' is not a number")
+    meta = marker.get("metadata")
+    if not isinstance(meta, dict) or not _uint(meta.get("size")) or not _uint(meta.get("checksum")):
+        raise MarkerError("'metadata' must hold a non-negative integer 'size' and 'checksum'")
+    files = marker.get("files")
+    if not isinstance(files, dict):
+        raise MarkerError("'files' is not an object")
+    for name, entry in files.items():
+        if not is_plain_name(name):
+            raise MarkerError(f"file name {name!r} is not a plain name inside the checkpoint directory")
+        if not isinstance(entry, dict) or not _uint(entry.get("size")) or not isinstance(entry.get("records"), list):
+            raise MarkerError(f"entry of {name!r} must hold an integer 'size' and a 'records' list")
+        for record in entry["records"]:
+            if not (isinstance(record, list) and len(record) == 3 and all(_uint(v) for v in record)):
+                raise MarkerError(f"a record of {name!r} is not [offset, length, checksum] (non-negative integers)")
+            if record[0] + record[1] > entry["size"]:
+                raise MarkerError(f"a record of {name!r} ends at byte {record[0] + record[1]}, past its size")
+    return marker
+
+
+def is_plain_name(name: object) -> bool:
+    """Whether ``name`` names an entry directly inside a directory: no separator, not ``.``/``..``, printable."""
+    return (
+        isinstance(name, str)
+        and 0 < len(name) <= 255
+        and name not in (".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and name.isprintable()
+    )
+
+
+def _uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN

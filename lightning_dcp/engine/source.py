@@ -28,8 +28,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.dcp_io import read_metadata, storage_reader
+from lightning_dcp.engine.dcp_io import storage_reader
 from lightning_dcp.engine.marker import METADATA_FILE
+from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
 

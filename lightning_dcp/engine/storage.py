@@ -32,7 +32,14 @@ from typing import Any
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, parse_commit
+from lightning_dcp.engine.marker import (
+    COMMIT_FILE,
+    MAX_MARKER_BYTES,
+    METADATA_FILE,
+    MarkerError,
+    is_plain_name,
+    parse_commit,
+)
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -59,21 +66,26 @@ _MAX_HOPS = 8
 
 
 def read_commit(location: Location) -> dict[str, Any] | None:
-    """The parsed ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
+    """The validated ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
 
     Raises:
-        CorruptCheckpointError: The marker is not valid JSON.
+        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker (the message says why).
     """
     try:
         with location.open(COMMIT_FILE) as f:
-            data = f.read()
-    except FileNotFoundError:
+            data = f.read(MAX_MARKER_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
         return None
+    except IsADirectoryError as err:
+        raise CorruptCheckpointError(f"{location.url!r}: {COMMIT_FILE} is a directory.", file=COMMIT_FILE) from err
     try:
         return parse_commit(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        msg = f"{location.url!r}: {COMMIT_FILE} is not valid JSON ({err})."
-        raise CorruptCheckpointError(msg, file=COMMIT_FILE) from err
+    except MarkerError as err:
+        raise CorruptCheckpointError(
+            f"{location.url!r}: {COMMIT_FILE} is not a valid lightning_dcp commit marker: {err}. Resume from another"
+            " checkpoint, or restore this directory.",
+            file=COMMIT_FILE,
+        ) from None
 
 
 def new_token() -> str:
@@ -150,23 +162,31 @@ class Location:
         with self._translated():
             return self.fs.open(path, mode)
 
-    def entries(self) -> list[tuple[str, str]]:
+    def entries(self, *, follow_links: bool = True) -> list[tuple[str, str]]:
         """``(name, type)`` of each entry directly inside this directory (``type``: ``"file"``/``"directory"``).
+
+        Args:
+            follow_links: Report a local symlink as what it points to (default); with ``False`` its type is
+                ``"link"``, whatever it points to (or when it dangles).
 
         Returns an empty list when the directory does not exist.
         """
         with self._translated():
             try:
                 listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
-            except FileNotFoundError:
+            except (FileNotFoundError, NotADirectoryError):
                 self._check_bucket()
                 return []
         own = self.path.rstrip("/")
         out = []
         for entry in listing:
             path = entry["name"].rstrip("/")
-            if path != own:
-                out.append((path.rsplit("/", 1)[-1], "directory" if entry["type"] == "directory" else "file"))
+            if path == own:
+                continue
+            kind = "directory" if entry["type"] == "directory" else "file"
+            if not follow_links and (entry.get("islink") or (self.local and os.path.islink(path))):
+                kind = "link"
+            out.append((path.rsplit("/", 1)[-1], kind))
         return out
 
     def parent(self) -> Location:
@@ -193,7 +213,12 @@ class Location:
 
     # ------------------------------------------------------------------------------------------- pointers
     def read_pointer(self) -> str | None:
-        """The relative name held by the pointer object at this path, or ``None`` when this is no pointer."""
+        """The name held by the pointer object at this path, or ``None`` when this is no pointer.
+
+        Raises:
+            NotACheckpointError: A pointer whose target is not a plain name in the same directory (``../x``,
+                ``/abs``, ``a/b``): a pointer never leads out of its directory.
+        """
         with self._translated():
             try:
                 if not self.fs.isfile(self.path) or self.fs.size(self.path) > _POINTER_MAX_BYTES:
@@ -203,7 +228,16 @@ class Location:
                 return None
         if not data.startswith(POINTER_HEADER):
             return None
-        return data[len(POINTER_HEADER) :].decode().strip() or None
+        try:
+            name = data[len(POINTER_HEADER) :].decode().strip()
+        except UnicodeDecodeError:
+            name = None
+        if not is_plain_name(name):
+            raise NotACheckpointError(
+                f"The checkpoint pointer {self.url!r} names {name!r}, which is not a checkpoint in the same directory;"
+                " pointers written by lightning_dcp never leave their directory. Delete or rewrite it."
+            )
+        return name
 
     def write_pointer(self, target: Location) -> None:
         """Make this path a pointer object to ``target`` (a sibling), replacing what is here.

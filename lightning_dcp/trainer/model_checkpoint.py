@@ -26,8 +26,9 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.integrity import committed_checkpoints, newest_valid
 from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import STAGING_INFIX, Location, read_commit
+from lightning_dcp.engine.storage import STAGING_INFIX, Location
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
 __all__ = ["DCPModelCheckpoint"]
@@ -86,21 +87,22 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     # ------------------------------------------------------------------------------------------------ public
     def last_checkpoint(self, trainer: pl.Trainer) -> str | None:
-        """URL of the checkpoint ``ckpt_path="last"`` resumes from, or ``None``.
+        """URL of the checkpoint ``ckpt_path="last"`` resumes from, or ``None`` when nothing is committed.
 
-        The newest committed target of a ``last*.ckpt`` entry (pointer, symlink or checkpoint); when every such
-        entry is dangling or uncommitted, the newest committed checkpoint in ``dirpath``. Rank 0 only.
+        The newest committed checkpoint in ``dirpath`` that passes the fast checks, whatever a ``last*.ckpt`` link
+        or pointer says (a link can dangle after a kill, lag behind, or lead elsewhere). Loading falls back further
+        if that checkpoint's data turns out to be damaged. Rank 0 only.
         """
-        found = self._last_candidates(self._directory(trainer))
-        return max(found, key=_time)[1].url if found else None
+        found = newest_valid(self._directory(trainer))
+        return found[0].url if found else None
 
     def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """URL of the most recently committed checkpoint in ``dirpath`` (by its commit time), or ``None``.
 
         Rank 0 only.
         """
-        found = self._committed(self._directory(trainer))
-        return max(found, key=_time)[1].url if found else None
+        found = committed_checkpoints(self._directory(trainer))
+        return found[0][1].url if found else None
 
     def remove_incomplete(self, trainer: pl.Trainer) -> list[str]:
         """Delete checkpoints in ``dirpath`` whose save did not finish, and stale staging prefixes.
@@ -146,7 +148,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
             removed = self.remove_incomplete(trainer)
             if removed:
                 rank_zero_info(f"Removed {len(removed)} incomplete checkpoint(s) from {self.dirpath}: {removed}")
-            if self.save_top_k != 0 and self._committed(directory):
+            if self.save_top_k != 0 and committed_checkpoints(directory):
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
         trainer.strategy.barrier("DCPModelCheckpoint.setup")
 
@@ -173,55 +175,25 @@ class DCPModelCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("DCPModelCheckpoint.link")
 
     def _find_last(self, trainer: pl.Trainer) -> set[str]:
-        """The "last" candidate for ``ckpt_path="last"``: one full URL that a plain fsspec filesystem can stat."""
+        """The candidate Lightning resolves ``ckpt_path="last"`` to; empty when nothing in ``dirpath`` is committed.
+
+        Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads
+        a ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
+        (:func:`lightning_dcp.engine.loading.candidates`). So the candidate is a local ``last*.ckpt`` entry when one
+        resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
+        object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
+        resumes: a run never starts from scratch while a committed checkpoint exists.
+        """
         directory = self._directory(trainer)
-        found = self._last_candidates(directory)
+        found = committed_checkpoints(directory)
         if not found:
             return set()
-        reference = max(found, key=_time)[1]
-        if reference.isdir() and not reference.local:
-            return {reference.url.rstrip("/") + "/" + COMMIT_FILE}  # S3 "directories" have no mtime
-        return {reference.url}
-
-    # ------------------------------------------------------------------------------------------------ helpers
-    def _committed(self, directory: Location) -> list[tuple[float, Location]]:
-        out = []
-        for name, kind in directory.entries():
-            if kind == "directory" and not name.startswith("."):
-                marker = _read_commit(directory.child(name))
-                if marker is not None:
-                    out.append((marker.get("committed_at", 0.0), directory.child(name)))
-        return out
-
-    def _last_candidates(self, directory: Location) -> list[tuple[float, Location, Location]]:
-        """``(committed_at, reference, target)`` of each valid ``last*`` entry (or the newest-checkpoint fallback)."""
-        found, dangling = [], False
-        for name, _ in directory.entries():
-            if not self._is_last_name(name):
-                continue
-            reference = directory.child(name)
-            target = reference.resolve()
-            marker = _read_commit(target)
-            if marker is not None:
-                found.append((marker.get("committed_at", 0.0), reference, target))
-            elif target.exists() and not target.isdir():
-                found.append((0.0, reference, target))  # a single-file checkpoint
-            else:
-                dangling = True
-        if not found and dangling:
-            found = [(t, loc, loc) for t, loc in self._committed(directory)]
-        return found
-
-
-def _time(entry: tuple) -> float:
-    return entry[0]
-
-
-def _read_commit(location: Location) -> dict[str, Any] | None:
-    try:
-        return read_commit(location)
-    except (NotADirectoryError, IsADirectoryError, ValueError):
-        return None
+        if directory.local:
+            for name, _ in directory.entries(follow_links=False):
+                entry = directory.child(name)
+                if self._is_last_name(name) and os.path.exists(entry.path):  # not dangling
+                    return {entry.url}
+        return {found[0][1].url.rstrip("/") + "/" + COMMIT_FILE}
 
 
 def _symlink(target: str, link: str) -> bool:

@@ -53,7 +53,7 @@ def test_ddp_saves_to_s3_resumes_on_one_process_and_consolidates(s3_server, s3_b
     trainer = make_trainer(1, strategy="dcp_ddp", max_epochs=3, callbacks=[callback])
     model = TinyModel()
     trainer.fit(model, datamodule=RandomDataModule(), ckpt_path="last")
-    assert trainer.ckpt_path == dirpath + "/last.ckpt"
+    assert trainer.ckpt_path == dirpath + "/epoch=2-step=24.ckpt/.commit"  # "last": the newest committed one
     resumed = snapshot(trainer)
     for key in ("params", "optimizers", "global_step", "epoch"):
         assert_same(saved[key], resumed[key], key)
@@ -165,6 +165,6 @@ def test_server_killed_mid_save_previous_checkpoint_resumes(s3_server_factory, m
     assert broken.exists() and not broken.is_committed()  # data of the interrupted save, no commit marker
     resumed = trainer(1)
     resumed.fit(_BigModel(), datamodule=RandomDataModule(), ckpt_path="last")
-    assert resumed.ckpt_path == dirpath + "/last.ckpt"
+    assert resumed.ckpt_path == dirpath + "/epoch=0-step=16.ckpt/.commit"  # the newest committed one
     assert_same(saved["params"], snapshot(resumed)["params"], "params")
     assert not broken.exists()  # removed by DCPModelCheckpoint when fitting started

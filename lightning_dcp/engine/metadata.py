@@ -1,0 +1,174 @@
+"""Reading DCP's ``.metadata`` safely: an allow-listed unpickler, then a check of everything a reader relies on.
+
+DCP reads ``.metadata`` with a plain ``pickle.load``, so a crafted file runs code. Here only DCP's own metadata
+classes may be named, the bytes are read whole first (bounded: a claimed 16 TB string fails as truncated instead of
+allocating), and the result is checked before anything uses it: entry kinds, dtypes and shapes, chunks inside their
+tensor, and every storage record pointing at a plain file name inside the checkpoint directory. Any failure is a
+:class:`~lightning_dcp.errors.NotACheckpointError` naming the file.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+
+from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.marker import METADATA_FILE, is_plain_name
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import CheckpointError, NotACheckpointError
+
+__all__ = ["MAX_METADATA_BYTES", "load_metadata", "read_metadata"]
+
+MAX_METADATA_BYTES = 1 << 30
+"""Largest ``.metadata`` accepted (DCP writes ~200 bytes per tensor chunk: 1 GiB is millions of chunks)."""
+
+_METADATA_GLOBALS = {
+    "torch.distributed.checkpoint.metadata": {
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    },
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch._utils": {"_get_layout"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"Path", "PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP metadata only: any other global (a callable that would run code) is refused."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if name in _METADATA_GLOBALS.get(module, ()):
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise NotACheckpointError(
+            f"The DCP metadata refers to {module}.{name}, which is not part of DCP's metadata format; refusing to"
+            " load it (a crafted checkpoint could run code this way)."
+        )
+
+
+def load_metadata(data: bytes, *, where: str = METADATA_FILE) -> Metadata:
+    """Unpickle DCP's ``.metadata`` from its bytes, allowing only DCP's metadata classes, and check it.
+
+    Args:
+        data: The whole file.
+        where: The file, for messages (a URL or name).
+
+    Raises:
+        NotACheckpointError: The bytes name anything else, are not DCP metadata, or describe records a reader
+            could not trust (see the module docstring).
+    """
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except CheckpointError:
+        raise
+    except (Exception, RecursionError, MemoryError) as err:  # crafted pickles raise many types
+        raise NotACheckpointError(f"{where} is not DCP metadata ({type(err).__name__}: {err}).") from None
+    if not isinstance(metadata, Metadata):
+        raise NotACheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP metadata.")
+    problem = _problem(metadata)
+    if problem is not None:
+        raise NotACheckpointError(f"{where} is not valid DCP metadata: {problem}.")
+    return metadata
+
+
+def read_metadata(location: Location) -> Metadata:
+    """Read and check the DCP metadata of the checkpoint directory at ``location`` (:func:`load_metadata`).
+
+    Rank 0 only (or any single process).
+
+    Raises:
+        NotACheckpointError: It cannot be read, is larger than :data:`MAX_METADATA_BYTES`, or is not valid.
+    """
+    try:
+        with location.open(METADATA_FILE) as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise NotACheckpointError(f"Cannot read the DCP metadata of {location.url!r}: {err}") from err
+    if len(data) > MAX_METADATA_BYTES:
+        raise NotACheckpointError(f"{location.url}/{METADATA_FILE} is larger than {MAX_METADATA_BYTES} bytes.")
+    return load_metadata(data, where=f"{location.url}/{METADATA_FILE}")
+
+
+def _problem(metadata: Metadata) -> str | None:
+    """What makes ``metadata`` untrustworthy for a reader, or ``None``."""
+    entries = metadata.state_dict_metadata
+    if not isinstance(entries, dict):
+        return "'state_dict_metadata' is not a dict"
+    for key, meta in entries.items():
+        if not isinstance(key, str):
+            return f"entry key {key!r} is not a string"
+        if isinstance(meta, TensorStorageMetadata):
+            problem = _tensor_problem(meta)
+            if problem is not None:
+                return f"entry {key!r}: {problem}"
+        elif not isinstance(meta, BytesStorageMetadata):
+            return f"entry {key!r} is a {type(meta).__name__}"
+    mappings = metadata.planner_data
+    if mappings is not None:
+        if not isinstance(mappings, dict):
+            return "'planner_data' is not a dict"
+        for key, path in mappings.items():
+            if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path) or not path:
+                return f"the path of {key!r} in 'planner_data' is not a sequence of names and indices"
+    storage = metadata.storage_data
+    if not isinstance(storage, dict):
+        return "'storage_data' is not a dict"
+    for index, info in storage.items():
+        if not isinstance(index, MetadataIndex) or index.fqn not in entries:
+            return f"a storage record names {getattr(index, 'fqn', index)!r}, which has no entry"
+        if not isinstance(info, StorageInfo):
+            return f"the storage record of {index.fqn!r} is a {type(info).__name__}"
+        if not is_plain_name(info.relative_path):
+            return f"the record of {index.fqn!r} points at {info.relative_path!r}, outside the checkpoint directory"
+        if not (_uint(info.offset) and _uint(info.length)):
+            return f"the record of {index.fqn!r} has offset {info.offset!r} and length {info.length!r}"
+    return None
+
+
+def _tensor_problem(meta: TensorStorageMetadata) -> str | None:
+    dtype = getattr(meta.properties, "dtype", None)
+    if not isinstance(dtype, torch.dtype):
+        return f"dtype {dtype!r} is not a torch dtype"
+    size = meta.size
+    if not isinstance(size, (tuple, list)) or not all(_uint(d) for d in size):
+        return f"shape {size!r} is not a sequence of non-negative integers"
+    if not isinstance(meta.chunks, list):
+        return "its chunks are not a list"
+    for chunk in meta.chunks:
+        if not isinstance(chunk, ChunkStorageMetadata):
+            return f"a chunk is a {type(chunk).__name__}"
+        offsets, sizes = chunk.offsets, chunk.sizes
+        if not (isinstance(offsets, (tuple, list)) and isinstance(sizes, (tuple, list))):
+            return "a chunk's offsets or sizes are not sequences"
+        if len(offsets) != len(size) or len(sizes) != len(size):
+            return f"a chunk has {len(offsets)} offsets and {len(sizes)} sizes for a {len(size)}-d tensor"
+        for o, s, d in zip(offsets, sizes, size, strict=True):
+            if not (_uint(o) and _uint(s)) or o + s > d:
+                return f"a chunk at {tuple(offsets)} of size {tuple(sizes)} lies outside the shape {tuple(size)}"
+    return None
+
+
+def _uint(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63

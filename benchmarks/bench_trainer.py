@@ -5,15 +5,16 @@ Each task spawns ``world_size`` real processes (gloo, ``strategy="dcp_ddp"`` on 
 every round (A B C A B C ...) so that they see the same machine:
 
 - ``save``: ``trainer.save_checkpoint(path)`` with ``DCPCheckpointIO()`` (``sync``); the same with
-  ``DCPCheckpointIO(async_save=True)`` (``async``: ``stall`` is the time ``save_checkpoint`` blocks, ``seconds`` the
-  time until the checkpoint is committed); and ``limit``: rank 0 writes the checkpoint's bytes (the sum of its
-  files' sizes) into a fresh file sequentially in 64 MiB blocks and ``fsync``s (the disk's limit for those bytes).
+  ``DCPCheckpointIO(async_save=True)`` (``async``: ``stall`` is the time ``save_checkpoint`` blocks, ``seconds``
+  the time until the checkpoint is committed) and with ``defer_staging=True`` too (``deferred``); and ``limit``:
+  rank 0 writes the checkpoint's bytes (the sum of its files' sizes) into a fresh file sequentially in 64 MiB
+  blocks and ``fsync``s (the disk's limit for those bytes, through the page cache).
 - ``stock``: stock Lightning DDP (``strategy="ddp"``, ``TorchCheckpointIO``: rank 0 ``torch.save``s the whole
   checkpoint, without ``fsync``) and ``limit`` again.
 - ``fit``: ``trainer.fit`` for ``fit_steps`` steps with no checkpointing (``none``) and with a ``ModelCheckpoint``
-  every ``every`` steps, sync (``sync``) and async (``async``); reports the fit's wall time and each save's stall
-  (the time ``trainer.save_checkpoint`` blocked the loop inside ``ModelCheckpoint``). Async fits include the wait
-  for the last save at teardown.
+  every ``every`` steps: sync (``sync``), async (``async``), async with deferred staging (``deferred``); reports
+  the fit's wall time and each save's stall (the time ``trainer.save_checkpoint`` blocked the loop inside
+  ``ModelCheckpoint``). Async fits include the wait for the last save at teardown.
 - ``load``: ``strategy.load_checkpoint`` of a checkpoint saved at world size ``save_world_size`` into the model
   and AdamW state (what a resume does), with the checkpoint's files evicted from the page cache first (``cold``
   says whether that worked); and ``read``: a sequential read of the same files, evicted the same way.
@@ -45,6 +46,7 @@ except ImportError:  # run as a script
     from mixes import MIXES, make_module
 
 TASKS = ("save", "stock", "fit", "load")
+ASYNC = ("async", "deferred")
 BLOCK = 64 << 20
 
 
@@ -169,17 +171,21 @@ def _fitted(world_size: int, mix: str, scale: float, *, strategy: str = "dcp_ddp
 def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int) -> dict:
     from lightning_dcp import DCPCheckpointIO
 
-    sync_io, async_io = DCPCheckpointIO(), DCPCheckpointIO(async_save=True)
-    trainer, _ = _fitted(world_size, mix, scale, plugins=[sync_io])
-    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in ("sync", "async", "limit")}
+    ios = {
+        "sync": DCPCheckpointIO(),
+        "async": DCPCheckpointIO(async_save=True),
+        "deferred": DCPCheckpointIO(async_save=True, defer_staging=True),
+    }
+    trainer, _ = _fitted(world_size, mix, scale, plugins=[ios["sync"]])
+    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in (*ios, "limit")}
     nbytes = 0
     for round_ in range(repeats + 1):
-        for method in ("sync", "async", "limit"):
+        for method in (*ios, "limit"):
             path = os.path.join(workdir, f"{method}-{round_}.ckpt")
             if method == "limit":
                 stall, seconds = _timed(lambda p=path, n=nbytes: write_limit(p, n) if rank == 0 else None)
             else:
-                io = sync_io if method == "sync" else async_io
+                io = ios[method]
                 trainer.strategy.checkpoint_io = io
                 _barrier()
                 start = time.perf_counter()
@@ -196,7 +202,8 @@ def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, 
             _barrier()
             if rank == 0:
                 _remove(path)
-    async_io.teardown()
+    for io in ios.values():
+        io.teardown()
     return {"bytes": nbytes, "runs": runs}
 
 
@@ -228,9 +235,10 @@ def task_fit(
     from lightning_dcp import DCPCheckpointIO
 
     timed_checkpoint = _timed_checkpoint_class()
-    runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": []} for m in ("none", "sync", "async")}
+    methods = ("none", "sync", "async", "deferred")
+    runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": []} for m in methods}
     for round_ in range(repeats + 1):
-        for method in ("none", "sync", "async"):
+        for method in methods:
             dirpath = os.path.join(workdir, f"fit-{method}-{round_}")
             callbacks = [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
             trainer = make_trainer(
@@ -238,7 +246,9 @@ def task_fit(
                 max_steps=fit_steps,
                 callbacks=callbacks,
                 enable_checkpointing=bool(callbacks),
-                plugins=[DCPCheckpointIO(async_save=method == "async")],
+                plugins=[
+                    DCPCheckpointIO(async_save=method in ("async", "deferred"), defer_staging=method == "deferred")
+                ],
             )
             module = make_module(mix, scale=scale, steps=fit_steps)
             _, seconds = _timed(lambda: trainer.fit(module))  # noqa: B023  (called right away)
@@ -255,6 +265,8 @@ def task_fit(
 def task_load(
     rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
 ) -> dict:
+    from lightning_dcp.engine.metadata import _PARSED
+
     path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
     trainer, _ = _fitted(world_size, mix, scale)
     runs: dict[str, list[float]] = {"load": [], "read": []}
@@ -265,6 +277,7 @@ def task_load(
             if rank == 0:
                 cold = evict(path) and cold
             if method == "load":
+                _PARSED.clear()  # as in a fresh process: parse .metadata again
                 _, seconds = _timed(lambda: trainer.strategy.load_checkpoint(path))
             else:
                 _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)

@@ -14,6 +14,9 @@ from lightning_utilities.core.imports import compare_version
 # class): the streaming ``.ckpt`` writer emits exactly these references so ``torch.load(weights_only=True)`` reads them.
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
 
+# ... and dtypes without a legacy storage class (float8, uint16, ...): ``_rebuild_tensor_v3`` over an untyped storage.
+from torch._utils import _rebuild_tensor_v3 as rebuild_tensor_v3
+
 # DCP's per-entry storage record and tensor-narrowing helper: our storage writer/reader produce and consume exactly
 # what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -43,16 +46,23 @@ __all__ = [
     "install_flag_only_sigterm_handler",
     "narrow_tensor_by_index",
     "rebuild_tensor",
+    "rebuild_tensor_v3",
     "restart_train_iterator",
     "set_element",
     "shift_epoch_batches",
     "storage_type_name",
+    "tensor_version",
     "unflatten_state_dict",
     "unwrap_checkpoint_io",
 ]
 
 TORCH_GREATER_EQUAL_2_9 = compare_version("torch", lambda a, b: a >= b, "2.9.0")
 """``DefaultStager`` / ``StagingOptions`` and ``async_stager=`` exist from torch 2.9 on."""
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place version counter of ``tensor`` (shared by its views; bumped by every in-place change)."""
+    return tensor._version
 
 
 def unwrap_checkpoint_io(checkpoint_io: object) -> object:

@@ -37,6 +37,10 @@ class DCPCheckpointIO(CheckpointIO):
             returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
             flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
             is raised there. Removals requested while it is in flight run after it commits.
+        defer_staging: With ``async_save``, make the staging copies of large CPU tensors in the background as well
+            (``save_checkpoint`` then returns in milliseconds); optimizer steps wait for them, and a tensor changed
+            in place otherwise before it is copied fails that save instead of tearing it. See
+            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -49,9 +53,14 @@ class DCPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
+        defer_staging: bool = False,
     ) -> None:
         self.checkpointer = Checkpointer(
-            storage_options=storage_options, thread_count=thread_count, sync_files=sync_files, async_save=async_save
+            storage_options=storage_options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            async_save=async_save,
+            defer_staging=defer_staging,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
 

@@ -47,6 +47,7 @@ __all__ = [
     "set_element",
     "shift_epoch_batches",
     "storage_type_name",
+    "train_epoch_in_progress",
     "unflatten_state_dict",
     "unwrap_checkpoint_io",
 ]
@@ -103,6 +104,25 @@ def restart_train_iterator(trainer: object) -> None:
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is not None:
         iter(fetcher)
+
+
+def train_epoch_in_progress(trainer: object) -> bool:
+    """Whether the epoch's data iterator exists and is used again by the next training step (a mid-epoch save).
+
+    That is: the fit loop's data fetcher exists and the epoch's last batch has not been reached.
+
+    A resumed fit creates the epoch's iterator once, in ``FitLoop.setup_data`` before ``on_train_start`` (the epoch
+    loop does not call ``iter()`` again while resuming); a ``DataLoader`` without its own generator draws a base seed
+    from the global torch generator there. So random states saved mid-epoch must be restored after that draw, and
+    states saved at an epoch's end before it. Checked against Lightning 2.6.6 (``fit_loop._data_fetcher``,
+    ``epoch_loop.batch_progress.is_last_batch``).
+    """
+    from lightning.pytorch.trainer.states import TrainerFn
+
+    if trainer.state.fn != TrainerFn.FITTING:
+        return False
+    fit_loop = trainer.fit_loop
+    return fit_loop._data_fetcher is not None and not fit_loop.epoch_loop.batch_progress.is_last_batch
 
 
 def shift_epoch_batches(trainer: object, delta: int) -> None:

@@ -341,6 +341,8 @@ class Checkpointer:
             state = {k: v for k, v in target.items() if only is None or k in only}
             if lightning_layout:
                 state = _to_lightning_layout(state, model_key)
+            else:
+                state = layout.align_optimizer_target(state, metadata)
             state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )

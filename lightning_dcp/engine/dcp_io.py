@@ -51,7 +51,7 @@ from lightning_dcp.engine.marker import (
 )
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
 
 __all__ = ["storage_reader", "storage_writer"]
 
@@ -310,7 +310,7 @@ class _VerifyingReader:
                     except Exception as err:  # a record that is not what the metadata says it is
                         raise CorruptCheckpointError(
                             f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-                            f" describes it ({type(err).__name__}: {err}).",
+                            f" describes it ({describe_load_error(err)}).",
                             file=name,
                         ) from None
         future: Future[None] = Future()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import io
 import pickle
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +25,12 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp._compat import set_element
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
+
+try:  # numpy is optional for lightning_dcp
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with Lightning's dependencies
+    np = None
 
 __all__ = [
     "EXTRA_KEY",
@@ -34,6 +40,7 @@ __all__ = [
     "OPTIMIZER_KEY",
     "RANK_KEY",
     "SafeLoadPlanner",
+    "align_optimizer_target",
     "build_state",
     "fqns_to_param_ids",
     "param_ids_to_fqns",
@@ -41,6 +48,8 @@ __all__ = [
     "encode_extra",
     "join_checkpoint",
     "metadata_target",
+    "saved_optimizer_count",
+    "saved_optimizer_ids",
     "saved_world_size",
     "split_checkpoint",
 ]
@@ -145,34 +154,176 @@ def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, i
     checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
     checkpoint[MODEL_KEY] = dcp_state[MODEL_KEY]
     if OPTIMIZER_KEY in dcp_state:
-        states = list(dcp_state[OPTIMIZER_KEY])
+        # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
+        states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]
         if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
-            states = [{**osd, "state": {int(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
+            states = [{**osd, "state": {int(k): v for k, v in osd["state"].items()}} for osd in states]
+        elif not in_place:  # full tensors for a stock strategy or a user: ``optimizer.state_dict()``'s layout
+            states = [fqns_to_param_ids(osd) for osd in states]
         checkpoint[OPTIMIZER_KEY] = states
     return checkpoint
 
 
-def encode_extra(extra: Mapping[str, Any]) -> bytes:
-    """Serialize the non-tensor state with ``torch.save`` into ``bytes``."""
+def saved_optimizer_ids(metadata: Metadata) -> dict[int, bool]:
+    """``{optimizer index: keyed by parameter ids}`` of a checkpoint's ``optimizer_states`` entries.
+
+    ``True`` where the saved state is keyed by integer parameter ids (written from ``optimizer.state_dict()`` under a
+    stock strategy), ``False`` where keyed by FQN (``get_optimizer_state_dict``) or where the state is empty.
+    """
+    found: dict[int, bool] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if len(path) >= 2 and path[0] == OPTIMIZER_KEY and key in metadata.state_dict_metadata:
+            index = int(path[1])
+            ids = len(path) >= 4 and path[2] == "state" and str(path[3]).isdigit()
+            found[index] = found.get(index, False) or ids
+    return found
+
+
+def align_optimizer_target(target: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Re-key FQN-keyed optimizer targets by parameter id where the checkpoint saved ids (and ids as strings).
+
+    A checkpoint written under a stock strategy keys optimizer state by integer parameter id (``"0"``, ``"1"`` on
+    disk); a target from ``get_optimizer_state_dict`` keys it by FQN. The ids follow each optimizer's
+    ``param_groups`` order, which the target's ``params`` lists give; the loaded state is turned back into FQNs by
+    :func:`param_ids_to_fqns`. The tensors are the target's own, so loading still fills them in place.
+    """
+    saved = saved_optimizer_ids(metadata)
+    states = target.get(OPTIMIZER_KEY)
+    if not states or not any(saved.values()):
+        return target
+    aligned = []
+    for i, osd in enumerate(states):
+        if not saved.get(i) or optimizer_layout([osd]) == PARAM_ID:
+            aligned.append(osd)
+            continue
+        ids = {fqn: str(n) for n, fqn in enumerate(p for group in osd["param_groups"] for p in group["params"])}
+        aligned.append({**osd, "state": {ids[fqn]: value for fqn, value in osd["state"].items()}})
+    return {**target, OPTIMIZER_KEY: aligned}
+
+
+def saved_optimizer_count(metadata: Metadata) -> int:
+    """How many optimizers' states a checkpoint holds (0 for a weights-only checkpoint)."""
+    indices = {int(path[1]) for path in (metadata.planner_data or {}).values() if path and path[0] == OPTIMIZER_KEY}
+    return max(indices) + 1 if indices else 0
+
+
+_NUMPY_TAG = "\x00lightning_dcp.numpy"
+"""Key of the one-entry dict that stands for a numpy array or scalar in a blob (``weights_only`` refuses numpy)."""
+
+
+def encode_extra(extra: Mapping[str, Any], *, what: str = "non-tensor state") -> bytes:
+    """Serialize non-tensor state with ``torch.save`` into ``bytes`` that ``weights_only=True`` loading accepts.
+
+    numpy arrays and scalars are stored as tensors and plain values and come back as numpy; anything else that
+    ``torch.load(weights_only=True)`` would refuse (a dataclass, a custom class) is refused here, at save, so a
+    checkpoint is never written that cannot be loaded.
+
+    Args:
+        extra: The state (dicts, lists, tuples, str, numbers, tensors, numpy; classes allowed with
+            ``torch.serialization.add_safe_globals``).
+        what: What this state is, for messages.
+
+    Raises:
+        CheckpointError: Something in ``extra`` would not load with ``weights_only=True``; the message names its
+            key path, its type, and the fix.
+    """
+    state = _to_storable(dict(extra))
     buffer = io.BytesIO()
-    torch.save(dict(extra), buffer)
-    return buffer.getvalue()
+    torch.save(state, buffer)
+    blob = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as err:
+        path, culprit = _unloadable_part(state)
+        raise CheckpointError(
+            f"The checkpoint's {what} holds {culprit} at {path}, which `torch.load(weights_only=True)` cannot load"
+            f" back ({describe_load_error(err)}); the checkpoint would be unusable, so it was not"
+            f" written. Store plain types there (dict, list, str, numbers, tensors; e.g. `dataclasses.asdict(...)`),"
+            f" or allow the class for saving and loading with `torch.serialization.add_safe_globals([{culprit}])`."
+        ) from None
+    return blob
 
 
 def decode_extra(blob: bytes, *, path: str, weights_only: bool = True) -> dict[str, Any]:
-    """Deserialize the non-tensor state; ``weights_only=True`` (the default) never runs code from the file.
+    """Deserialize state written by :func:`encode_extra`; ``weights_only=True`` never runs code from the file.
 
     Raises:
-        CheckpointError: The state holds objects that ``weights_only`` loading refuses, or is corrupt.
+        CheckpointError: The state holds classes ``weights_only`` loading refuses (written by another writer);
+            the message names them and the fix.
+        CorruptCheckpointError: The bytes are not a ``torch.save`` archive of a dict.
     """
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"The non-tensor state of the checkpoint at {path!r} cannot be loaded with `weights_only=True`: {err}"
-            " If you trust this checkpoint, pass `weights_only=False` (e.g. `trainer.fit(..., weights_only=False)`),"
-            " or allow the named classes with `torch.serialization.add_safe_globals([...])`."
-        ) from err
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # a crafted or damaged archive: zip, pickle or tensor errors of many types
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+            raise CheckpointError(
+                f"The non-tensor state of the checkpoint at {path!r} names a class that `weights_only=True` loading"
+                f" refuses ({describe_load_error(err)}). If you trust this checkpoint, allow it with"
+                " `torch.serialization.add_safe_globals([...])` before loading."
+            ) from None
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} is not readable ({describe_load_error(err)}).",
+            file=EXTRA_KEY,
+        ) from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} is a {type(state).__name__}, not a dict.",
+            file=EXTRA_KEY,
+        )
+    return _from_storable(state)
+
+
+def _to_storable(value: Any) -> Any:
+    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype != np.uint16:
+        return {_NUMPY_TAG: ("ndarray", str(value.dtype), torch.from_numpy(np.ascontiguousarray(value).copy()))}
+    if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        return {_NUMPY_TAG: ("scalar", str(value.dtype), value.item())}
+    if type(value) is dict or type(value) is OrderedDict:
+        return type(value)((k, _to_storable(v)) for k, v in value.items())
+    if type(value) is list:
+        return [_to_storable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_to_storable(v) for v in value)
+    return value
+
+
+def _from_storable(value: Any) -> Any:
+    if type(value) is dict and len(value) == 1 and _NUMPY_TAG in value and np is not None:
+        kind, dtype, payload = value[_NUMPY_TAG]
+        if kind == "ndarray":
+            return payload.numpy().astype(dtype, copy=False)
+        return np.dtype(dtype).type(payload)
+    if type(value) is dict or type(value) is OrderedDict:
+        return type(value)((k, _from_storable(v)) for k, v in value.items())
+    if type(value) is list:
+        return [_from_storable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_from_storable(v) for v in value)
+    return value
+
+
+def _unloadable_part(value: Any, path: str = "") -> tuple[str, str]:
+    """The deepest key path (``['callbacks']['x']``) that does not load with ``weights_only=True``, and its type."""
+    children: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    for child_path, child in children:
+        if not _loads(child):
+            return _unloadable_part(child, child_path)
+    return path or "the top level", f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _loads(value: Any) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return True
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -241,7 +392,7 @@ def param_ids_to_fqns(
         )
     fqn_of = dict(zip(saved, order, strict=True))
     return {
-        "state": {fqn_of[i]: v for i, v in state["state"].items()},
+        "state": {fqn_of[i]: v for i, v in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
     }
 
@@ -253,6 +404,6 @@ def fqns_to_param_ids(state: Mapping[str, Any]) -> dict[str, Any]:
         for fqn in group["params"]:
             id_of.setdefault(fqn, len(id_of))
     return {
-        "state": {id_of[fqn]: v for fqn, v in state["state"].items()},
+        "state": {id_of[fqn]: v for fqn, v in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [id_of[f] for f in g["params"]]} for g in state["param_groups"]],
     }

@@ -34,6 +34,7 @@ from lightning_dcp.errors import (
     CheckpointNotFoundError,
     NotACheckpointError,
     StateDictMismatchError,
+    describe_load_error,
 )
 
 __all__ = [
@@ -158,12 +159,12 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     """
     try:
         with location.open(LIGHTNING_META_FILE) as f:
-            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{location.url!r}/{LIGHTNING_META_FILE} cannot be loaded with `weights_only=True`: {err} If you trust"
-            " this checkpoint, pass `weights_only=False`."
-        ) from err
+            state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        raise _load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
+    if not isinstance(state, dict):
+        raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
+    return state
 
 
 def load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
@@ -177,19 +178,23 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
         with location.open() as f:
             checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-            raise CheckpointError(
-                f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
-                " pass `weights_only=False`."
-            ) from err
-        raise NotACheckpointError(
-            f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
-        ) from err
+        raise _load_error(location.url, err) from None
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
         )
     return checkpoint
+
+
+def _load_error(where: str, err: Exception) -> CheckpointError:
+    """A clear error for a ``torch.load`` of ``where`` that failed with ``err``."""
+    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+        return CheckpointError(
+            f"{where!r} names a class that `weights_only=True` loading refuses ({describe_load_error(err)})."
+            " If you trust this file, allow the class with `torch.serialization.add_safe_globals([...])`, or pass"
+            " `weights_only=False`."
+        )
+    return NotACheckpointError(f"{where!r} is not a checkpoint file torch.load can read ({describe_load_error(err)}).")
 
 
 def fit_target(
@@ -221,6 +226,16 @@ def fit_target(
     for key in [k for k in target if k != model_key]:
         if not any(s.startswith(key + ".") or s == key for s in saved):
             del target[key]  # e.g. a weights-only checkpoint: Lightning reports missing optimizer state itself
+    optimizers = target.get(layout.OPTIMIZER_KEY)
+    if optimizers is not None and model_key == layout.MODEL_KEY:
+        count = layout.saved_optimizer_count(metadata)
+        if count != len(optimizers):
+            raise StateDictMismatchError(
+                path,
+                reason=f"It holds the state of {count} optimizer(s), but {len(optimizers)} are configured"
+                " (`configure_optimizers`). Resume with the same optimizers, or load only the model weights"
+                " (`lightning_dcp.load_model_weights`).",
+            )
     flat, _ = flatten_state_dict(target)
     model_prefix = model_key + "."
 

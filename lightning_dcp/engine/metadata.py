@@ -10,6 +10,7 @@ tensor, and every storage record pointing at a plain file name inside the checkp
 from __future__ import annotations
 
 import io
+import math
 import pickle
 from typing import Any
 
@@ -144,6 +145,19 @@ def _problem(metadata: Metadata) -> str | None:
             return f"the record of {index.fqn!r} points at {info.relative_path!r}, outside the checkpoint directory"
         if not (_uint(info.offset) and _uint(info.length)):
             return f"the record of {index.fqn!r} has offset {info.offset!r} and length {info.length!r}"
+    # Every tensor chunk has a record that can hold its bytes: this bounds what a reader allocates by what the
+    # files hold (a crafted entry cannot make a reader allocate terabytes for a tiny file).
+    lengths = {
+        (index.fqn, tuple(index.offset)): info.length for index, info in storage.items() if index.offset is not None
+    }
+    for key, meta in entries.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            continue
+        for chunk in meta.chunks:
+            length = lengths.get((key, tuple(chunk.offsets)))
+            nbytes = math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+            if length is None or length < nbytes:
+                return f"a chunk of {key!r} at {tuple(chunk.offsets)} ({nbytes} bytes) has no record that holds it"
     return None
 
 
@@ -156,6 +170,7 @@ def _tensor_problem(meta: TensorStorageMetadata) -> str | None:
         return f"shape {size!r} is not a sequence of non-negative integers"
     if not isinstance(meta.chunks, list):
         return "its chunks are not a list"
+    covered = 0
     for chunk in meta.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             return f"a chunk is a {type(chunk).__name__}"
@@ -167,6 +182,9 @@ def _tensor_problem(meta: TensorStorageMetadata) -> str | None:
         for o, s, d in zip(offsets, sizes, size, strict=True):
             if not (_uint(o) and _uint(s)) or o + s > d:
                 return f"a chunk at {tuple(offsets)} of size {tuple(sizes)} lies outside the shape {tuple(size)}"
+        covered += math.prod(sizes)
+    if covered != math.prod(size):  # DCP's chunks tile a tensor exactly: a reader allocates what they cover
+        return f"its chunks hold {covered} of the {math.prod(size)} elements of its shape {tuple(size)}"
     return None
 
 

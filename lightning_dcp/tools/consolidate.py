@@ -195,9 +195,6 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
         nested.setdefault(layout.MODEL_KEY, {})
         checkpoint = layout.join_checkpoint(nested, extra, in_place=False)
         info = {k: v for k, v in checkpoint[layout.INFO_KEY].items() if k != "loaded_in_place"}
-        optimizer_layout = info.get("optimizer_layout")
-        if optimizer_layout == layout.FQN and layout.OPTIMIZER_KEY in checkpoint:
-            checkpoint[layout.OPTIMIZER_KEY] = [layout.fqns_to_param_ids(s) for s in checkpoint[layout.OPTIMIZER_KEY]]
     else:  # Lightning's sharded layout: ``optimizer_{i}`` entries in get_optimizer_state_dict's (FQN) layout
         checkpoint = {**extra, layout.MODEL_KEY: nested.get(source.model_key, {})}
         optimizers = sorted((i, k) for k in nested if (i := source.optimizer_index((k,))) is not None)

@@ -37,7 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
-from lightning_dcp._compat import install_flag_only_sigterm_handler, unwrap_checkpoint_io
+from lightning_dcp._compat import install_flag_only_sigterm_handler, train_epoch_in_progress, unwrap_checkpoint_io
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
@@ -126,6 +126,9 @@ class DCPStrategyMixin:
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
             install_flag_only_sigterm_handler(self.lightning_module.trainer)
+        deferred, self._dcp_deferred_rng = getattr(self, "_dcp_deferred_rng", None), None
+        if deferred is not None:  # saved mid-epoch: after the epoch's iterator drew its seed (see _restore_rank_state)
+            restore_rng_states(deferred)
 
     @override
     def teardown(self) -> None:
@@ -179,7 +182,10 @@ class DCPStrategyMixin:
             storage_options=storage_options,
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
-            rank_state={"rng": collect_rng_states()},
+            rank_state={
+                "rng": collect_rng_states(),
+                "mid_epoch": train_epoch_in_progress(self.lightning_module.trainer),
+            },
         )
 
     @override
@@ -224,7 +230,12 @@ class DCPStrategyMixin:
         if not state or "rng" not in state:
             return
         if info.get("rank_state_exact"):
-            restore_rng_states(state["rng"])
+            if state.get("mid_epoch") and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                # The resumed fit creates the epoch's data iterator after this load, drawing a seed from the global
+                # generator that the uninterrupted run drew before the save: restore after it, in on_train_start.
+                self._dcp_deferred_rng = state["rng"]
+            else:
+                restore_rng_states(state["rng"])
             return
         derive_rng_states(state["rng"], rank=self.global_rank)
         rank_zero_warn(

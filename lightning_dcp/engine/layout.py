@@ -152,7 +152,7 @@ def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, i
     """
     checkpoint = dict(extra)
     checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
-    checkpoint[MODEL_KEY] = dcp_state[MODEL_KEY]
+    checkpoint[MODEL_KEY] = dcp_state.get(MODEL_KEY, {})  # DCP stores no entry for an empty dict
     if OPTIMIZER_KEY in dcp_state:
         # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
         states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]

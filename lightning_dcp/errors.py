@@ -76,6 +76,8 @@ class StateDictMismatchError(CheckpointError, ValueError):
         missing_keys: FQNs the target expects but the checkpoint lacks.
         unexpected_keys: FQNs the checkpoint holds but the target lacks.
         mismatched: ``{fqn: (saved_shape, saved_dtype, expected_shape, expected_dtype)}``.
+
+    ``hint`` replaces the closing advice of the message (the default names the Trainer's ``strict_loading``).
     """
 
     def __init__(
@@ -85,6 +87,7 @@ class StateDictMismatchError(CheckpointError, ValueError):
         missing_keys: Iterable[str] = (),
         unexpected_keys: Iterable[str] = (),
         mismatched: dict[str, tuple] | None = None,
+        hint: str | None = None,
     ) -> None:
         self.path = path
         self.missing_keys = sorted(missing_keys)
@@ -98,7 +101,8 @@ class StateDictMismatchError(CheckpointError, ValueError):
         for fqn, (saved_shape, saved_dtype, shape, dtype) in sorted(self.mismatched.items())[:8]:
             lines.append(f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}.")
         lines.append(
-            "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
+            hint
+            or "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
             " keys both have (shapes must still match)."
         )
         super().__init__(" ".join(lines))

@@ -241,7 +241,7 @@ def test_split_state_puts_each_value_where_it_round_trips():
     assert info["modules"] == ["model"] and info["optimizers"] == [] and info["front_end"] == "fabric"
 
 
-def test_strategy_names_and_single_device_follows_the_accelerator():
+def test_strategy_names_and_classes():
     fabric = Fabric(accelerator="cpu", devices=1, strategy="dcp_single_device")
     assert isinstance(fabric.strategy, DCPSingleDeviceStrategy) and fabric.strategy.root_device.type == "cpu"
     assert lightning_dcp.DCPDDPStrategy.__module__ == "lightning_dcp.trainer.strategies"

@@ -50,6 +50,9 @@ def test_trainer_weights_into_a_fabric_run_and_back(tmp_path):
     raw = TinyModel()
     fabric.load_raw(trainer_ckpt, raw)
     assert_same(raw.state_dict(), expected, "load_raw")
+    whole = fabric.load(trainer_ckpt)  # the Trainer's checkpoint dict, full tensors
+    assert_same(whole["state_dict"], expected, "fabric.load(path)")
+    assert whole["global_step"] == 3 and len(whole["optimizer_states"]) == 1 and "lightning_dcp" not in whole
 
     # Fabric checkpoint -> a LightningModule (the Trainer's side)
     model = fabric.setup_module(TinyModel())

@@ -61,6 +61,27 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_fabric(session: nox.Session) -> None:
+    """The same job as a hand-written Fabric loop: 2 processes (DDP, async saves), resume on 1, then on 2 with FSDP2
+    (the checkpoints reshard between the strategies); consolidate and verify the last checkpoint."""
+    _install(session, "examples")
+    run = os.path.abspath("outputs/demo_fabric")
+    shutil.rmtree(run, ignore_errors=True)
+    script = ["python", "examples/fabric_train.py", f"ckpt_dir={run}/checkpoints"]
+    session.run(*script, f"hydra.run.dir={run}/train", *session.posargs)
+    session.run(*script, f"hydra.run.dir={run}/resume", "max_steps=80", "fabric.devices=1", *session.posargs)
+    session.run(
+        *script, f"hydra.run.dir={run}/fsdp2", "max_steps=100",
+        "fabric.strategy._target_=lightning_dcp.fabric.DCPModelParallelStrategy", *session.posargs,
+    )
+    session.run("python", "-m", "lightning_dcp.verify", f"{run}/checkpoints/step-000100")
+    session.run(
+        "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/step-000100",
+        "--output", f"{run}/last.pt", "--overwrite",
+    )
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
     """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png."""
     _install(session, "test")

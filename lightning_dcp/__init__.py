@@ -1,6 +1,7 @@
-"""Sharded torch.distributed.checkpoint (DCP) checkpoints for the PyTorch Lightning Trainer.
+"""Sharded torch.distributed.checkpoint (DCP) checkpoints for the PyTorch Lightning Trainer and Lightning Fabric.
 
-Importing the package registers the ``dcp_*`` strategy names in Lightning's strategy registry.
+Importing the package registers the ``dcp_*`` strategy names in the Trainer's and in Fabric's strategy registries.
+The Fabric strategies live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp.engine.integrity import verify_checkpoint
@@ -13,6 +14,7 @@ from lightning_dcp.errors import (
     StateDictMismatchError,
     StorageAccessError,
 )
+from lightning_dcp.fabric import register_strategies as register_fabric_strategies
 from lightning_dcp.tools.consolidate import consolidate
 from lightning_dcp.tools.inspect import inspect_checkpoint
 from lightning_dcp.tools.weights import LoadReport, load_model_weights
@@ -56,3 +58,4 @@ __all__ = [
 ]
 
 register_strategies()
+register_fabric_strategies()

@@ -26,11 +26,14 @@ examples:
       hf_model/model-00001-of-0000N.safetensors + hf_model/model.safetensors.index.json
   python -m lightning_dcp.consolidate s3://bucket/run/step=100.ckpt -o weights.ckpt --weights-only \\
       --exclude 'head.*' --storage-options '{{"anon": false}}'
+  python -m lightning_dcp.consolidate fabric_ckpts/step-000100 -o step-100.pt
+      a Fabric checkpoint -> the dict fabric.save was given, in one file (fabric.load reads it)
   python -m lightning_dcp.inspect checkpoints/last.ckpt
       list what a checkpoint holds without reading tensor data
 
-Inputs: lightning_dcp checkpoints, Lightning's own sharded checkpoints (a DCP directory with meta.pt) and plain
-DCP directories. Memory stays near one read batch plus the largest tensor, whatever the checkpoint size.
+Inputs: lightning_dcp checkpoints (Trainer or Fabric), Lightning's own sharded checkpoints (a DCP directory with
+meta.pt) and plain DCP directories. Memory stays near one read batch plus the largest tensor, whatever the
+checkpoint size.
 """
 
 

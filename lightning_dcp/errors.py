@@ -82,7 +82,8 @@ class StateDictMismatchError(CheckpointError, ValueError):
         mismatched: ``{fqn: (saved_shape, saved_dtype, expected_shape, expected_dtype)}``.
 
     Args:
-        reason: What does not match when it is not a list of keys (e.g. the number of optimizers).
+        reason: What does not match when it is not a list of keys (e.g. the number of optimizers), with its fix.
+        hint: Replaces the closing advice of the message (the default names the Trainer's ``strict_loading``).
     """
 
     def __init__(
@@ -93,6 +94,7 @@ class StateDictMismatchError(CheckpointError, ValueError):
         unexpected_keys: Iterable[str] = (),
         mismatched: dict[str, tuple] | None = None,
         reason: str | None = None,
+        hint: str | None = None,
     ) -> None:
         self.path = path
         self.missing_keys = sorted(missing_keys)
@@ -107,7 +109,9 @@ class StateDictMismatchError(CheckpointError, ValueError):
             lines.append(f"Unexpected keys ({len(self.unexpected_keys)}): {_preview(self.unexpected_keys)}.")
         for fqn, (saved_shape, saved_dtype, shape, dtype) in sorted(self.mismatched.items())[:8]:
             lines.append(f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}.")
-        if reason is None:
+        if hint is not None:
+            lines.append(hint)
+        elif reason is None:
             lines.append(
                 "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
                 " keys both have (shapes must still match)."

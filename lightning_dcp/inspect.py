@@ -32,7 +32,9 @@ def _render(report: dict[str, Any], *, all_tensors: bool) -> str:
         f"checkpoint   {report['path']}",
         f"format       {report['format']}",
         f"strategy     {report['strategy']}  (world size {report['world_size']})",
-        f"progress     epoch {report['epoch']}, global step {report['global_step']}",
+        f"progress     epoch {report['epoch']}, global step {report['global_step']}"
+        if report.get("front_end") != "fabric"
+        else f"state        modules {report['modules']}, optimizers {report['optimizers']}, other {report['objects']}",
         f"tensors      {report['num_tensors']} ({_human(report['total_bytes'])}; weights"
         f" {_human(report['weight_bytes'])}) in {len(report['files'])} data files",
         "",

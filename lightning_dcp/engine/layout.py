@@ -10,10 +10,17 @@ A checkpoint is one DCP directory. Its DCP state dict has three top-level entrie
 
 Everything is inside DCP's files, so DCP's ``.metadata`` (written last) commits all of it at once, and every read
 goes through ``weights_only`` unpickling.
+
+A Fabric checkpoint (:mod:`lightning_dcp.fabric`) uses the same files with the user's own top-level keys: each
+module's state (``get_model_state_dict``, FQN keys) and each optimizer's state (``get_optimizer_state_dict``, FQN
+keys) under the key it had in ``fabric.save(path, state)``, other tensors under theirs, and the remaining objects in
+the ``lightning`` blob. Its info records which keys hold modules and optimizers (``"modules"``, ``"optimizers"``);
+a checkpoint whose info lacks them has the Trainer layout above. :func:`tree_roles` tells the two apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
 from collections import OrderedDict
@@ -40,6 +47,7 @@ __all__ = [
     "OPTIMIZER_KEY",
     "RANK_KEY",
     "SafeLoadPlanner",
+    "TreeRoles",
     "align_optimizer_target",
     "build_state",
     "fqns_to_param_ids",
@@ -52,6 +60,7 @@ __all__ = [
     "saved_optimizer_ids",
     "saved_world_size",
     "split_checkpoint",
+    "tree_roles",
 ]
 
 MODEL_KEY = "state_dict"
@@ -61,6 +70,10 @@ RANK_KEY = "rank_states"
 """``rank_states.{rank}``: one ``bytes`` blob per rank (its RNG states), written by that rank."""
 INFO_KEY = "lightning_dcp"
 FORMAT_VERSION = 1
+MODULES_INFO = "modules"
+"""Info entry of a Fabric checkpoint: the top-level keys that hold a module's state (FQN -> tensor)."""
+OPTIMIZERS_INFO = "optimizers"
+"""Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
 
 PARAM_ID = "param_id"
 """Optimizer layout of ``torch.optim.Optimizer.state_dict()``: state keyed by integer parameter index."""
@@ -75,6 +88,35 @@ def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
             for param in group.get("params", ()):
                 return PARAM_ID if isinstance(param, int) else FQN
     return FQN
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRoles:
+    """Which top-level keys of a checkpoint's tree hold model weights and which hold optimizer state."""
+
+    modules: tuple[str, ...]
+    """Keys whose value is a module's state dict (FQN -> tensor): ``("state_dict",)`` in the Trainer layout."""
+    optimizers: tuple[str, ...]
+    """Fabric: keys that each hold one optimizer's state. Trainer: ``("optimizer_states",)``, a list of them."""
+    trainer: bool
+    """Whether this is the Trainer layout (no ``"modules"`` recorded)."""
+
+    def optimizer_index(self, path: tuple) -> int | None:
+        """The optimizer a nested-state path (``("optimizer", "state", ...)``) belongs to; ``None``: no optimizer."""
+        if not path or path[0] not in self.optimizers:
+            return None
+        return int(path[1]) if self.trainer and len(path) > 1 else self.optimizers.index(path[0])
+
+
+def tree_roles(info: Mapping[str, Any]) -> TreeRoles:
+    """The roles of a checkpoint's top-level keys, from the info dict recorded in its blob (``"lightning_dcp"``).
+
+    A Fabric checkpoint lists its module and optimizer keys; any other checkpoint (no ``"modules"`` entry) has the
+    Trainer layout: weights under ``"state_dict"``, a list of optimizer states under ``"optimizer_states"``.
+    """
+    if MODULES_INFO not in info:
+        return TreeRoles(modules=(MODEL_KEY,), optimizers=(OPTIMIZER_KEY,), trainer=True)
+    return TreeRoles(modules=tuple(info[MODULES_INFO]), optimizers=tuple(info.get(OPTIMIZERS_INFO, ())), trainer=False)
 
 
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

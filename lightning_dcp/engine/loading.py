@@ -47,6 +47,7 @@ __all__ = [
     "load_file",
     "probe",
     "read_lightning_meta",
+    "torch_load_error",
 ]
 
 LIGHTNING_META_FILE = "meta.pt"
@@ -161,7 +162,7 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
         with location.open(LIGHTNING_META_FILE) as f:
             state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        raise _load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
+        raise torch_load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
     if not isinstance(state, dict):
         raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
     return state
@@ -178,7 +179,7 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
         with location.open() as f:
             checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        raise _load_error(location.url, err) from None
+        raise torch_load_error(location.url, err) from None
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
@@ -186,7 +187,7 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
     return checkpoint
 
 
-def _load_error(where: str, err: Exception) -> CheckpointError:
+def torch_load_error(where: str, err: Exception) -> CheckpointError:
     """A clear error for a ``torch.load`` of ``where`` that failed with ``err``."""
     if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
         return CheckpointError(

@@ -64,9 +64,12 @@ def consolidate(
     ``.ckpt`` output holds ``state_dict`` (full tensors), ``optimizer_states`` (``optimizer.state_dict()`` layout,
     integer parameter ids) and the rest of the Trainer state, so ``torch.load(dst, weights_only=True)`` (also with
     ``mmap=True``), ``LightningModule.load_from_checkpoint(dst)`` and ``trainer.fit(model, ckpt_path=dst)`` accept it.
-    A plain DCP directory becomes its nested state dict, as ``dcp_to_torch`` writes it. safetensors output holds
-    tensors only: model weights under their FQNs (plus optimizer tensors under their flat DCP keys when not
-    ``weights_only``), with ``format``, ``epoch`` and ``global_step`` in its metadata.
+    A Fabric checkpoint becomes the dict ``fabric.save`` was given (module states under their keys, optimizer
+    states in ``optimizer.state_dict()`` layout, the other values as saved), which ``fabric.load`` accepts under any
+    strategy. A plain DCP directory becomes its nested state dict, as ``dcp_to_torch`` writes it. safetensors output
+    holds tensors only: model weights under their FQNs (prefixed by the module's key when a Fabric checkpoint holds
+    several modules; plus optimizer tensors under their flat DCP keys when not ``weights_only``), with ``format``,
+    ``epoch`` and ``global_step`` in its metadata.
 
     Args:
         src: Checkpoint directory, local path or fsspec URL.
@@ -181,7 +184,7 @@ def _write_ckpt(
 
 
 def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, weights_only: bool) -> dict[str, Any]:
-    """The object the ``.ckpt`` pickles: the Trainer's checkpoint dict with :class:`TensorRef` placeholders."""
+    """The object the ``.ckpt`` pickles: the Trainer's (or Fabric's) checkpoint dict, tensors as ``TensorRef``."""
     nested: dict[str, Any] = {}
     for entry in entries:
         set_element(nested, entry.path, refs[entry.key])
@@ -191,6 +194,8 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
     if source.kind == "dcp":
         return nested
     extra = source.read_extra()
+    if source.roles is not None and not source.roles.trainer:
+        return _fabric_checkpoint(nested, extra, source.roles, weights_only=weights_only)
     if source.kind == "lightning_dcp":
         nested.setdefault(layout.MODEL_KEY, {})
         checkpoint = layout.join_checkpoint(nested, extra, in_place=False)
@@ -205,6 +210,26 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
     if weights_only:
         for key in _TRAINING_KEYS:
             checkpoint.pop(key, None)
+    return checkpoint
+
+
+def _fabric_checkpoint(
+    nested: dict[str, Any], extra: dict[str, Any], roles: layout.TreeRoles, *, weights_only: bool
+) -> dict[str, Any]:
+    """Fabric's own single-file format: the dict ``fabric.save`` was given, as ``torch.save`` would have written it.
+
+    Module states under their keys (full tensors, FQN keys), optimizer states in ``optimizer.state_dict()`` layout
+    (integer parameter ids) and every other value as saved, so ``fabric.load(dst, state)`` under any Fabric strategy
+    and ``model.load_state_dict(torch.load(dst)["model"])`` accept it. ``weights_only`` keeps the modules and the
+    non-tensor values and drops optimizers and other tensors.
+    """
+    checkpoint = {k: v for k, v in extra.items() if k != layout.INFO_KEY}
+    for key, value in nested.items():
+        if key == layout.RANK_KEY or (weights_only and key not in roles.modules):
+            continue
+        if key in roles.optimizers:  # an optimizer that never stepped has no "state" entry in DCP
+            value = layout.fqns_to_param_ids({"state": {}, **value})
+        checkpoint[key] = value
     return checkpoint
 
 

@@ -33,8 +33,11 @@ def _finish(proc: subprocess.Popen, directory: str) -> dict:
     return torch.load(os.path.join(directory, "final.pt"), weights_only=True)
 
 
-def _staging(ckpt_dir: str) -> list[str]:
-    return [n for n in os.listdir(ckpt_dir) if n.startswith(".")] if os.path.isdir(ckpt_dir) else []
+def _in_progress(ckpt_dir: str) -> list[str]:
+    """Saves under way or cut short: hidden staging, or a checkpoint directory written in place without .commit."""
+    if not os.path.isdir(ckpt_dir):
+        return []
+    return sorted(n for n in os.listdir(ckpt_dir) if not os.path.isfile(os.path.join(ckpt_dir, n, ".commit")))
 
 
 def test_kill_during_async_save_resumes_exactly(tmp_path):
@@ -43,24 +46,23 @@ def test_kill_during_async_save_resumes_exactly(tmp_path):
     ckpt_dir = os.path.join(directory, "ckpts")
     proc = _start(directory)
     deadline = time.monotonic() + 120
-    # kill as soon as the background write of a save after the first one is under way (its staging directory)
-    while not any(n > ".step-0002" for n in _staging(ckpt_dir)):
+    # kill as soon as the background write of a save after the second one is under way
+    while not any(n.lstrip(".") > "step-0002" for n in _in_progress(ckpt_dir)):
         assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)
-    left = _staging(ckpt_dir)
+    left = _in_progress(ckpt_dir)
     assert left, "the kill was meant to hit a save in flight"
     committed = sorted(n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, ".commit")))
     assert committed and len(committed) < STEPS
     for name in committed:  # every checkpoint that looks complete is complete, byte for byte
         verify_checkpoint(os.path.join(ckpt_dir, name))
-    interrupted = left[0].split(".tmp-")[0].lstrip(".")
-    assert not os.path.exists(os.path.join(ckpt_dir, interrupted))  # the half-written save is not visible
+    assert not set(left) & set(committed)  # the interrupted save never became a checkpoint
 
     final = _finish(_start(directory), directory)  # resumes from the newest committed checkpoint
     reference = _finish(uninterrupted, str(tmp_path / "reference"))
     assert final.keys() == reference.keys()
     for key in reference:
         assert torch.equal(final[key], reference[key]), key
-    assert not _staging(ckpt_dir)  # the resumed run's saves cleaned up what the kill left
+    assert not _in_progress(ckpt_dir)  # the resumed run's saves of the same names replaced what the kill left

@@ -40,10 +40,10 @@ import torch
 
 try:
     from benchmarks._cli import bench_main
-    from benchmarks.bench_save import nbytes, workload
+    from benchmarks.bench_save import disk_write, nbytes, workload
 except ImportError:  # run as a script: python benchmarks/bench_gpu.py
     from _cli import bench_main
-    from bench_save import nbytes, workload
+    from bench_save import disk_write, nbytes, workload
 
 WIDTH = 2048
 SMOKE_WIDTH = 64
@@ -91,17 +91,6 @@ def _timed(fn: Callable[[], float | None], device: str) -> tuple[float, float]:
     return (total if stall is None else stall - start), total
 
 
-def _disk_write(path: str, size: int) -> None:
-    block = torch.empty(64 * 2**20, dtype=torch.uint8).numpy()
-    left = size
-    with open(path, "wb") as f:
-        while left > 0:
-            f.write(block[: min(left, len(block))])
-            left -= len(block)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _saves_child(workdir: str, size_gb: float, repeats: int, smoke: bool, out: str) -> None:
     from lightning_dcp import DCPCheckpointIO
 
@@ -144,7 +133,7 @@ def _saves_child(workdir: str, size_gb: float, repeats: int, smoke: bool, out: s
     path = os.path.join(workdir, "disk-limit.bin")
     timings["disk_limit"] = []
     for _ in range(repeats):
-        timings["disk_limit"].append(_timed(lambda: _disk_write(path, size), "cpu"))
+        timings["disk_limit"].append(_timed(lambda: disk_write(path, size), "cpu"))
         _remove(path)
     with open(out, "w") as f:
         json.dump({"bytes": size, "tensors": len(tensors), "timings": timings}, f)

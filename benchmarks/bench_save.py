@@ -81,6 +81,18 @@ def nbytes(checkpoint: dict) -> int:
     return total + sum(t.nbytes for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values())
 
 
+def disk_write(path: str, size: int) -> None:
+    """Write ``size`` bytes sequentially to ``path`` in 64 MiB blocks and fsync: the disk's limit for a save."""
+    block = torch.empty(64 * 2**20, dtype=torch.uint8).numpy()
+    left = size
+    with open(path, "wb") as f:
+        while left > 0:
+            f.write(block[: min(left, len(block))])
+            left -= len(block)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _save_once(method: str, checkpoint: dict, path: str, rank: int, io: object) -> tuple[float, float]:
     """Returns (stall, total) seconds on this rank."""
     import torch.distributed.checkpoint as dcp
@@ -109,14 +121,7 @@ def _save_once(method: str, checkpoint: dict, path: str, rank: int, io: object) 
         stall = time.perf_counter() - start
     else:  # disk_limit: rank 0 writes the same bytes sequentially and fsyncs
         if rank == 0:
-            block = torch.empty(64 * 2**20, dtype=torch.uint8).numpy()
-            left = nbytes(checkpoint)
-            with open(path, "wb") as f:
-                while left > 0:
-                    f.write(block[: min(left, len(block))])
-                    left -= len(block)
-                f.flush()
-                os.fsync(f.fileno())
+            disk_write(path, nbytes(checkpoint))
         stall = time.perf_counter() - start
     if dist.is_initialized():
         dist.barrier()

@@ -1,4 +1,4 @@
-"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``nox -s tests``, ``lint``, ``bench``.
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``.
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -29,6 +29,14 @@ def tests(session: nox.Session) -> None:
     """Unit, distributed (gloo, 2-4 ranks) and integration tests."""
     _install(session, "test")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The GPU tier (tests/gpu, marker ``gpu``) on one CUDA device; every test skips without one ("needs a CUDA
+    device"). On a GPU machine set ``LIGHTNING_DCP_TORCH`` to a CUDA torch (e.g. ``"torch>=2.6"``)."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", *session.posargs)
 
 
 @nox.session(python=PYTHON)
@@ -83,7 +91,7 @@ def demo_fabric(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png."""
+    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png; ``-- --gpu`` for the GPU one."""
     _install(session, "test")
     session.install("matplotlib")
     session.run("python", "-m", "benchmarks.run", *session.posargs)

@@ -180,15 +180,16 @@ class Checkpointer:
                 tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
             )
             if self._async is not None:
-                self._async.start(
-                    state,
-                    writer=writer,
-                    location=location,
-                    rank=rank,
-                    distributed=distributed(collective),
-                    commit=commit,
-                    abandon=abandon,
-                )
+                with single_process_ok():
+                    self._async.start(
+                        state,
+                        writer=writer,
+                        location=location,
+                        rank=rank,
+                        distributed=distributed(collective),
+                        commit=commit,
+                        abandon=abandon,
+                    )
                 self._record(started, location, "staged (writing in the background)")
                 return
             with single_process_ok():

@@ -17,6 +17,7 @@ __all__ = [
     "NotACheckpointError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "checkpoint_not_found",
 ]
 
 
@@ -36,6 +37,22 @@ def _restore(cls: type, args: tuple, state: dict) -> CheckpointError:
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path does not exist."""
+
+
+def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> CheckpointNotFoundError:
+    """The error for a checkpoint path that does not exist, worded as Lightning words it.
+
+    Lightning's ``TorchCheckpointIO.load_checkpoint`` raises ``FileNotFoundError(f"Checkpoint file not found:
+    {path}")`` (2.6.6); code that matches that type and message keeps working with lightning_dcp.
+
+    Args:
+        path: The missing path, as given (local path or URL).
+        designated_by: The ``last`` link or pointer that named ``path``, if any.
+    """
+    message = f"Checkpoint file not found: {path}"
+    if designated_by is not None:
+        message += f" (designated by {designated_by})"
+    return CheckpointNotFoundError(message)
 
 
 class StorageAccessError(CheckpointError, PermissionError):

@@ -30,9 +30,9 @@ from lightning_dcp.engine.integrity import check_checkpoint, newest_valid_siblin
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     NotACheckpointError,
     StateDictMismatchError,
+    checkpoint_not_found,
 )
 
 __all__ = [
@@ -71,11 +71,9 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
-    location = location.resolve()
+    given, location = location.url, location.resolve()
     if not location.exists():
-        raise CheckpointNotFoundError(
-            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
-        )
+        raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):

@@ -182,7 +182,8 @@ class Checkpointer:
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
-        log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
+        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:  # once per save, not per rank
+            log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
 
     # ----------------------------------------------------------------------------------------------- load
     def load(

@@ -7,9 +7,11 @@ warns; ``DCPCheckpointIO(async_save=True)`` under stock DDP saves without torch'
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+import lightning_dcp
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, DCPModelParallelStrategy, load_checkpoint
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
 from tests._spawn import spawn
@@ -171,3 +174,58 @@ def test_stock_model_parallel_warns_and_async_under_stock_ddp_is_quiet(runs):
     assert not [m for m in messages if "assuming the intent is to save in a single process" in m], messages
     assert not [m for m in load_result(tmp, "warnings", 1) if "is ignored" in m]  # rank 0 only
     assert sorted(os.listdir(os.path.join(tmp, "async"))) == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt"]
+
+
+def test_upgrade_migrates_directories_and_hands_files_to_lightning(runs, tmp_path, capsys):
+    import lightning
+    from lightning.pytorch.utilities import upgrade_checkpoint
+
+    from lightning_dcp.engine.checkpointer import Checkpointer
+    from lightning_dcp.tools.rewrite import rewrite_trainer_state
+    from lightning_dcp.upgrade import main as upgrade_main
+
+    tmp, _, _ = runs
+    folder = tmp_path / "run"
+    shutil.copytree(os.path.join(tmp, "ddp"), folder, symlinks=True)
+    name = os.readlink(folder / "last.ckpt")
+    ckpt = str(folder / name)
+    before = Checkpointer().load(ckpt)
+
+    def age(state: dict) -> dict:  # as written by Lightning 1.9.5 with apex AMP, which 2.0.0's migration drops
+        state.update({"pytorch-lightning_version": "1.9.5", "amp_scaling_state": {"scale": 2.0}})
+        return state
+
+    assert rewrite_trainer_state(ckpt, age, backup=False)
+    lightning_dcp.consolidate(ckpt, dst=str(folder / "single.ckpt"))  # a file among the directories
+
+    # Lightning's own upgrade function (hooked: this process imported lightning_dcp), on the folder.
+    upgrade_checkpoint._upgrade(argparse.Namespace(path=str(folder), extension=".ckpt", map_to_cpu=False))
+    out = capsys.readouterr().out
+    assert f"migrated: {ckpt} (1.9.5 -> {lightning.__version__}: _drop_apex_amp_state" in out, out
+    assert f"lightning: {folder / 'single.ckpt'}" in out
+    assert (folder / f".{name}.bak").is_dir() and (folder / "single.bak").is_file()  # the originals
+    after = Checkpointer().load(ckpt)
+    assert after.objects["pytorch-lightning_version"] == lightning.__version__
+    assert after.objects["legacy_pytorch-lightning_version"] == "1.9.5"
+    assert "amp_scaling_state" not in after.objects
+    for key in ("global_step", "epoch", "loops", "callbacks", "hyper_parameters", "lightning_dcp"):
+        assert after.objects[key] == before.objects[key], key
+    assert_same(after.tree, before.tree)  # weights, optimizer states and both ranks' own state, unchanged
+    assert sorted(after.tree["rank_states"]) == ["0", "1"] and after.saved_world_size == 2
+
+    # Already current: nothing is rewritten; the CLI says so for each checkpoint.
+    stamp = os.stat(os.path.join(ckpt, ".commit")).st_mtime_ns
+    assert upgrade_main([str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert f"current: {ckpt}" in out and "lightning:" in out
+    assert os.stat(os.path.join(ckpt, ".commit")).st_mtime_ns == stamp
+    assert upgrade_main([str(tmp_path / "missing")]) == 1
+    assert "error: Checkpoint file not found" in capsys.readouterr().err
+
+
+def test_hooks_stay_off_when_the_environment_says_so():
+    code = "import lightning_dcp; print(lightning_dcp.trainer.hooks.installed_lightning_hooks())"
+    env = {**os.environ, "LIGHTNING_DCP_LIGHTNING_HOOKS": "0"}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

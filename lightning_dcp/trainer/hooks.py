@@ -73,6 +73,8 @@ def _read_directory(
     storage_options: dict[str, Any] | None,
     model_weights: bool,
 ) -> dict[str, Any] | None:
+    if str(path).startswith("http"):  # Lightning downloads these itself (torch.hub): always single files
+        return None
     if not is_checkpoint_directory(path, storage_options=storage_options):
         return None
     return load_checkpoint(

@@ -219,3 +219,29 @@ def test_example_summary_offers_the_other_process_count():
     after_two = resume_commands(["train.py", "ckpt_path=last"], 2)
     assert [title for title, _ in after_two] == ["# resume on 2 process(es):", "# resume on 1 process:"]
     assert after_two[1][1] == ["train.py", "ckpt_path=last", "trainer.devices=1"]
+
+
+def test_stock_fsdp_given_the_plugin_warns_at_setup():
+    import warnings
+
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    from lightning_dcp import DCPFSDPStrategy
+
+    strategy = FSDPStrategy()
+    strategy.checkpoint_io = DCPCheckpointIO()
+    # The hooked setup warns first; Lightning's own FSDP setup then needs a GPU accelerator (none here).
+    with (
+        pytest.warns(UserWarning, match=r"is ignored .* `Trainer\(strategy='dcp_fsdp'\)`"),
+        pytest.raises(AttributeError),
+    ):  # no accelerator: setup stops at once
+        strategy.setup(trainer=None)
+    ours = DCPFSDPStrategy()
+    ours.checkpoint_io = DCPCheckpointIO()
+    with (
+        warnings.catch_warnings(record=True) as seen,
+        pytest.raises(AttributeError),
+    ):  # no accelerator: setup stops at once
+        warnings.simplefilter("always")
+        ours.setup(trainer=None)
+    assert not [w for w in seen if "is ignored" in str(w.message)]

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_dcp import _compat
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.strategies import DCPStrategyMixin
 
 __all__ = ["HOOKS_ENV", "install_lightning_hooks", "installed_lightning_hooks", "uninstall_lightning_hooks"]
 
@@ -94,8 +95,6 @@ def _upgrade(args: Any, lightning_upgrade: Any) -> None:
 
 def _check_strategy(strategy: Any) -> None:
     """Warn (once per strategy) when a stock FSDP/ModelParallel strategy holds a ``DCPCheckpointIO`` it never uses."""
-    from lightning_dcp.trainer.strategies import DCPStrategyMixin
-
     if isinstance(strategy, DCPStrategyMixin) or getattr(strategy, _WARNED, False):
         return
     if not isinstance(_compat.unwrap_checkpoint_io(strategy.checkpoint_io), DCPCheckpointIO):

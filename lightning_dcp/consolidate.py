@@ -6,12 +6,11 @@ Run with ``--help`` for the options and examples. The function is :func:`lightni
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from collections.abc import Sequence
 
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp._cli import parse_storage_options, run_cli
 from lightning_dcp.tools.consolidate import DTYPES, FORMATS, SUFFIX, consolidate
 
 __all__ = ["consolidate", "main"]
@@ -60,14 +59,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point. Returns the exit code: 0 on success, 1 on a checkpoint or option error."""
+    """Command line entry point. Returns the exit code: 0 on success, 1 on failure (``error: ...`` on stderr)."""
     args = _parser().parse_args(argv)
-    try:
-        storage_options = json.loads(args.storage_options) if args.storage_options else None
+
+    def run() -> int:
         dst = consolidate(
             args.checkpoint,
             dst=args.output,
-            storage_options=storage_options,
+            storage_options=parse_storage_options(args.storage_options),
             overwrite=args.overwrite,
             format=args.format,
             weights_only=args.weights_only,
@@ -77,11 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             progress=args.progress,
         )
-    except (CheckpointError, FileExistsError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(dst)
-    return 0
+        print(dst)
+        return 0
+
+    return run_cli(run)
 
 
 class _CallableModule(types.ModuleType):

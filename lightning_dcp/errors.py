@@ -19,6 +19,7 @@ __all__ = [
     "StateDictMismatchError",
     "StorageAccessError",
     "checkpoint_failure",
+    "checkpoint_not_found",
     "describe_failure",
     "describe_load_error",
 ]
@@ -40,6 +41,22 @@ def _restore(cls: type, args: tuple, state: dict) -> CheckpointError:
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path does not exist."""
+
+
+def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> CheckpointNotFoundError:
+    """The error for a checkpoint path that does not exist, worded as Lightning words it.
+
+    Lightning's ``TorchCheckpointIO.load_checkpoint`` raises ``FileNotFoundError(f"Checkpoint file not found:
+    {path}")`` (2.6.6); code that matches that type and message keeps working with lightning_dcp.
+
+    Args:
+        path: The missing path, as given (local path or URL).
+        designated_by: The ``last`` link or pointer that named ``path``, if any.
+    """
+    message = f"Checkpoint file not found: {path}"
+    if designated_by is not None:
+        message += f" (designated by {designated_by})"
+    return CheckpointNotFoundError(message)
 
 
 class StorageAccessError(CheckpointError, PermissionError):

@@ -180,16 +180,15 @@ class Checkpointer:
                 tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
             )
             if self._async is not None:
-                with single_process_ok():
-                    self._async.start(
-                        state,
-                        writer=writer,
-                        location=location,
-                        rank=rank,
-                        distributed=distributed(collective),
-                        commit=commit,
-                        abandon=abandon,
-                    )
+                self._async.start(
+                    state,
+                    writer=writer,
+                    location=location,
+                    rank=rank,
+                    distributed=distributed(collective),
+                    commit=commit,
+                    abandon=abandon,
+                )
                 self._record(started, location, "staged (writing in the background)")
                 return
             with single_process_ok():
@@ -236,7 +235,8 @@ class Checkpointer:
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
-        log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
+        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:  # once per save, not per rank
+            log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
 
     # ----------------------------------------------------------------------------------------------- load
     def load(

@@ -20,9 +20,16 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
 
-__all__ = ["check_checkpoint", "committed_checkpoints", "newest_valid", "verify_checkpoint"]
+__all__ = [
+    "check_checkpoint",
+    "checkpoints_inside",
+    "committed_checkpoints",
+    "newest_valid",
+    "not_one_checkpoint",
+    "verify_checkpoint",
+]
 
 
 def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
@@ -161,10 +168,46 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError: Nothing exists at ``path``.
-        NotACheckpointError: No commit marker (an incomplete save).
+        NotACheckpointError: No commit marker (an incomplete save), a single file (a ``.ckpt`` has no recorded
+            checksums) or a folder of checkpoints (a run's dirpath) rather than one.
         CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
     """
-    location = Location(path, storage_options=storage_options).resolve()
+    given = Location(path, storage_options=storage_options)
+    location = given.resolve()
     if not location.exists():
-        raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
+        raise checkpoint_not_found(location.url, designated_by=None if location.url == given.url else given.url)
+    not_one = not_one_checkpoint(location)
+    if not_one is not None:
+        raise not_one
     check_checkpoint(location, full=full)
+
+
+def checkpoints_inside(location: Location) -> list[str]:
+    """Names of the committed checkpoint directories directly inside ``location`` (e.g. a run's dirpath), sorted.
+
+    Rank 0 only (or any single process).
+    """
+    return sorted(checkpoint.name for _, checkpoint in committed_checkpoints(location))
+
+
+def not_one_checkpoint(location: Location) -> NotACheckpointError | None:
+    """The error for an existing path that is a single file or a folder of checkpoints, rather than one checkpoint.
+
+    ``None`` when ``location`` is a directory that is not a folder of checkpoints (the usual checks then apply).
+    """
+    if not location.isdir():
+        return NotACheckpointError(
+            f"{location.url!r} is a single file, not a checkpoint directory: only directories carry the checksums"
+            " lightning_dcp verifies (a single-file checkpoint loads with `torch.load`)."
+        )
+    if location.is_committed():
+        return None
+    inside = checkpoints_inside(location)
+    if not inside:
+        return None
+    shown = ", ".join(inside[:4]) + (f", ... ({len(inside) - 4} more)" if len(inside) > 4 else "")
+    example = location.url.rstrip("/") + "/" + inside[-1]
+    return NotACheckpointError(
+        f"{location.url!r} is a folder of {len(inside)} checkpoint(s) ({shown}), not one checkpoint: pass one of"
+        f" them, e.g. {example!r}."
+    )

@@ -31,9 +31,9 @@ from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     NotACheckpointError,
     StateDictMismatchError,
+    checkpoint_not_found,
     describe_load_error,
 )
 
@@ -92,8 +92,8 @@ def candidates(location: Location) -> list[str]:
     if not designates_last(location):
         resolved = location.resolve()
         if not resolved.exists():
-            raise CheckpointNotFoundError(
-                f"No checkpoint exists at {resolved.url!r}. Check the path (and `storage_options` for remote storage)."
+            raise checkpoint_not_found(
+                resolved.url, designated_by=None if resolved.url == location.url else location.url
             )
         return [resolved.url]
     directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
@@ -106,7 +106,7 @@ def candidates(location: Location) -> list[str]:
     if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
         return [entry.url]
     if not entry.exists():
-        raise CheckpointNotFoundError(f"No checkpoint exists at {entry.url!r} and none is committed beside it.")
+        raise checkpoint_not_found(entry.url)
     raise NotACheckpointError(
         f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
         " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
@@ -124,10 +124,9 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
+    given, location = location.url, location.resolve()
     if not location.exists():
-        raise CheckpointNotFoundError(
-            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
-        )
+        raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):

@@ -30,10 +30,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.dcp_io import storage_reader
+from lightning_dcp.engine.integrity import not_one_checkpoint
 from lightning_dcp.engine.marker import METADATA_FILE
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
 __all__ = ["LIGHTNING_META_FILE", "Source", "TensorEntry"]
 
@@ -83,8 +84,10 @@ class Source:
     def __init__(self, location: Location) -> None:
         self.location = location
         if not location.exists():
-            raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
+            raise checkpoint_not_found(location.url)
         if not location.isdir() or not location.has_metadata():
+            if location.isdir() and (folder := not_one_checkpoint(location)) is not None:
+                raise folder  # a run's dirpath rather than one of its checkpoints
             raise NotACheckpointError(
                 f"{location.url!r} is not a DCP checkpoint directory (no {METADATA_FILE!r} file in it); pass a"
                 " directory written by lightning_dcp, by Lightning's sharded strategies or by `dcp.save`."

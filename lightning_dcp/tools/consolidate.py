@@ -25,7 +25,17 @@ from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
 from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter
 
-__all__ = ["DTYPES", "FORMATS", "cast_dtype", "cast_tensor", "consolidate", "parse_size", "resolve_dtype", "selected"]
+__all__ = [
+    "DTYPES",
+    "FORMATS",
+    "cast_dtype",
+    "cast_tensor",
+    "consolidate",
+    "parse_size",
+    "refuse_overlap",
+    "resolve_dtype",
+    "selected",
+]
 
 SUFFIX = ".consolidated"
 """Default ``.ckpt`` output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
@@ -96,7 +106,9 @@ def consolidate(
 
     Raises:
         FileExistsError: ``dst`` exists and ``overwrite`` is False.
-        ValueError: Invalid options (unknown format or dtype, patterns without ``weights_only``, shards for ckpt).
+        ValueError: ``dst`` is the checkpoint itself, lies inside it or contains it (refused even with
+            ``overwrite``: the source is never touched); invalid options (unknown format or dtype, patterns without
+            ``weights_only``, shards for ckpt).
         CheckpointNotFoundError: Nothing exists at ``src``.
         NotACheckpointError: ``src`` is no DCP checkpoint, or a data file is truncated or corrupt (the file is
             named); no output is left behind.
@@ -117,8 +129,11 @@ def consolidate(
             dst = src.rstrip("/") + "-safetensors"
     dst = os.fspath(dst)
     out = Location(dst, storage_options=storage_options)
+    given = Location(src, storage_options=storage_options)
+    resolved = given.resolve()
+    refuse_overlap((given, resolved), out)
     refuse_existing(out, overwrite=overwrite)
-    source = Source(Location(src, storage_options=storage_options).resolve())
+    source = Source(resolved)
     entries = [
         e
         for e in source.entries
@@ -142,6 +157,29 @@ def consolidate(
     finally:
         bar.close()
     return dst
+
+
+def refuse_overlap(sources: Sequence[Location], out: Location) -> None:
+    """Raise ``ValueError`` when ``out`` is one of ``sources``, lies inside one, or contains one.
+
+    Writing there (even with ``overwrite``) would replace or corrupt the checkpoint being read. Local paths are
+    compared after resolving symlinks (``last.ckpt``); remote ones by filesystem type and path.
+    """
+    target = _canonical(out)
+    for source in sources:
+        path = _canonical(source)
+        if type(source.fs) is not type(out.fs):
+            continue
+        if target == path or target.startswith(path + "/") or path.startswith(target + "/"):
+            where = "is" if target == path else "lies inside" if target.startswith(path + "/") else "contains"
+            raise ValueError(
+                f"The output {out.url!r} {where} the checkpoint being consolidated ({source.url!r}): choose an output"
+                " outside it (e.g. the default, `<checkpoint>.consolidated` beside it); the checkpoint is untouched."
+            )
+
+
+def _canonical(location: Location) -> str:
+    return os.path.realpath(location.path) if location.local else location.path.rstrip("/")
 
 
 def parse_size(value: int | str) -> int:

@@ -313,13 +313,22 @@ class Location:
 
     # ------------------------------------------------------------------------------------------------ changes
     def remove(self) -> None:
-        """Delete this path (directory tree, file or link) if it exists; a link never deletes its target."""
+        """Delete this path (directory tree, file or link) if it exists; a link never deletes its target.
+
+        A checkpoint's ``.commit`` marker goes first, so a removal cut short (a kill, a lost connection) leaves an
+        uncommitted directory, never a marker that vouches for files already deleted.
+        """
         if self.local:
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.join(COMMIT_FILE))
             localfs.remove_path(self.path)
             return
         with self._translated():
             if not self.fs.exists(self.path):
                 return
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                self.fs.rm_file(self.join(COMMIT_FILE))
             self.fs.rm(self.path, recursive=True)
             self.fs.invalidate_cache(self.path)
             # Some S3 servers (SeaweedFS) keep an emptied "directory" listed until its own key is deleted.

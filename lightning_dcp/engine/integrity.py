@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.storage import Location, read_commit
+from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["check_checkpoint", "committed_checkpoints", "newest_valid", "verify_checkpoint"]
@@ -52,6 +52,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
         raise CorruptCheckpointError(
             f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
         ) from err
+    except OSError as err:
+        raise unreadable(location, METADATA_FILE, err) from err
     expected = marker["metadata"]
     if len(metadata_bytes) != expected["size"] or checksum(metadata_bytes) != expected["checksum"]:
         raise CorruptCheckpointError(
@@ -101,7 +103,11 @@ def _file_sizes(location: Location) -> dict[str, int]:
 
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
-    with location.open(name) as f:
+    try:
+        f = location.open(name)
+    except OSError as err:
+        raise unreadable(location, name, err) from err
+    with f:
         for offset, length, digest in sorted(records):
             f.seek(offset)
             data = f.read(length)

@@ -166,6 +166,16 @@ def hostile_pickle(original: bytes, marker: str) -> st.SearchStrategy[bytes]:
         spliced_pickle(original),
         pickle_program(),
         st.sampled_from(["open", "system", "payload"]).map(lambda kind: code_pickle(kind, marker)),
+        sized_call(),
+    )
+
+
+def sized_call() -> st.SearchStrategy[bytes]:
+    """``callable(n)`` for the allow-listed callables that allocate ``n``: a tiny pickle claiming a terabyte or more
+    (never a size a machine could give: a reader that does not refuse it fails at once, and is reported)."""
+    sized = [g for g in GLOBALS if g[1] in ("bytearray", "FloatStorage", "ByteStorage", "LongTensor", "UntypedStorage")]
+    return st.tuples(st.sampled_from(sized), st.sampled_from([2**40, 2**50, 2**62])).map(
+        lambda t: b"\x80\x02" + _global_op(*t[0]) + _int_op(t[1]) + b"\x85R."
     )
 
 

@@ -226,3 +226,32 @@ def test_bytes_entry_without_a_record_is_refused(tmp_path):
     path = _committed(tmp_path, {"state_dict": {"w": torch.ones(2)}})
     rewrite_metadata(path, lambda m: m.storage_data.pop(next(k for k in m.storage_data if k.fqn == "lightning")))
     assert "has no storage record" in str(_load_quickly(path))
+
+
+# ------------------------------------------------------------------ found by the kill campaign (engine/storage.py)
+@pytest.mark.xfail(
+    strict=False,  # whether rmtree reaches the data files before .metadata depends on the directory's order
+    reason="engine/storage.py Location.remove deletes a checkpoint with shutil.rmtree in directory order, so a removal"
+    " cut short (kill -9 during ModelCheckpoint's top-k pruning) can leave .commit vouching for deleted data files;"
+    " delete .commit first",
+)
+def test_removal_cut_short_never_leaves_a_commit_marker_without_its_files(tmp_path):
+    import subprocess
+
+    from lightning_dcp.engine.storage import Location
+
+    path = str(tmp_path / "step=2.ckpt")
+    DCPCheckpointIO(thread_count=4, sync_files=False).save_checkpoint(
+        {"state_dict": {f"w{i}": torch.ones(64) for i in range(8)}}, path
+    )
+    stuck = os.path.join(path, ".metadata")  # an undeletable file stops the removal where it stands
+    if subprocess.run(["chattr", "+i", stuck], capture_output=True).returncode != 0:
+        pytest.skip("chattr +i is not available here")
+    try:
+        with pytest.raises(OSError):
+            Location(path).remove()
+    finally:
+        subprocess.run(["chattr", "-i", stuck], check=True)
+    left = set(os.listdir(path))
+    if ".commit" in left:
+        assert {"__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp"} <= left, sorted(left)

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 
@@ -119,6 +120,8 @@ def read_metadata(location: Location) -> Metadata:
 def _problem(metadata: Metadata) -> str | None:
     """What makes ``metadata`` untrustworthy for a reader, or ``None``."""
     entries = metadata.state_dict_metadata
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        return f"'storage_meta' is a {type(metadata.storage_meta).__name__}"
     if not isinstance(entries, dict):
         return "'state_dict_metadata' is not a dict"
     for key, meta in entries.items():

@@ -107,7 +107,7 @@ def report(summary: dict) -> str:
     if kills:
         lines += [
             f"kills: {kills['kills']} ({kills['checkpoint_mb']} MB checkpoints, {kills['seconds']} s); failures"
-            f" {kills['failures']}; committed but not verifying: {kills['committed_but_not_verifying']};"
+            f" {kills['failures']}; committed checkpoints that do not verify: {kills['committed_but_not_verifying']};"
             f" other problems: {len(kills['problems'])}",
             format_table(kills),
         ]

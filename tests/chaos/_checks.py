@@ -6,9 +6,11 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import gc
 import re
 import resource
 import signal
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -54,23 +56,40 @@ def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_UNDER_THE_CAP = ("deallocated bytearray object has exported buffers",)
+"""What CPython 3.11's C unpickler prints when allocating a BYTEARRAY8 claim fails under the address-space cap (the
+reader still refuses cleanly; without the cap the same input is a plain MemoryError -> NotACheckpointError)."""
+
+
 @contextlib.contextmanager
-def guard(seconds: float, memory_mb: float) -> Iterator[None]:
-    """Raise a :class:`Finding` when the block runs longer than ``seconds`` or raises the peak RSS by ``memory_mb``."""
+def guard(seconds: float, memory_mb: float, notes: collections.Counter | None = None) -> Iterator[None]:
+    """Raise a :class:`Finding` when the block runs longer than ``seconds``, raises the peak RSS by ``memory_mb``, or
+    makes the interpreter report an error it could not raise (``sys.unraisablehook``: a C extension in trouble)."""
 
     def on_alarm(signum: int, frame: Any) -> None:
         raise _Hang()
 
+    unraisable: list[str] = []
+    previous_hooks = sys.unraisablehook, sys.excepthook
+    sys.unraisablehook = lambda info: unraisable.append(f"{info.exc_type.__name__}: {info.exc_value} ({info.object!r})")
+    sys.excepthook = lambda kind, value, tb: unraisable.append(f"{kind.__name__}: {value}")  # C code's PyErr_Print
     previous = signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, seconds)
     before = _peak_mb()
     try:
         yield
+        gc.collect()  # objects a reader left behind are freed here, inside the guard
     except _Hang:
         raise Finding("hang", f"no answer within {seconds} s") from None
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
+        sys.unraisablehook, sys.excepthook = previous_hooks
+    unknown = [u for u in unraisable if not any(known in u for known in _UNDER_THE_CAP)]
+    if notes is not None:
+        notes.update(u for u in unraisable if u not in unknown)
+    if unknown:
+        raise Finding("unraisable", "; ".join(unknown)[:400])
     grown = _peak_mb() - before
     if grown > memory_mb:
         raise Finding("memory", f"peak RSS grew by {grown:.0f} MB")
@@ -158,6 +177,7 @@ class Stats:
     unclassified: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     reasons: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     allocation_refused: int = 0
+    interpreter_notes: collections.Counter = dataclasses.field(default_factory=collections.Counter)
     findings: list[dict[str, str]] = dataclasses.field(default_factory=list)
     samples: dict[str, str] = dataclasses.field(default_factory=dict)
 
@@ -171,6 +191,7 @@ class Stats:
             "findings": self.findings[:20],
             "refusals_wrapping_a_raw_error": dict(self.unclassified),
             "refusals_after_an_allocation_failed": self.allocation_refused,
+            "interpreter_notes_under_the_memory_cap": dict(self.interpreter_notes),
             "samples": self.samples,
             "top_refusals": dict(self.reasons.most_common(12)),
         }

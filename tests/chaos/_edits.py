@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Iterator
 from typing import Any
@@ -46,6 +47,7 @@ def mutate_object(draw: st.DrawFn, root: Any, original: Metadata) -> None:
             else st.sampled_from(["", "../x", "__0_0.distcp", ".commit", "state_dict.0.weight", "lightning"]),
         )
     )
+    value = copy.deepcopy(value)  # a peer taken from the original must not be edited in place later
     if kind == "dictkey":
         owner[value if _hashable(value) else str(value)] = owner.pop(key)
     elif kind == "delete":

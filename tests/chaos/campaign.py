@@ -346,7 +346,8 @@ def summarize(events: list[dict], problems: list[dict], *, seed: int, model: dic
             row["kills"] += 1
             row["in_flight"] += event["in_flight"]
             row[event.get("verdict", "unchecked")] += 1
-    corrupt = sum(1 for e in events if e["state"]["corrupt"])
+    # a broken directory stays (Lightning's ModelCheckpoint never lists it again): count each one once
+    corrupt = len({(e["trial"], entry.split(":", 1)[0]) for e in events for entry in e["state"]["corrupt"]})
     return {
         "seed": seed,
         "model": model,

@@ -73,7 +73,7 @@ def fuzz_reader(
     def run(data: Any) -> None:
         stats.examples += 1
         try:
-            with guard(timeout_s, memory_mb):
+            with guard(timeout_s, memory_mb, stats.interpreter_notes):
                 stats.outcomes[reader.check(data)] += 1
             if os.path.exists(template.marker) or os.path.exists("chaos-pwned"):
                 raise Finding("code-ran", "unpickling created the payload's marker file")

@@ -206,7 +206,8 @@ def test_tensor_record_that_would_allocate_is_refused_before_loading(tmp_path):
 
 
 def test_metadata_objects_with_odd_fields_are_refused(tmp_path):
-    """An int storage offset raised a raw TypeError, a Metadata without state_dict_metadata an AttributeError."""
+    """An int storage offset raised a raw TypeError, a Metadata without state_dict_metadata an AttributeError, a
+    storage_meta of another type an AttributeError inside DCP's reader."""
     from lightning_dcp.engine.metadata import load_metadata
 
     path = _committed(tmp_path, {"state_dict": {"w": torch.ones(2)}})
@@ -215,6 +216,10 @@ def test_metadata_objects_with_odd_fields_are_refused(tmp_path):
     index = next(k for k in metadata.storage_data if k.fqn == "state_dict.w")
     object.__setattr__(index, "offset", 5)
     with pytest.raises(CheckpointError, match="offset 5"):
+        load_metadata(pickle.dumps(metadata))
+    object.__setattr__(index, "offset", torch.Size([0]))
+    metadata.storage_meta = torch.strided  # DCP's reader then failed with "AttributeError ... load_id"
+    with pytest.raises(CheckpointError, match="'storage_meta' is a layout"):
         load_metadata(pickle.dumps(metadata))
     del metadata.state_dict_metadata
     with pytest.raises(CheckpointError, match="state_dict_metadata"):

@@ -21,12 +21,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m tests.chaos", description=__doc__)
     parser.add_argument("--sync-kills", type=int, default=30, help="kills during synchronous saves (default 30)")
     parser.add_argument("--async-kills", type=int, default=30, help="kills during asynchronous saves (default 30)")
-    parser.add_argument("--kills-per-trial", type=int, default=4, help="chained kills per checkpoint directory")
+    parser.add_argument("--kills-per-trial", type=int, default=5, help="chained kills per checkpoint directory")
     parser.add_argument("--width", type=int, default=2048, help="Linear width (checkpoint: 12*layers*width^2 bytes)")
     parser.add_argument("--layers", type=int, default=3, help="Linear layers (default 3: ~151 MB checkpoints)")
     parser.add_argument("--every", type=int, default=2, help="every_n_train_steps (default 2)")
-    parser.add_argument("--kill-time-limit", type=float, default=5400, help="seconds for the kills (default 5400)")
-    parser.add_argument("--fuzz-examples", type=int, default=1000, help="hypothesis examples per reader")
+    parser.add_argument("--kill-time-limit", type=float, default=7200, help="seconds for the kills (default 7200)")
+    parser.add_argument("--fuzz-examples", type=int, default=2000, help="hypothesis examples per reader")
     parser.add_argument("--fuzz-readers", nargs="*", default=list(READERS), choices=READERS)
     parser.add_argument(
         "--setups",

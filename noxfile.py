@@ -1,4 +1,5 @@
-"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``.
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``,
+``chaos`` (the fault-injection campaign).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -87,6 +88,16 @@ def demo_fabric(session: nox.Session) -> None:
         "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/step-000100",
         "--output", f"{run}/last.pt", "--overwrite",
     )
+
+
+@nox.session(python=PYTHON)
+def chaos(session: nox.Session) -> None:
+    """The fault-injection campaign (tests/chaos): kill -9 of 2-rank DDP runs during sync and async saves, then
+    fuzzing of every checkpoint reader; bounded in count and time, seeds printed, summary in
+    outputs/chaos/summary.json. Options after `--` (`nox -s chaos -- --help`): --sync-kills, --async-kills,
+    --fuzz-examples, --seed, --kill-time-limit, --out, ..."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -59,3 +59,36 @@ def torch_bytes(obj: Any) -> bytes:
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
+
+
+def rewrite_metadata(path: str, mutate) -> None:
+    """Rewrite ``path/.metadata`` with ``mutate(metadata)`` applied, and make ``.commit`` vouch for its new bytes
+    (the data records it lists stay as they were)."""
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        metadata = pickle.load(f)  # our own test file: plain pickle is fine here
+    mutate(metadata)
+    crafted = pickle.dumps(metadata)
+    with open(os.path.join(path, METADATA_FILE), "wb") as f:
+        f.write(crafted)
+    edit_commit(path, lambda m: {**m, "metadata": {"size": len(crafted), "checksum": checksum(crafted)}})
+
+
+def replace_record(path: str, fqn: str, record: bytes) -> str:
+    """Append ``record`` to the data file of ``fqn``'s record, point the metadata at it, recommit everything.
+
+    Returns the data file's name.
+    """
+    with open(os.path.join(path, METADATA_FILE), "rb") as f:
+        name = next(i.relative_path for k, i in pickle.load(f).storage_data.items() if k.fqn == fqn)
+    with open(os.path.join(path, name), "ab") as f:
+        offset = f.tell()
+        f.write(record)
+
+    def point(metadata) -> None:
+        for index, stored in metadata.storage_data.items():
+            if index.fqn == fqn:
+                metadata.storage_data[index] = type(stored)(stored.relative_path, offset, len(record))
+
+    rewrite_metadata(path, point)
+    recommit(path)
+    return name

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.storage import Location, read_commit
+from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
 
 __all__ = [
@@ -59,6 +59,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
         raise CorruptCheckpointError(
             f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
         ) from err
+    except OSError as err:
+        raise unreadable(location, METADATA_FILE, err) from err
     expected = marker["metadata"]
     if len(metadata_bytes) != expected["size"] or checksum(metadata_bytes) != expected["checksum"]:
         raise CorruptCheckpointError(
@@ -108,7 +110,11 @@ def _file_sizes(location: Location) -> dict[str, int]:
 
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
-    with location.open(name) as f:
+    try:
+        f = location.open(name)
+    except OSError as err:
+        raise unreadable(location, name, err) from err
+    with f:
         for offset, length, digest in sorted(records):
             f.seek(offset)
             data = f.read(length)
@@ -190,11 +196,17 @@ def checkpoints_inside(location: Location) -> list[str]:
     return sorted(checkpoint.name for _, checkpoint in committed_checkpoints(location))
 
 
-def not_one_checkpoint(location: Location) -> NotACheckpointError | None:
+def not_one_checkpoint(location: Location) -> CheckpointError | None:
     """The error for an existing path that is a single file or a folder of checkpoints, rather than one checkpoint.
 
-    ``None`` when ``location`` is a directory that is not a folder of checkpoints (the usual checks then apply).
+    ``None`` when ``location`` is a directory that is not a folder of checkpoints (the usual checks then apply). A
+    local path that exists but cannot be followed (a symlink loop) is a ``CorruptCheckpointError``.
     """
+    if location.local:
+        try:
+            os.stat(location.path)
+        except OSError as err:
+            return unreadable(location, os.path.basename(location.path.rstrip("/")), err)
     if not location.isdir():
         return NotACheckpointError(
             f"{location.url!r} is a single file, not a checkpoint directory: only directories carry the checksums"

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp._compat import set_element
+from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
 
 try:  # numpy is optional for lightning_dcp
@@ -289,12 +290,17 @@ def encode_extra(extra: Mapping[str, Any], *, what: str = "non-tensor state") ->
 def decode_extra(blob: bytes, *, path: str, weights_only: bool = True) -> dict[str, Any]:
     """Deserialize state written by :func:`encode_extra`; ``weights_only=True`` never runs code from the file.
 
+    The archive is checked first (:func:`~lightning_dcp.engine.archive.check_archive`): nothing it claims is
+    allocated beyond what it holds.
+
     Raises:
         CheckpointError: The state holds classes ``weights_only`` loading refuses (written by another writer);
             the message names them and the fix.
-        CorruptCheckpointError: The bytes are not a ``torch.save`` archive of a dict.
+        CorruptCheckpointError: The bytes are not a ``torch.save`` archive of a dict as :func:`encode_extra`
+            writes it.
     """
     try:
+        check_archive(blob)
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # a crafted or damaged archive: zip, pickle or tensor errors of many types
         if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
@@ -312,7 +318,14 @@ def decode_extra(blob: bytes, *, path: str, weights_only: bool = True) -> dict[s
             f"The non-tensor state of the checkpoint at {path!r} is a {type(state).__name__}, not a dict.",
             file=EXTRA_KEY,
         )
-    return _from_storable(state)
+    try:
+        return _from_storable(state)
+    except ValueError as err:
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} holds a numpy value that is not what lightning_dcp"
+            f" writes ({err}).",
+            file=EXTRA_KEY,
+        ) from None
 
 
 def _to_storable(value: Any) -> Any:
@@ -331,10 +344,7 @@ def _to_storable(value: Any) -> Any:
 
 def _from_storable(value: Any) -> Any:
     if type(value) is dict and len(value) == 1 and _NUMPY_TAG in value and np is not None:
-        kind, dtype, payload = value[_NUMPY_TAG]
-        if kind == "ndarray":
-            return payload.numpy().astype(dtype, copy=False)
-        return np.dtype(dtype).type(payload)
+        return _numpy_value(value[_NUMPY_TAG])
     if type(value) is dict or type(value) is OrderedDict:
         return type(value)((k, _from_storable(v)) for k, v in value.items())
     if type(value) is list:
@@ -342,6 +352,35 @@ def _from_storable(value: Any) -> Any:
     if type(value) is tuple:
         return tuple(_from_storable(v) for v in value)
     return value
+
+
+def _numpy_value(tag: Any) -> Any:
+    """The numpy value :func:`_to_storable` encoded as ``(kind, dtype, payload)``; ``ValueError`` for anything else."""
+    if not (type(tag) is tuple and len(tag) == 3 and tag[0] in ("ndarray", "scalar") and isinstance(tag[1], str)):
+        raise ValueError(f"a numpy entry is {type(tag).__name__} {str(tag)[:60]!r}, not (kind, dtype, payload)")
+    kind, dtype, payload = tag
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biufc":  # what _to_storable writes: no objects, strings or records
+        raise ValueError(f"a numpy entry has dtype {tag[1]!r}")
+    if kind == "ndarray":
+        try:
+            array = payload.detach().numpy() if isinstance(payload, torch.Tensor) else None
+        except (TypeError, RuntimeError):  # bfloat16, sparse, conjugate or negative views: not what we write
+            array = None
+        if array is None or array.dtype != dtype:
+            raise ValueError(
+                f"a numpy {dtype} array is stored as {type(payload).__name__} {getattr(payload, 'dtype', '')}"
+            )
+        return array
+    if type(payload) not in (bool, int, float, complex):
+        raise ValueError(f"a numpy {dtype} scalar is stored as {type(payload).__name__}")
+    try:
+        return dtype.type(payload)
+    except (OverflowError, TypeError) as err:
+        raise ValueError(f"a numpy {dtype} scalar holds {payload!r} ({err})") from None
 
 
 def _unloadable_part(value: Any, path: str = "") -> tuple[str, str]:
@@ -383,6 +422,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.weights_only = weights_only
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: D102 (DCP's planner contract)
+        check_archive(value.getbuffer())  # nothing the archive claims is allocated beyond what it holds
         obj = torch.load(value, map_location="cpu", weights_only=self.weights_only)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

@@ -28,7 +28,7 @@ from lightning_dcp.engine import layout
 from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage import POINTER_HEADER, Location
 from lightning_dcp.errors import (
     CheckpointError,
     NotACheckpointError,
@@ -99,7 +99,7 @@ def candidates(location: Location) -> list[str]:
     directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
     found = [candidate.url for _, candidate in committed_checkpoints(directory)]
     entry = location.parent() if location.name == COMMIT_FILE else location
-    if entry.local and os.path.isfile(entry.path):  # a single-file checkpoint named last (TorchCheckpointIO)
+    if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)
         return [entry.url, *found]
     if found:
         return found
@@ -107,11 +107,23 @@ def candidates(location: Location) -> list[str]:
         return [entry.url]
     if not entry.exists():
         raise checkpoint_not_found(entry.url)
+    target = entry.resolve()  # a link or pointer to a checkpoint that is gone: Lightning's "not found" case
+    if target.url != entry.url and not target.exists():
+        raise checkpoint_not_found(target.url, designated_by=entry.url)
     raise NotACheckpointError(
         f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
         " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
         " entries; `DCPModelCheckpoint` does both on its own."
     )
+
+
+def _is_pointer(location: Location) -> bool:
+    """Whether the local file at ``location`` is a checkpoint pointer (whatever it names)."""
+    try:
+        with open(location.path, "rb") as f:
+            return f.read(len(POINTER_HEADER)) == POINTER_HEADER
+    except OSError:
+        return False
 
 
 def probe(location: Location) -> Probe:

@@ -59,6 +59,7 @@ __all__ = [
     "is_missing_credentials",
     "new_token",
     "read_commit",
+    "unreadable",
 ]
 
 POINTER_HEADER = b"lightning_dcp pointer v1\n"
@@ -71,7 +72,8 @@ def read_commit(location: Location) -> dict[str, Any] | None:
     """The validated ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
 
     Raises:
-        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker (the message says why).
+        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker, or a local marker cannot
+            be read (a symlink loop, a name too long; the message says why).
     """
     try:
         with location.open(COMMIT_FILE) as f:
@@ -80,6 +82,8 @@ def read_commit(location: Location) -> dict[str, Any] | None:
         return None
     except IsADirectoryError as err:
         raise CorruptCheckpointError(f"{location.url!r}: {COMMIT_FILE} is a directory.", file=COMMIT_FILE) from err
+    except OSError as err:
+        raise unreadable(location, COMMIT_FILE, err) from err
     try:
         return parse_commit(data)
     except MarkerError as err:
@@ -104,6 +108,17 @@ def check_storage_options(storage_options: Any, *, name: str = "storage_options"
             f" 'client_kwargs': {{'endpoint_url': ...}}}} for s3fs), got {type(storage_options).__name__}:"
             f" {storage_options!r:.80}."
         )
+
+
+def unreadable(location: Location, name: str, err: OSError) -> CorruptCheckpointError:
+    """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
+
+    A symlink loop or a name too long is a fact about the checkpoint; a remote store's failure is not, and is raised
+    again as it is.
+    """
+    if not location.local or isinstance(err, CheckpointError):
+        raise err
+    return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
 
 
 def new_token() -> str:

@@ -18,7 +18,7 @@ from lightning_dcp import (
     verify_checkpoint,
 )
 from lightning_dcp.engine.storage import POINTER_HEADER
-from tests._crafting import edit_commit, recommit, torch_bytes, write_committed
+from tests._crafting import edit_commit, recommit, rewrite_metadata, torch_bytes, write_committed
 from tests._models import Payload
 
 WEIGHTS = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(3)}
@@ -76,17 +76,6 @@ def test_commit_with_no_records_cannot_vouch_for_flipped_data(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------------ .metadata
-def _metadata_with(path: str, mutate) -> None:
-    """Rewrite .metadata with ``mutate`` applied, and make .commit vouch for it (the data records stay listed)."""
-    with open(os.path.join(path, ".metadata"), "rb") as f:
-        metadata = pickle.load(f)  # the test's own file
-    mutate(metadata)
-    crafted = pickle.dumps(metadata)
-    with open(os.path.join(path, ".metadata"), "wb") as f:
-        f.write(crafted)
-    recommit_metadata_only(path, crafted)
-
-
 def _relocate(metadata, relative_path: str) -> None:
     for index, info in list(metadata.storage_data.items()):
         metadata.storage_data[index] = type(info)(relative_path, info.offset, info.length)
@@ -106,7 +95,7 @@ def _relocate(metadata, relative_path: str) -> None:
 )
 def test_crafted_metadata_is_refused_naming_the_file(tmp_path, mutate, match):
     path = _save(tmp_path, "a.ckpt", 1)
-    _metadata_with(path, mutate)
+    rewrite_metadata(path, mutate)
     with pytest.raises(CheckpointError, match=match) as err:
         DCPCheckpointIO().load_checkpoint(path)
     assert path in str(err.value)

@@ -1,4 +1,5 @@
-"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``nox -s tests``, ``lint``, ``bench``.
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``,
+``chaos`` (the fault-injection campaign).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -32,6 +33,14 @@ def tests(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def gpu(session: nox.Session) -> None:
+    """The GPU tier (tests/gpu, marker ``gpu``) on one CUDA device; every test skips without one ("needs a CUDA
+    device"). On a GPU machine set ``LIGHTNING_DCP_TORCH`` to a CUDA torch (e.g. ``"torch>=2.6"``)."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", "-m", "gpu", "tests/gpu", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def lint(session: nox.Session) -> None:
     """Ruff over the package, tests, examples and benchmarks; import-linter holds the layering (pyproject.toml)."""
     _install(session, "lint")
@@ -61,8 +70,39 @@ def demo(session: nox.Session) -> None:
 
 
 @nox.session(python=PYTHON)
+def demo_fabric(session: nox.Session) -> None:
+    """The same job as a hand-written Fabric loop: 2 processes (DDP, async saves), resume on 1, then on 2 with FSDP2
+    (the checkpoints reshard between the strategies); consolidate and verify the last checkpoint."""
+    _install(session, "examples")
+    run = os.path.abspath("outputs/demo_fabric")
+    shutil.rmtree(run, ignore_errors=True)
+    script = ["python", "examples/fabric_train.py", f"ckpt_dir={run}/checkpoints"]
+    session.run(*script, f"hydra.run.dir={run}/train", *session.posargs)
+    session.run(*script, f"hydra.run.dir={run}/resume", "max_steps=80", "fabric.devices=1", *session.posargs)
+    session.run(
+        *script, f"hydra.run.dir={run}/fsdp2", "max_steps=100",
+        "fabric.strategy._target_=lightning_dcp.fabric.DCPModelParallelStrategy", *session.posargs,
+    )
+    session.run("python", "-m", "lightning_dcp.verify", f"{run}/checkpoints/step-000100")
+    session.run(
+        "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/step-000100",
+        "--output", f"{run}/last.pt", "--overwrite",
+    )
+
+
+@nox.session(python=PYTHON)
+def chaos(session: nox.Session) -> None:
+    """The fault-injection campaign (tests/chaos): kill -9 of 2-rank DDP runs during sync and async saves, then
+    fuzzing of every checkpoint reader; bounded in count and time, seeds printed, summary in
+    outputs/chaos/summary.json. Options after `--` (`nox -s chaos -- --help`): --sync-kills, --async-kills,
+    --fuzz-examples, --seed, --kill-time-limit, --out, ..."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos", *session.posargs)
+
+
+@nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png."""
+    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png; ``-- --gpu`` for the GPU one."""
     _install(session, "test")
     session.install("matplotlib")
     session.run("python", "-m", "benchmarks.run", *session.posargs)

@@ -6,7 +6,8 @@ import argparse
 import json
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 
 def bench_main(
@@ -17,10 +18,12 @@ def bench_main(
     default_size_gb: float,
     prefix: str,
     world_size: bool = False,
+    options: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> int:
     """Parse ``--size-gb --repeats --workdir [--world-size]``, call ``run(size_gb, workdir, repeats=...)``, print JSON.
 
-    Without ``--workdir`` a temporary directory is used and removed afterwards.
+    ``options`` adds a script's own flags (``{"--smoke": {"action": "store_true"}}``), passed to ``run`` as keywords
+    (``smoke=...``). Without ``--workdir`` a temporary directory is used and removed afterwards.
     """
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--size-gb", type=float, default=default_size_gb)
@@ -28,9 +31,14 @@ def bench_main(
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     if world_size:
         parser.add_argument("--world-size", type=int, default=2)
+    for flag, spec in (options or {}).items():
+        parser.add_argument(flag, **spec)
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix=prefix)
     kwargs = {"repeats": args.repeats, **({"world_size": args.world_size} if world_size else {})}
+    for flag in options or {}:
+        name = flag.lstrip("-").replace("-", "_")
+        kwargs[name] = getattr(args, name)
     try:
         print(json.dumps(run(args.size_gb, workdir, **kwargs), indent=2))
     finally:

@@ -50,21 +50,26 @@ METHODS = (
 WIDTH = 512
 
 
-def workload(size_gb: float) -> dict:
-    """A GPT-style checkpoint dict of ~``size_gb`` GB: weights and two AdamW moments per parameter (fp32)."""
+def workload(size_gb: float, *, width: int = WIDTH, device: str = "cpu") -> dict:
+    """A GPT-style checkpoint dict of ~``size_gb`` GB on ``device``: weights and two AdamW moments per parameter
+    (fp32), layers of ``width``."""
     per_layer = {
-        "attn.qkv.weight": (3 * WIDTH, WIDTH),
-        "attn.proj.weight": (WIDTH, WIDTH),
-        "mlp.fc.weight": (4 * WIDTH, WIDTH),
-        "mlp.proj.weight": (WIDTH, 4 * WIDTH),
-        "ln.weight": (WIDTH,),
+        "attn.qkv.weight": (3 * width, width),
+        "attn.proj.weight": (width, width),
+        "mlp.fc.weight": (4 * width, width),
+        "mlp.proj.weight": (width, 4 * width),
+        "ln.weight": (width,),
     }
     layer_numel = sum(torch.Size(s).numel() for s in per_layer.values())
     layers = max(1, round(size_gb * 1e9 / 12 / layer_numel))
-    g = torch.Generator().manual_seed(0)
-    params = {f"h.{i}.{k}": torch.randn(s, generator=g) for i in range(layers) for k, s in per_layer.items()}
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def randn(shape: tuple) -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device)
+
+    params = {f"h.{i}.{k}": randn(s) for i in range(layers) for k, s in per_layer.items()}
     state = {
-        k: {"step": torch.tensor(100.0), "exp_avg": torch.randn_like(v), "exp_avg_sq": torch.rand_like(v)}
+        k: {"step": torch.tensor(100.0), "exp_avg": randn(v.shape), "exp_avg_sq": randn(v.shape).abs_()}
         for k, v in params.items()
     }
     optimizer = {"state": state, "param_groups": [{"lr": 3e-4, "betas": (0.9, 0.95), "params": list(params)}]}
@@ -74,6 +79,18 @@ def workload(size_gb: float) -> dict:
 def nbytes(checkpoint: dict) -> int:
     total = sum(t.nbytes for t in checkpoint["state_dict"].values())
     return total + sum(t.nbytes for s in checkpoint["optimizer_states"][0]["state"].values() for t in s.values())
+
+
+def disk_write(path: str, size: int) -> None:
+    """Write ``size`` bytes sequentially to ``path`` in 64 MiB blocks and fsync: the disk's limit for a save."""
+    block = torch.empty(64 * 2**20, dtype=torch.uint8).numpy()
+    left = size
+    with open(path, "wb") as f:
+        while left > 0:
+            f.write(block[: min(left, len(block))])
+            left -= len(block)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def _save_once(method: str, checkpoint: dict, path: str, rank: int, io: object) -> tuple[float, float]:
@@ -104,14 +121,7 @@ def _save_once(method: str, checkpoint: dict, path: str, rank: int, io: object) 
         stall = time.perf_counter() - start
     else:  # disk_limit: rank 0 writes the same bytes sequentially and fsyncs
         if rank == 0:
-            block = torch.empty(64 * 2**20, dtype=torch.uint8).numpy()
-            left = nbytes(checkpoint)
-            with open(path, "wb") as f:
-                while left > 0:
-                    f.write(block[: min(left, len(block))])
-                    left -= len(block)
-                f.flush()
-                os.fsync(f.fileno())
+            disk_write(path, nbytes(checkpoint))
         stall = time.perf_counter() - start
     if dist.is_initialized():
         dist.barrier()

@@ -3,9 +3,11 @@
     python -m benchmarks.run                      # sizes 0.1 and 1 GB, world sizes 1 and 2, 3 repeats (~10 min)
     python -m benchmarks.run --sizes 0.1,1,2      # add the 2 GB checkpoint
     python -m benchmarks.run --quick              # 0.1 GB saves only, 1 repeat (smoke test, ~1 min)
+    python -m benchmarks.run --gpu                # one CUDA GPU: 2, 8 and 20 GB + a training run -> GPU.md
+    python -m benchmarks.run --gpu --smoke        # the GPU benchmark's code paths on CPU, tiny sizes, no files
 
 Also available one by one: ``benchmarks/bench_save.py``, ``bench_reshard.py``, ``bench_consolidate.py``,
-``bench_integrity.py``, ``bench_storage.py`` (each has ``--help``).
+``bench_integrity.py``, ``bench_storage.py``, ``bench_gpu.py`` (each has ``--help``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import time
 import lightning
 import torch
 
-from benchmarks import bench_consolidate, bench_integrity, bench_reshard, bench_save
+from benchmarks import bench_consolidate, bench_gpu, bench_integrity, bench_reshard, bench_save
 
 LABELS = {
     "lightning_dcp": "lightning_dcp (sync)",
@@ -101,22 +103,143 @@ def plot(results: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _disk(path: str) -> str:
+    lines = subprocess.run(["df", "-hT", path], capture_output=True, text=True).stdout.splitlines()
+    device, kind, size = (lines[-1].split() + ["?"] * 3)[:3] if lines else ("?", "?", "?")
+    return f"{device} ({kind}, {size})"
+
+
+def _gpu_name() -> str:
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    smi = shutil.which("nvidia-smi")
+    driver = ""
+    if smi:
+        query = [smi, "--query-gpu=driver_version", "--format=csv,noheader"]
+        driver = f", driver {subprocess.run(query, capture_output=True, text=True).stdout.strip()}"
+    props = torch.cuda.get_device_properties(0)
+    return f"{props.name}, {props.total_memory / 2**30:.0f} GiB{driver}, CUDA {torch.version.cuda}"
+
+
+def _cell(method: dict, *, stall: bool = False) -> str:
+    seconds = method["stall_s"] if stall else method["seconds"]
+    return f"{seconds:.3f} s" if stall else f"{seconds:.3f} s ({method['gb_per_s']:.2f} GB/s)"
+
+
+def gpu_markdown(report: dict) -> list[str]:
+    """GPU.md: the save table per size and the training table (goals from issue 17 in the headers)."""
+    smoke = report["smoke"]
+    lines = [
+        "# GPU benchmark results" + (" (SMOKE RUN on CPU, tiny sizes: not GPU numbers)" if smoke else ""),
+        "",
+        f"GPU: {report['gpu']}. Machine: {report['machine']}. Checkpoint disk: {report['disk']}.",
+        f"Command: `{report['command'].strip()}` (medians; min-max in results JSON).",
+        "",
+        "## Saves",
+        "",
+        "| state | pinned D2H copy (limit) | async stall | stall / copy (goal <= 1.5x) | async until committed |"
+        " sync save | write + fsync (limit) | sync / limit (goal >= 0.8x) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for res in report["saves"]:
+        m = res["methods"]
+        lines.append(
+            f"| {res['size_gb']:.3g} GB | {_cell(m['pinned_copy'])} | {_cell(m['async'], stall=True)} |"
+            f" {res['stall_vs_pinned_copy']:.2f}x | {_cell(m['async'])} | {_cell(m['sync'])} |"
+            f" {_cell(m['disk_limit'])} | {res['sync_vs_disk_limit']:.2f}x |"
+        )
+    train = report.get("training")
+    if train:
+        s = train["settings"]
+        lines += [
+            "",
+            "## Training step time with saves",
+            "",
+            f"MLP of {train['layers']} x {s['width']}x{s['width']} layers ({train['state_gb']:.3g} GB of weights +"
+            f" AdamW state), batch {s['batch']}, `{s['precision']}`, `dcp_single_device`; {s['steps']} timed steps"
+            f" after {s['warmup']}, a save every {s['every']} steps; runs alternate between modes.",
+            "",
+            "| saves | mean step (runs) | vs no saves (goal async <= 1.03x) | saves per run | median stall |",
+            "|---|---|---|---|---|",
+        ]
+        for mode, entry in train["modes"].items():
+            runs = ", ".join(f"{1e3 * t:.1f}" for t in entry["step_s_all"])
+            ratio = f"{entry['vs_none']:.3f}x" if entry["vs_none"] else "-"
+            lines.append(
+                f"| {mode} | {1e3 * entry['step_s']:.1f} ms ({runs}) | {ratio} | {entry['saves_per_run']} |"
+                f" {entry['stall_s']:.3f} s |"
+            )
+    return lines
+
+
+def gpu_main(args: argparse.Namespace, command: str) -> int:
+    """``--gpu``: bench_gpu's saves at each size, then its training run; GPU.md and gpu.json in ``--out``."""
+    smoke = args.smoke
+    if not bench_gpu.cuda_ready(smoke):
+        return 0
+    sizes = [0.002, 0.004] if smoke else [float(s) for s in (args.sizes or "2,8,20").split(",")]
+    repeats = 1 if smoke else args.repeats
+    out = args.out or (None if smoke else "benchmarks/results")
+    workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_gpu_", dir=os.path.abspath("."))
+    report: dict = {
+        "machine": machine(),
+        "gpu": _gpu_name(),
+        "disk": _disk(workdir),
+        "command": command,
+        "smoke": smoke,
+        "saves": [],
+    }
+    try:
+        for size in sizes:
+            _log(f"gpu saves: {size} GB of state, {repeats} repeats")
+            report["saves"].append(bench_gpu.run(size, os.path.join(workdir, "saves"), repeats=repeats, smoke=smoke))
+        if args.train_steps > 0:
+            train: dict = {"steps": args.train_steps, "every": args.save_every}
+            if smoke:
+                train = {"steps": min(args.train_steps, 12), "every": min(args.save_every, 4), "warmup": 2}
+                train.update(state_gb=0.0005, batch=64, repeats=1)
+            _log(f"gpu training: {train}")
+            report["training"] = bench_gpu.run_training(os.path.join(workdir, "train"), smoke=smoke, **train)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    lines = gpu_markdown(report)
+    print("\n".join(lines), flush=True)
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with open(os.path.join(out, "gpu.json"), "w") as f:
+            json.dump(report, f, indent=2)
+        with open(os.path.join(out, "GPU.md"), "w") as f:
+            f.write("\n".join(lines) + "\n")
+        _log(f"wrote {out}/GPU.md and gpu.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="0.1,1", help="checkpoint sizes in GB, comma separated")
+    parser.add_argument("--sizes", default=None, help="checkpoint sizes in GB, comma separated (0.1,1; GPU: 2,8,20)")
     parser.add_argument("--world-sizes", default="1,2")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="0.1 GB saves only, 1 repeat")
-    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--gpu", action="store_true", help="bench_gpu.py instead; skips without CUDA")
+    parser.add_argument("--smoke", action="store_true", help="with --gpu: tiny sizes on CPU, files only with --out")
+    parser.add_argument("--train-steps", type=int, default=200, help="with --gpu: timed training steps (0: none)")
+    parser.add_argument("--save-every", type=int, default=50, help="with --gpu: steps between saves")
+    parser.add_argument("--out", default=None, help="default: benchmarks/results")
     args = parser.parse_args(argv)
-    sizes = [0.1] if args.quick else [float(s) for s in args.sizes.split(",")]
+    if args.smoke and not args.gpu:
+        parser.error("--smoke goes with --gpu")
+    command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.gpu:
+        return gpu_main(args, command)
+    args.out = args.out or "benchmarks/results"
+    sizes = [0.1] if args.quick else [float(s) for s in (args.sizes or "0.1,1").split(",")]
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
     repeats = 1 if args.quick else args.repeats
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_", dir=os.path.abspath("."))
     report: dict = {
         "machine": machine(),
-        "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": command,
         "save": [],
     }
     try:

@@ -46,6 +46,16 @@ def _shell(argv: list[str]) -> str:
     return " ".join(shlex.quote(a) for a in argv)
 
 
+def resume_commands(resume: list[str], world_size: int) -> list[tuple[str, list[str]]]:
+    """``(title, argv)`` to resume on this run's process count, and on one other (1; 2 after a 1-process run)."""
+    other = 1 if world_size > 1 else 2
+    elsewhere = [*(a for a in resume if not a.startswith("trainer.devices=")), f"trainer.devices={other}"]
+    return [
+        (f"# resume on {world_size} process(es):", resume),
+        (f"# resume on {other} process{'es' if other > 1 else ''}:", elsewhere),
+    ]
+
+
 def _report(trainer: lightning.pytorch.Trainer, cfg: dict[str, Any]) -> None:
     """Print where the checkpoints are, the final step and loss, and follow-up commands (global rank 0 only)."""
     ckpt_cb = trainer.checkpoint_callback
@@ -72,7 +82,6 @@ def _report(trainer: lightning.pytorch.Trainer, cfg: dict[str, Any]) -> None:
         f"trainer.max_steps={trainer.global_step + cfg['model']['max_steps']}",
         f"model.max_steps={cfg['model']['max_steps']}",
     ]
-    resume_one = [*(a for a in resume if not a.startswith("trainer.devices=")), "trainer.devices=1"]
     # The consolidated file goes to the run directory, not the checkpoint dirpath: Lightning's ModelCheckpoint takes
     # every "last*.ckpt" in dirpath as a ckpt_path="last" candidate, so "last.consolidated.ckpt" there (the newest
     # file) would become the "last" checkpoint of the next resume.
@@ -93,10 +102,7 @@ def _report(trainer: lightning.pytorch.Trainer, cfg: dict[str, Any]) -> None:
         f"train_loss (last)  : {float(train_loss):.4f}" if train_loss is not None else "train_loss (last)  : n/a",
         f"val_loss (last)    : {float(val_loss):.4f}" if val_loss is not None else "val_loss (last)    : n/a",
         "",
-        f"# resume on {trainer.world_size} process(es):",
-        _shell(resume),
-        "# resume on 1 process:",
-        _shell(resume_one),
+        *(line for title, argv in resume_commands(resume, trainer.world_size) for line in (title, _shell(argv))),
         "# consolidate the last checkpoint into one Lightning .ckpt file:",
         _shell(consolidate) if last else "(no checkpoint was saved)",
         "=" * 100,

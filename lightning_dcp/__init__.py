@@ -1,8 +1,12 @@
-"""Sharded torch.distributed.checkpoint (DCP) checkpoints for the PyTorch Lightning Trainer.
+"""Sharded torch.distributed.checkpoint (DCP) checkpoints for the PyTorch Lightning Trainer and Lightning Fabric.
 
-Importing the package registers the ``dcp_*`` strategy names in Lightning's strategy registry.
+Importing the package registers the ``dcp_*`` strategy names in the Trainer's and in Fabric's strategy registries,
+and installs the Lightning hooks of :mod:`lightning_dcp.trainer.hooks` (``load_from_checkpoint`` on checkpoint
+directories, ...) unless the environment variable ``LIGHTNING_DCP_LIGHTNING_HOOKS=0`` is set. The Fabric strategies
+live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
+from lightning_dcp import _compat
 from lightning_dcp.engine.integrity import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -13,12 +17,15 @@ from lightning_dcp.errors import (
     StateDictMismatchError,
     StorageAccessError,
 )
+from lightning_dcp.fabric import register_strategies as register_fabric_strategies
+from lightning_dcp.tools.checkpoint_dict import load_checkpoint
 from lightning_dcp.tools.consolidate import consolidate
 from lightning_dcp.tools.inspect import inspect_checkpoint
 from lightning_dcp.tools.weights import LoadReport, load_model_weights
 from lightning_dcp.trainer.callbacks import ElasticResume
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.export import ExportCallback
+from lightning_dcp.trainer.hooks import install_lightning_hooks, uninstall_lightning_hooks
 from lightning_dcp.trainer.model_checkpoint import DCPModelCheckpoint
 from lightning_dcp.trainer.strategies import (
     DCPDDPStrategy,
@@ -51,8 +58,14 @@ __all__ = [
     "StorageAccessError",
     "consolidate",
     "inspect_checkpoint",
+    "install_lightning_hooks",
+    "load_checkpoint",
     "load_model_weights",
+    "uninstall_lightning_hooks",
     "verify_checkpoint",
 ]
 
 register_strategies()
+register_fabric_strategies()
+if _compat.hooks_enabled_by_env():
+    install_lightning_hooks()

@@ -6,12 +6,11 @@ Run with ``--help`` for the options and examples. The function is :func:`lightni
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import types
 from collections.abc import Sequence
 
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp._cli import parse_storage_options, run_cli
 from lightning_dcp.tools.consolidate import DTYPES, FORMATS, SUFFIX, consolidate
 
 __all__ = ["consolidate", "main"]
@@ -26,11 +25,14 @@ examples:
       hf_model/model-00001-of-0000N.safetensors + hf_model/model.safetensors.index.json
   python -m lightning_dcp.consolidate s3://bucket/run/step=100.ckpt -o weights.ckpt --weights-only \\
       --exclude 'head.*' --storage-options '{{"anon": false}}'
+  python -m lightning_dcp.consolidate fabric_ckpts/step-000100 -o step-100.pt
+      a Fabric checkpoint -> the dict fabric.save was given, in one file (fabric.load reads it)
   python -m lightning_dcp.inspect checkpoints/last.ckpt
       list what a checkpoint holds without reading tensor data
 
-Inputs: lightning_dcp checkpoints, Lightning's own sharded checkpoints (a DCP directory with meta.pt) and plain
-DCP directories. Memory stays near one read batch plus the largest tensor, whatever the checkpoint size.
+Inputs: lightning_dcp checkpoints (Trainer or Fabric), Lightning's own sharded checkpoints (a DCP directory with
+meta.pt) and plain DCP directories. Memory stays near one read batch plus the largest tensor, whatever the
+checkpoint size.
 """
 
 
@@ -57,14 +59,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point. Returns the exit code: 0 on success, 1 on a checkpoint or option error."""
+    """Command line entry point. Returns the exit code: 0 on success, 1 on failure (``error: ...`` on stderr)."""
     args = _parser().parse_args(argv)
-    try:
-        storage_options = json.loads(args.storage_options) if args.storage_options else None
+
+    def run() -> int:
         dst = consolidate(
             args.checkpoint,
             dst=args.output,
-            storage_options=storage_options,
+            storage_options=parse_storage_options(args.storage_options),
             overwrite=args.overwrite,
             format=args.format,
             weights_only=args.weights_only,
@@ -74,11 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_shard_size=args.max_shard_size,
             progress=args.progress,
         )
-    except (CheckpointError, FileExistsError, ValueError, TypeError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(dst)
-    return 0
+        print(dst)
+        return 0
+
+    return run_cli(run)
 
 
 class _CallableModule(types.ModuleType):

@@ -7,6 +7,7 @@ written against Lightning's own checkpoint errors keeps working.
 from __future__ import annotations
 
 import errno
+import re
 from collections.abc import Iterable
 
 __all__ = [
@@ -17,6 +18,10 @@ __all__ = [
     "NotACheckpointError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "checkpoint_failure",
+    "checkpoint_not_found",
+    "describe_failure",
+    "describe_load_error",
 ]
 
 
@@ -36,6 +41,22 @@ def _restore(cls: type, args: tuple, state: dict) -> CheckpointError:
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """The checkpoint path does not exist."""
+
+
+def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> CheckpointNotFoundError:
+    """The error for a checkpoint path that does not exist, worded as Lightning words it.
+
+    Lightning's ``TorchCheckpointIO.load_checkpoint`` raises ``FileNotFoundError(f"Checkpoint file not found:
+    {path}")`` (2.6.6); code that matches that type and message keeps working with lightning_dcp.
+
+    Args:
+        path: The missing path, as given (local path or URL).
+        designated_by: The ``last`` link or pointer that named ``path``, if any.
+    """
+    message = f"Checkpoint file not found: {path}"
+    if designated_by is not None:
+        message += f" (designated by {designated_by})"
+    return CheckpointNotFoundError(message)
 
 
 class StorageAccessError(CheckpointError, PermissionError):
@@ -76,6 +97,10 @@ class StateDictMismatchError(CheckpointError, ValueError):
         missing_keys: FQNs the target expects but the checkpoint lacks.
         unexpected_keys: FQNs the checkpoint holds but the target lacks.
         mismatched: ``{fqn: (saved_shape, saved_dtype, expected_shape, expected_dtype)}``.
+
+    Args:
+        reason: What does not match when it is not a list of keys (e.g. the number of optimizers), with its fix.
+        hint: Replaces the closing advice of the message (the default names the Trainer's ``strict_loading``).
     """
 
     def __init__(
@@ -85,22 +110,29 @@ class StateDictMismatchError(CheckpointError, ValueError):
         missing_keys: Iterable[str] = (),
         unexpected_keys: Iterable[str] = (),
         mismatched: dict[str, tuple] | None = None,
+        reason: str | None = None,
+        hint: str | None = None,
     ) -> None:
         self.path = path
         self.missing_keys = sorted(missing_keys)
         self.unexpected_keys = sorted(unexpected_keys)
         self.mismatched = dict(mismatched or {})
         lines = [f"The checkpoint at {path!r} does not match the model it is loaded into."]
+        if reason is not None:
+            lines.append(reason)
         if self.missing_keys:
             lines.append(f"Missing keys ({len(self.missing_keys)}): {_preview(self.missing_keys)}.")
         if self.unexpected_keys:
             lines.append(f"Unexpected keys ({len(self.unexpected_keys)}): {_preview(self.unexpected_keys)}.")
         for fqn, (saved_shape, saved_dtype, shape, dtype) in sorted(self.mismatched.items())[:8]:
             lines.append(f"{fqn!r}: saved shape {tuple(saved_shape)} {saved_dtype}, expected {tuple(shape)} {dtype}.")
-        lines.append(
-            "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
-            " keys both have (shapes must still match)."
-        )
+        if hint is not None:
+            lines.append(hint)
+        elif reason is None:
+            lines.append(
+                "Load a checkpoint of this model, or set `LightningModule.strict_loading = False` to load only the"
+                " keys both have (shapes must still match)."
+            )
         super().__init__(" ".join(lines))
 
 
@@ -136,3 +168,18 @@ def describe_failure(err: BaseException) -> str:
     elif isinstance(err, PermissionError):
         text += ". Check that every rank may write to the checkpoint directory."
     return text
+
+
+def describe_load_error(err: Exception) -> str:
+    """A one-line reason from ``torch.load``'s error.
+
+    Its weights-only messages span many lines and advise ``weights_only=False``, which is wrong for bytes that are
+    simply not a checkpoint.
+    """
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(err))
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    for i, line in enumerate(lines):
+        if "WeightsUnpickler error:" in line:
+            detail = line.split("WeightsUnpickler error:", 1)[1].strip() or (lines[i + 1] if i + 1 < len(lines) else "")
+            return f"weights-only unpickling: {detail}"
+    return f"{type(err).__name__}: {lines[0] if lines else ''}"

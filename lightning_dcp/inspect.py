@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any
 
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp._cli import parse_storage_options, run_cli
 from lightning_dcp.tools.inspect import inspect_checkpoint
 
 __all__ = ["inspect_checkpoint", "main"]
@@ -32,7 +31,9 @@ def _render(report: dict[str, Any], *, all_tensors: bool) -> str:
         f"checkpoint   {report['path']}",
         f"format       {report['format']}",
         f"strategy     {report['strategy']}  (world size {report['world_size']})",
-        f"progress     epoch {report['epoch']}, global step {report['global_step']}",
+        f"progress     epoch {report['epoch']}, global step {report['global_step']}"
+        if report.get("front_end") != "fabric"
+        else f"state        modules {report['modules']}, optimizers {report['optimizers']}, other {report['objects']}",
         f"tensors      {report['num_tensors']} ({_human(report['total_bytes'])}; weights"
         f" {_human(report['weight_bytes'])}) in {len(report['files'])} data files",
         "",
@@ -67,14 +68,13 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line entry point. Returns the exit code: 0 on success, 1 when the path is no readable checkpoint."""
     args = _parser().parse_args(argv)
-    try:
-        options = json.loads(args.storage_options) if args.storage_options else None
-        report = inspect_checkpoint(args.checkpoint, storage_options=options)
-    except (CheckpointError, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
-    print(json.dumps(report, indent=2) if args.json else _render(report, all_tensors=args.all))
-    return 0
+
+    def run() -> int:
+        report = inspect_checkpoint(args.checkpoint, storage_options=parse_storage_options(args.storage_options))
+        print(json.dumps(report, indent=2) if args.json else _render(report, all_tensors=args.all))
+        return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

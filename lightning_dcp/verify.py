@@ -3,33 +3,35 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from collections.abc import Sequence
 
+from lightning_dcp._cli import parse_storage_options, run_cli
 from lightning_dcp.engine.integrity import verify_checkpoint
-from lightning_dcp.errors import CheckpointError
 
 __all__ = ["main", "verify_checkpoint"]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line entry point. Returns 0 when the checkpoint verifies, 1 otherwise."""
+    """Command line entry point. Returns 0 when the checkpoint verifies, 1 otherwise (``error: ...`` on stderr)."""
     parser = argparse.ArgumentParser(
         prog="python -m lightning_dcp.verify",
         description="Verify a lightning_dcp checkpoint against the checksums recorded when it was saved.",
-        epilog="example:\n  python -m lightning_dcp.verify checkpoints/last.ckpt",
+        epilog="examples:\n  python -m lightning_dcp.verify checkpoints/last.ckpt\n"
+        "  python -m lightning_dcp.verify s3://bucket/run/step=100.ckpt --storage-options '{\"anon\": false}'\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="checkpoint directory (local path or fsspec URL)")
     parser.add_argument("--fast", action="store_true", help="check marker, metadata and file sizes only")
+    parser.add_argument("--storage-options", default=None, metavar="JSON", help="fsspec options as a JSON object")
     args = parser.parse_args(argv)
-    try:
-        verify_checkpoint(args.checkpoint, full=not args.fast)
-    except CheckpointError as err:
-        print(f"FAILED: {err}", file=sys.stderr)
-        return 1
-    print(f"OK: {args.checkpoint}")
-    return 0
+
+    def run() -> int:
+        options = parse_storage_options(args.storage_options)
+        verify_checkpoint(args.checkpoint, full=not args.fast, storage_options=options)
+        print(f"OK: {args.checkpoint}")
+        return 0
+
+    return run_cli(run)
 
 
 if __name__ == "__main__":

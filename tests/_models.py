@@ -141,6 +141,54 @@ class DropoutModel(TinyModel):
         return self.head(self.drop(self.body(x)))
 
 
+class MixedDtypeModel(TinyModel):
+    """TinyModel with bf16 state beside the fp32 weights: a bf16 parameter ``gate`` (so AdamW keeps bf16 moments
+    for it) and a bf16 buffer ``ema`` (of the loss) updated every step."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        hidden = self.hparams.hidden
+        self.gate = nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16))
+        self.register_buffer("ema", torch.zeros(hidden, dtype=torch.bfloat16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x) * self.gate.float())
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        with torch.no_grad():  # from the loss, not from ``gate``: under FSDP2 that is a DTensor shard here
+            self.ema.mul_(0.9).add_(loss.detach().to(torch.bfloat16), alpha=0.1)
+        return loss
+
+
+class MixedDtypeFSDP2Model(FSDP2Model, MixedDtypeModel):
+    """MixedDtypeModel sharded like FSDP2Model: each Linear is its own fp32 group, the root holds the bf16 ``gate``
+    (FSDP2 needs one dtype per group)."""
+
+
+class TraceableModel(TinyModel):
+    """TinyModel whose ``training_step`` dynamo can trace: no ``self.log``, no ``.item()``. ``trainer.fit(
+    torch.compile(model))`` compiles ``training_step`` too, and dynamo fails on ``self.log`` (torch 2.13)."""
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += x.shape[0]
+        return nn.functional.mse_loss(self(x), y)
+
+
+class CompiledBodyModel(TinyModel):
+    """TinyModel whose ``body`` is replaced by ``torch.compile(body)`` in ``configure_model``: its own
+    ``state_dict()`` keys read ``body._orig_mod.0.weight``, which must not reach a checkpoint."""
+
+    def __init__(self, backend: str = "eager", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.compile_backend = backend
+
+    def configure_model(self) -> None:
+        if not hasattr(self.body, "_orig_mod"):  # configure_model runs again on a second fit
+            self.body = torch.compile(self.body, backend=self.compile_backend)
+
+
 class IndexedDataset(torch.utils.data.Dataset):
     """Fixed random regression data whose items carry their own index: ``(x, y, index)``."""
 

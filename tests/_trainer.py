@@ -6,19 +6,19 @@ import os
 from typing import Any
 
 import torch
-from lightning.pytorch import Trainer, seed_everything
+from lightning.pytorch import Callback, Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
 
 
-def make_trainer(world_size: int, *, strategy: Any = "dcp_ddp", **kwargs: Any) -> Trainer:
+def make_trainer(world_size: int, *, strategy: Any = "dcp_ddp", accelerator: str = "cpu", **kwargs: Any) -> Trainer:
     kwargs.setdefault("max_epochs", 2)
     if not any(isinstance(cb, ModelCheckpoint) for cb in kwargs.get("callbacks", [])):
         kwargs.setdefault("enable_checkpointing", False)
     return Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=world_size,
         strategy=strategy,
         logger=False,
@@ -49,6 +49,27 @@ def snapshot(trainer: Trainer) -> dict[str, Any]:
         "epoch": trainer.current_epoch,
         "losses": list(getattr(model, "losses", [])),
     }
+
+
+class StateAtStart(Callback):
+    """Record :func:`snapshot` in ``on_train_start``: the state a resume restored, before any step changes it."""
+
+    def __init__(self) -> None:
+        self.state: dict[str, Any] | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: Any) -> None:
+        self.state = to_cpu(snapshot(trainer))
+
+
+def to_cpu(obj: Any) -> Any:
+    """``obj`` with every tensor copied to CPU memory (nested dicts, lists and tuples rebuilt)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu().clone()
+    if isinstance(obj, dict):
+        return {k: to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_cpu(v) for v in obj)
+    return obj
 
 
 def _clone(obj: Any) -> Any:

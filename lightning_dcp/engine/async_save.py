@@ -5,16 +5,18 @@ The training loop pays for planning and staging only. In the caller's thread, ov
 planned (:func:`lightning_dcp.engine.saving.prepare`: after the first save of a run, a 16-byte exchange) and the
 items *this rank writes* are copied into reused buffers (:mod:`lightning_dcp.engine.staging`): under DDP a rank
 stages its share of the replicated state, not all of it. With ``defer_from``, the copies of large CPU tensors are
-made by the background thread instead, while every optimizer step waits for them. A background thread then writes (direct I/O and
-checksums, both outside the GIL, so the training loop keeps the interpreter) and finishes the checkpoint over the
-same group. When the save completes, rank 0 commits it in that thread, then deletes the checkpoints whose removal
-was requested while it was in flight: a checkpoint is never removed before its successor is saved.
+made by the background thread instead, while every optimizer step waits for them. A background thread then writes
+(direct I/O and checksums, both outside the GIL, so the training loop keeps the interpreter) and finishes the
+checkpoint over the same group. When the save completes, rank 0 commits it in that thread, then deletes the
+checkpoints whose removal was requested while it was in flight: a checkpoint is never removed before its successor
+is saved.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -240,6 +242,23 @@ class AsyncSaves:
             self.wait()
         finally:
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
+
+
+def _expect_single_process_save() -> None:
+    """Silence DCP's "assuming the intent is to save in a single process" warning for our single-process saves.
+
+    Under a stock strategy (rank 0 alone calls the CheckpointIO) a background save runs without a process group on
+    purpose. DCP warns from its executor thread (attributed to ``torch.distributed.checkpoint.utils``), where a
+    ``warnings.catch_warnings`` around ``dcp.async_save`` no longer applies, so a filter for exactly that message is
+    added to the process's filters (idempotent: ``filterwarnings`` replaces an identical entry). Synchronous saves
+    and loads are silenced locally instead (``single_process_ok``).
+    """
+    warnings.filterwarnings(
+        "ignore",
+        message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a"
+        r" single process",
+        module=r"torch\.distributed\.checkpoint\.utils",
+    )
 
 
 def _quietly(fn: Callable[[], None]) -> None:

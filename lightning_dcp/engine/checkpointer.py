@@ -242,7 +242,8 @@ class Checkpointer:
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
-        log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
+        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:  # once per save, not per rank
+            log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
 
     # ----------------------------------------------------------------------------------------------- load
     def load(
@@ -256,6 +257,7 @@ class Checkpointer:
         only: Sequence[str] | None = None,
         exclude: Sequence[str] = (),
         map_location: Any | None = None,
+        model_key: str = layout.MODEL_KEY,
     ) -> Loaded:
         """Load the checkpoint at ``path``: a lightning_dcp directory, Lightning's sharded layout or one file.
 
@@ -269,6 +271,8 @@ class Checkpointer:
             only: With a target, read these top-level keys only and no blobs (``None``: everything).
             exclude: Glob patterns of model FQNs neither loaded nor reported as unexpected (with a target).
             map_location: Passed to ``torch.load`` for single-file checkpoints.
+            model_key: The top-level key whose FQNs ``strict`` and ``exclude`` apply to and the report names
+                (``"state_dict"``: the Trainer's; a Fabric checkpoint names its modules by their state keys).
 
         A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``) that is incomplete
         or corrupt falls back to the newest valid checkpoint in the same directory, with a warning naming both.
@@ -290,6 +294,7 @@ class Checkpointer:
             only=only,
             exclude=exclude,
             map_location=map_location,
+            model_key=model_key,
         )
         urls = on_rank0(collective, lambda: candidates(self.location(path)))
         failures: list[tuple[str, CheckpointError]] = []
@@ -329,6 +334,7 @@ class Checkpointer:
         only: Sequence[str] | None,
         exclude: Sequence[str],
         map_location: Any | None,
+        model_key: str,
     ) -> Loaded:
         """Load the one checkpoint at ``url``. Collective: call on all ranks when ``collective``."""
         found = on_rank0(collective, lambda: probe(self.location(url)))
@@ -338,7 +344,7 @@ class Checkpointer:
             return Loaded(url=location.url, kind="file", tree={}, objects=objects)
         metadata = found.metadata
         lightning_layout = found.kind == "lightning"
-        model_key = lightning_model_key(metadata) if lightning_layout else layout.MODEL_KEY
+        model_key = lightning_model_key(metadata) if lightning_layout else model_key
         rank, world_size = rank_and_world(collective)
         loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
         loaded.saved_world_size = layout.saved_world_size(metadata)
@@ -348,6 +354,8 @@ class Checkpointer:
             state = {k: v for k, v in target.items() if only is None or k in only}
             if lightning_layout:
                 state = _to_lightning_layout(state, model_key)
+            else:
+                state = layout.align_optimizer_target(state, metadata)
             state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )

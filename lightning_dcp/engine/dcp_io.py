@@ -33,6 +33,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_dcp._compat import DCPFsspecFileSystem, FsspecReader, FsspecWriter, StorageInfo, narrow_tensor_by_index
+from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.engine.datafiles import FileJob, RecordResult, assign_files, write_local, write_stream
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
@@ -49,7 +50,7 @@ from lightning_dcp.engine.planning import BalancedSavePlanner
 from lightning_dcp.engine.reading import Source, read_raw
 from lightning_dcp.engine.records import tensor_record
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
 
 __all__ = ["save_planner", "storage_reader", "storage_writer"]
 
@@ -239,7 +240,7 @@ class _VerifyingReader:
             except Exception as err:  # a record that is not what the metadata says it is
                 raise CorruptCheckpointError(
                     f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-                    f" describes it ({type(err).__name__}: {err}).",
+                    f" describes it ({describe_load_error(err)}).",
                     file=name,
                 ) from None
 
@@ -279,10 +280,19 @@ class _VerifyingReader:
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(record))
             return
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index.offset)
+        if sizes is None:
+            raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
+        check_archive(record)  # nothing the archive claims is allocated beyond what it holds
         tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         del record  # at most two copies of the largest record alive: decoded tensor and target
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.size()) != sizes or tensor.dtype != meta.properties.dtype:
+            raise TypeError(
+                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata's chunk is {meta.properties.dtype}{sizes}"
+            )
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size() or target.dtype != tensor.dtype:

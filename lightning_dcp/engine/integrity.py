@@ -19,10 +19,17 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.storage import Location, read_commit
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.engine.storage import Location, read_commit, unreadable
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
 
-__all__ = ["check_checkpoint", "committed_checkpoints", "newest_valid", "verify_checkpoint"]
+__all__ = [
+    "check_checkpoint",
+    "checkpoints_inside",
+    "committed_checkpoints",
+    "newest_valid",
+    "not_one_checkpoint",
+    "verify_checkpoint",
+]
 
 
 def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
@@ -52,6 +59,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
         raise CorruptCheckpointError(
             f"{location.url!r} is committed but {METADATA_FILE} is missing.", file=METADATA_FILE
         ) from err
+    except OSError as err:
+        raise unreadable(location, METADATA_FILE, err) from err
     expected = marker["metadata"]
     if len(metadata_bytes) != expected["size"] or checksum(metadata_bytes) != expected["checksum"]:
         raise CorruptCheckpointError(
@@ -101,7 +110,11 @@ def _file_sizes(location: Location) -> dict[str, int]:
 
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
-    with location.open(name) as f:
+    try:
+        f = location.open(name)
+    except OSError as err:
+        raise unreadable(location, name, err) from err
+    with f:
         for offset, length, digest in sorted(records):
             f.seek(offset)
             data = f.read(length)
@@ -161,10 +174,52 @@ def verify_checkpoint(
 
     Raises:
         CheckpointNotFoundError: Nothing exists at ``path``.
-        NotACheckpointError: No commit marker (an incomplete save).
+        NotACheckpointError: No commit marker (an incomplete save), a single file (a ``.ckpt`` has no recorded
+            checksums) or a folder of checkpoints (a run's dirpath) rather than one.
         CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
     """
-    location = Location(path, storage_options=storage_options).resolve()
+    given = Location(path, storage_options=storage_options)
+    location = given.resolve()
     if not location.exists():
-        raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
+        raise checkpoint_not_found(location.url, designated_by=None if location.url == given.url else given.url)
+    not_one = not_one_checkpoint(location)
+    if not_one is not None:
+        raise not_one
     check_checkpoint(location, full=full)
+
+
+def checkpoints_inside(location: Location) -> list[str]:
+    """Names of the committed checkpoint directories directly inside ``location`` (e.g. a run's dirpath), sorted.
+
+    Rank 0 only (or any single process).
+    """
+    return sorted(checkpoint.name for _, checkpoint in committed_checkpoints(location))
+
+
+def not_one_checkpoint(location: Location) -> CheckpointError | None:
+    """The error for an existing path that is a single file or a folder of checkpoints, rather than one checkpoint.
+
+    ``None`` when ``location`` is a directory that is not a folder of checkpoints (the usual checks then apply). A
+    local path that exists but cannot be followed (a symlink loop) is a ``CorruptCheckpointError``.
+    """
+    if location.local:
+        try:
+            os.stat(location.path)
+        except OSError as err:
+            return unreadable(location, os.path.basename(location.path.rstrip("/")), err)
+    if not location.isdir():
+        return NotACheckpointError(
+            f"{location.url!r} is a single file, not a checkpoint directory: only directories carry the checksums"
+            " lightning_dcp verifies (a single-file checkpoint loads with `torch.load`)."
+        )
+    if location.is_committed():
+        return None
+    inside = checkpoints_inside(location)
+    if not inside:
+        return None
+    shown = ", ".join(inside[:4]) + (f", ... ({len(inside) - 4} more)" if len(inside) > 4 else "")
+    example = location.url.rstrip("/") + "/" + inside[-1]
+    return NotACheckpointError(
+        f"{location.url!r} is a folder of {len(inside)} checkpoint(s) ({shown}), not one checkpoint: pass one of"
+        f" them, e.g. {example!r}."
+    )

@@ -10,12 +10,20 @@ A checkpoint is one DCP directory. Its DCP state dict has three top-level entrie
 
 Everything is inside DCP's files, so DCP's ``.metadata`` (written last) commits all of it at once, and every read
 goes through ``weights_only`` unpickling.
+
+A Fabric checkpoint (:mod:`lightning_dcp.fabric`) uses the same files with the user's own top-level keys: each
+module's state (``get_model_state_dict``, FQN keys) and each optimizer's state (``get_optimizer_state_dict``, FQN
+keys) under the key it had in ``fabric.save(path, state)``, other tensors under theirs, and the remaining objects in
+the ``lightning`` blob. Its info records which keys hold modules and optimizers (``"modules"``, ``"optimizers"``);
+a checkpoint whose info lacks them has the Trainer layout above. :func:`tree_roles` tells the two apart.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pickle
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -24,7 +32,13 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp._compat import set_element
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
+
+try:  # numpy is optional for lightning_dcp
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy ships with Lightning's dependencies
+    np = None
 
 __all__ = [
     "EXTRA_KEY",
@@ -34,6 +48,8 @@ __all__ = [
     "OPTIMIZER_KEY",
     "RANK_KEY",
     "SafeLoadPlanner",
+    "TreeRoles",
+    "align_optimizer_target",
     "build_state",
     "fqns_to_param_ids",
     "param_ids_to_fqns",
@@ -41,8 +57,11 @@ __all__ = [
     "encode_extra",
     "join_checkpoint",
     "metadata_target",
+    "saved_optimizer_count",
+    "saved_optimizer_ids",
     "saved_world_size",
     "split_checkpoint",
+    "tree_roles",
 ]
 
 MODEL_KEY = "state_dict"
@@ -52,6 +71,10 @@ RANK_KEY = "rank_states"
 """``rank_states.{rank}``: one ``bytes`` blob per rank (its RNG states), written by that rank."""
 INFO_KEY = "lightning_dcp"
 FORMAT_VERSION = 1
+MODULES_INFO = "modules"
+"""Info entry of a Fabric checkpoint: the top-level keys that hold a module's state (FQN -> tensor)."""
+OPTIMIZERS_INFO = "optimizers"
+"""Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
 
 PARAM_ID = "param_id"
 """Optimizer layout of ``torch.optim.Optimizer.state_dict()``: state keyed by integer parameter index."""
@@ -66,6 +89,35 @@ def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
             for param in group.get("params", ()):
                 return PARAM_ID if isinstance(param, int) else FQN
     return FQN
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRoles:
+    """Which top-level keys of a checkpoint's tree hold model weights and which hold optimizer state."""
+
+    modules: tuple[str, ...]
+    """Keys whose value is a module's state dict (FQN -> tensor): ``("state_dict",)`` in the Trainer layout."""
+    optimizers: tuple[str, ...]
+    """Fabric: keys that each hold one optimizer's state. Trainer: ``("optimizer_states",)``, a list of them."""
+    trainer: bool
+    """Whether this is the Trainer layout (no ``"modules"`` recorded)."""
+
+    def optimizer_index(self, path: tuple) -> int | None:
+        """The optimizer a nested-state path (``("optimizer", "state", ...)``) belongs to; ``None``: no optimizer."""
+        if not path or path[0] not in self.optimizers:
+            return None
+        return int(path[1]) if self.trainer and len(path) > 1 else self.optimizers.index(path[0])
+
+
+def tree_roles(info: Mapping[str, Any]) -> TreeRoles:
+    """The roles of a checkpoint's top-level keys, from the info dict recorded in its blob (``"lightning_dcp"``).
+
+    A Fabric checkpoint lists its module and optimizer keys; any other checkpoint (no ``"modules"`` entry) has the
+    Trainer layout: weights under ``"state_dict"``, a list of optimizer states under ``"optimizer_states"``.
+    """
+    if MODULES_INFO not in info:
+        return TreeRoles(modules=(MODEL_KEY,), optimizers=(OPTIMIZER_KEY,), trainer=True)
+    return TreeRoles(modules=tuple(info[MODULES_INFO]), optimizers=tuple(info.get(OPTIMIZERS_INFO, ())), trainer=False)
 
 
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
@@ -143,36 +195,216 @@ def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, i
     """
     checkpoint = dict(extra)
     checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
-    checkpoint[MODEL_KEY] = dcp_state[MODEL_KEY]
+    checkpoint[MODEL_KEY] = dcp_state.get(MODEL_KEY, {})  # DCP stores no entry for an empty dict
     if OPTIMIZER_KEY in dcp_state:
-        states = list(dcp_state[OPTIMIZER_KEY])
+        # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
+        states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]
         if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
-            states = [{**osd, "state": {int(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
+            states = [{**osd, "state": {int(k): v for k, v in osd["state"].items()}} for osd in states]
+        elif not in_place:  # full tensors for a stock strategy or a user: ``optimizer.state_dict()``'s layout
+            states = [fqns_to_param_ids(osd) for osd in states]
         checkpoint[OPTIMIZER_KEY] = states
     return checkpoint
 
 
-def encode_extra(extra: Mapping[str, Any]) -> bytes:
-    """Serialize the non-tensor state with ``torch.save`` into ``bytes``."""
+def saved_optimizer_ids(metadata: Metadata) -> dict[int, bool]:
+    """``{optimizer index: keyed by parameter ids}`` of a checkpoint's ``optimizer_states`` entries.
+
+    ``True`` where the saved state is keyed by integer parameter ids (written from ``optimizer.state_dict()`` under a
+    stock strategy), ``False`` where keyed by FQN (``get_optimizer_state_dict``) or where the state is empty.
+    """
+    found: dict[int, bool] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if len(path) >= 2 and path[0] == OPTIMIZER_KEY and key in metadata.state_dict_metadata:
+            index = int(path[1])
+            ids = len(path) >= 4 and path[2] == "state" and str(path[3]).isdigit()
+            found[index] = found.get(index, False) or ids
+    return found
+
+
+def align_optimizer_target(target: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Re-key FQN-keyed optimizer targets by parameter id where the checkpoint saved ids (and ids as strings).
+
+    A checkpoint written under a stock strategy keys optimizer state by integer parameter id (``"0"``, ``"1"`` on
+    disk); a target from ``get_optimizer_state_dict`` keys it by FQN. The ids follow each optimizer's
+    ``param_groups`` order, which the target's ``params`` lists give; the loaded state is turned back into FQNs by
+    :func:`param_ids_to_fqns`. The tensors are the target's own, so loading still fills them in place.
+    """
+    saved = saved_optimizer_ids(metadata)
+    states = target.get(OPTIMIZER_KEY)
+    if not states or not any(saved.values()):
+        return target
+    aligned = []
+    for i, osd in enumerate(states):
+        if not saved.get(i) or optimizer_layout([osd]) == PARAM_ID:
+            aligned.append(osd)
+            continue
+        ids = {fqn: str(n) for n, fqn in enumerate(p for group in osd["param_groups"] for p in group["params"])}
+        aligned.append({**osd, "state": {ids[fqn]: value for fqn, value in osd["state"].items()}})
+    return {**target, OPTIMIZER_KEY: aligned}
+
+
+def saved_optimizer_count(metadata: Metadata) -> int:
+    """How many optimizers' states a checkpoint holds (0 for a weights-only checkpoint)."""
+    indices = {int(path[1]) for path in (metadata.planner_data or {}).values() if path and path[0] == OPTIMIZER_KEY}
+    return max(indices) + 1 if indices else 0
+
+
+_NUMPY_TAG = "\x00lightning_dcp.numpy"
+"""Key of the one-entry dict that stands for a numpy array or scalar in a blob (``weights_only`` refuses numpy)."""
+
+
+def encode_extra(extra: Mapping[str, Any], *, what: str = "non-tensor state") -> bytes:
+    """Serialize non-tensor state with ``torch.save`` into ``bytes`` that ``weights_only=True`` loading accepts.
+
+    numpy arrays and scalars are stored as tensors and plain values and come back as numpy; anything else that
+    ``torch.load(weights_only=True)`` would refuse (a dataclass, a custom class) is refused here, at save, so a
+    checkpoint is never written that cannot be loaded.
+
+    Args:
+        extra: The state (dicts, lists, tuples, str, numbers, tensors, numpy; classes allowed with
+            ``torch.serialization.add_safe_globals``).
+        what: What this state is, for messages.
+
+    Raises:
+        CheckpointError: Something in ``extra`` would not load with ``weights_only=True``; the message names its
+            key path, its type, and the fix.
+    """
+    state = _to_storable(dict(extra))
     buffer = io.BytesIO()
-    torch.save(dict(extra), buffer)
-    return buffer.getvalue()
+    torch.save(state, buffer)
+    blob = buffer.getvalue()
+    try:
+        torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+    except Exception as err:
+        path, culprit = _unloadable_part(state)
+        raise CheckpointError(
+            f"The checkpoint's {what} holds {culprit} at {path}, which `torch.load(weights_only=True)` cannot load"
+            f" back ({describe_load_error(err)}); the checkpoint would be unusable, so it was not"
+            f" written. Store plain types there (dict, list, str, numbers, tensors; e.g. `dataclasses.asdict(...)`),"
+            f" or allow the class for saving and loading with `torch.serialization.add_safe_globals([{culprit}])`."
+        ) from None
+    return blob
 
 
 def decode_extra(blob: bytes, *, path: str, weights_only: bool = True) -> dict[str, Any]:
-    """Deserialize the non-tensor state; ``weights_only=True`` (the default) never runs code from the file.
+    """Deserialize state written by :func:`encode_extra`; ``weights_only=True`` never runs code from the file.
+
+    The archive is checked first (:func:`~lightning_dcp.engine.archive.check_archive`): nothing it claims is
+    allocated beyond what it holds.
 
     Raises:
-        CheckpointError: The state holds objects that ``weights_only`` loading refuses, or is corrupt.
+        CheckpointError: The state holds classes ``weights_only`` loading refuses (written by another writer);
+            the message names them and the fix.
+        CorruptCheckpointError: The bytes are not a ``torch.save`` archive of a dict as :func:`encode_extra`
+            writes it.
     """
     try:
-        return torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"The non-tensor state of the checkpoint at {path!r} cannot be loaded with `weights_only=True`: {err}"
-            " If you trust this checkpoint, pass `weights_only=False` (e.g. `trainer.fit(..., weights_only=False)`),"
-            " or allow the named classes with `torch.serialization.add_safe_globals([...])`."
-        ) from err
+        check_archive(blob)
+        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # a crafted or damaged archive: zip, pickle or tensor errors of many types
+        if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+            raise CheckpointError(
+                f"The non-tensor state of the checkpoint at {path!r} names a class that `weights_only=True` loading"
+                f" refuses ({describe_load_error(err)}). If you trust this checkpoint, allow it with"
+                " `torch.serialization.add_safe_globals([...])` before loading."
+            ) from None
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} is not readable ({describe_load_error(err)}).",
+            file=EXTRA_KEY,
+        ) from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} is a {type(state).__name__}, not a dict.",
+            file=EXTRA_KEY,
+        )
+    try:
+        return _from_storable(state)
+    except ValueError as err:
+        raise CorruptCheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} holds a numpy value that is not what lightning_dcp"
+            f" writes ({err}).",
+            file=EXTRA_KEY,
+        ) from None
+
+
+def _to_storable(value: Any) -> Any:
+    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype != np.uint16:
+        return {_NUMPY_TAG: ("ndarray", str(value.dtype), torch.from_numpy(np.ascontiguousarray(value).copy()))}
+    if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
+        return {_NUMPY_TAG: ("scalar", str(value.dtype), value.item())}
+    if type(value) is dict or type(value) is OrderedDict:
+        return type(value)((k, _to_storable(v)) for k, v in value.items())
+    if type(value) is list:
+        return [_to_storable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_to_storable(v) for v in value)
+    return value
+
+
+def _from_storable(value: Any) -> Any:
+    if type(value) is dict and len(value) == 1 and _NUMPY_TAG in value and np is not None:
+        return _numpy_value(value[_NUMPY_TAG])
+    if type(value) is dict or type(value) is OrderedDict:
+        return type(value)((k, _from_storable(v)) for k, v in value.items())
+    if type(value) is list:
+        return [_from_storable(v) for v in value]
+    if type(value) is tuple:
+        return tuple(_from_storable(v) for v in value)
+    return value
+
+
+def _numpy_value(tag: Any) -> Any:
+    """The numpy value :func:`_to_storable` encoded as ``(kind, dtype, payload)``; ``ValueError`` for anything else."""
+    if not (type(tag) is tuple and len(tag) == 3 and tag[0] in ("ndarray", "scalar") and isinstance(tag[1], str)):
+        raise ValueError(f"a numpy entry is {type(tag).__name__} {str(tag)[:60]!r}, not (kind, dtype, payload)")
+    kind, dtype, payload = tag
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        dtype = None
+    if dtype is None or dtype.kind not in "biufc":  # what _to_storable writes: no objects, strings or records
+        raise ValueError(f"a numpy entry has dtype {tag[1]!r}")
+    if kind == "ndarray":
+        try:
+            array = payload.detach().numpy() if isinstance(payload, torch.Tensor) else None
+        except (TypeError, RuntimeError):  # bfloat16, sparse, conjugate or negative views: not what we write
+            array = None
+        if array is None or array.dtype != dtype:
+            raise ValueError(
+                f"a numpy {dtype} array is stored as {type(payload).__name__} {getattr(payload, 'dtype', '')}"
+            )
+        return array
+    if type(payload) not in (bool, int, float, complex):
+        raise ValueError(f"a numpy {dtype} scalar is stored as {type(payload).__name__}")
+    try:
+        return dtype.type(payload)
+    except (OverflowError, TypeError) as err:
+        raise ValueError(f"a numpy {dtype} scalar holds {payload!r} ({err})") from None
+
+
+def _unloadable_part(value: Any, path: str = "") -> tuple[str, str]:
+    """The deepest key path (``['callbacks']['x']``) that does not load with ``weights_only=True``, and its type."""
+    children: list[tuple[str, Any]] = []
+    if isinstance(value, dict):
+        children = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, (list, tuple)):
+        children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    for child_path, child in children:
+        if not _loads(child):
+            return _unloadable_part(child, child_path)
+    return path or "the top level", f"{type(value).__module__}.{type(value).__qualname__}"
+
+
+def _loads(value: Any) -> bool:
+    buffer = io.BytesIO()
+    try:
+        torch.save(value, buffer)
+        buffer.seek(0)
+        torch.load(buffer, map_location="cpu", weights_only=True)
+    except Exception:
+        return False
+    return True
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -190,6 +422,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.weights_only = weights_only
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: D102 (DCP's planner contract)
+        check_archive(value.getbuffer())  # nothing the archive claims is allocated beyond what it holds
         obj = torch.load(value, map_location="cpu", weights_only=self.weights_only)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
@@ -241,7 +474,7 @@ def param_ids_to_fqns(
         )
     fqn_of = dict(zip(saved, order, strict=True))
     return {
-        "state": {fqn_of[i]: v for i, v in state["state"].items()},
+        "state": {fqn_of[i]: v for i, v in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
     }
 
@@ -253,6 +486,6 @@ def fqns_to_param_ids(state: Mapping[str, Any]) -> dict[str, Any]:
         for fqn in group["params"]:
             id_of.setdefault(fqn, len(id_of))
     return {
-        "state": {id_of[fqn]: v for fqn, v in state["state"].items()},
+        "state": {id_of[fqn]: v for fqn, v in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [id_of[f] for f in g["params"]]} for g in state["param_groups"]],
     }

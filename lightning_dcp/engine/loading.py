@@ -28,12 +28,13 @@ from lightning_dcp.engine import layout
 from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage import POINTER_HEADER, Location
 from lightning_dcp.errors import (
     CheckpointError,
-    CheckpointNotFoundError,
     NotACheckpointError,
     StateDictMismatchError,
+    checkpoint_not_found,
+    describe_load_error,
 )
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "load_file",
     "probe",
     "read_lightning_meta",
+    "torch_load_error",
 ]
 
 LIGHTNING_META_FILE = "meta.pt"
@@ -90,26 +92,38 @@ def candidates(location: Location) -> list[str]:
     if not designates_last(location):
         resolved = location.resolve()
         if not resolved.exists():
-            raise CheckpointNotFoundError(
-                f"No checkpoint exists at {resolved.url!r}. Check the path (and `storage_options` for remote storage)."
+            raise checkpoint_not_found(
+                resolved.url, designated_by=None if resolved.url == location.url else location.url
             )
         return [resolved.url]
     directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
     found = [candidate.url for _, candidate in committed_checkpoints(directory)]
     entry = location.parent() if location.name == COMMIT_FILE else location
-    if entry.local and os.path.isfile(entry.path):  # a single-file checkpoint named last (TorchCheckpointIO)
+    if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)
         return [entry.url, *found]
     if found:
         return found
     if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
         return [entry.url]
     if not entry.exists():
-        raise CheckpointNotFoundError(f"No checkpoint exists at {entry.url!r} and none is committed beside it.")
+        raise checkpoint_not_found(entry.url)
+    target = entry.resolve()  # a link or pointer to a checkpoint that is gone: Lightning's "not found" case
+    if target.url != entry.url and not target.exists():
+        raise checkpoint_not_found(target.url, designated_by=entry.url)
     raise NotACheckpointError(
         f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
         " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
         " entries; `DCPModelCheckpoint` does both on its own."
     )
+
+
+def _is_pointer(location: Location) -> bool:
+    """Whether the local file at ``location`` is a checkpoint pointer (whatever it names)."""
+    try:
+        with open(location.path, "rb") as f:
+            return f.read(len(POINTER_HEADER)) == POINTER_HEADER
+    except OSError:
+        return False
 
 
 def probe(location: Location) -> Probe:
@@ -122,10 +136,9 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
+    given, location = location.url, location.resolve()
     if not location.exists():
-        raise CheckpointNotFoundError(
-            f"No checkpoint exists at {location.url!r}. Check the path (and `storage_options` for remote storage)."
-        )
+        raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
@@ -158,12 +171,12 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     """
     try:
         with location.open(LIGHTNING_META_FILE) as f:
-            return torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
-    except pickle.UnpicklingError as err:
-        raise CheckpointError(
-            f"{location.url!r}/{LIGHTNING_META_FILE} cannot be loaded with `weights_only=True`: {err} If you trust"
-            " this checkpoint, pass `weights_only=False`."
-        ) from err
+            state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        raise torch_load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
+    if not isinstance(state, dict):
+        raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
+    return state
 
 
 def load_file(location: Location, *, map_location: Any, weights_only: bool) -> dict[str, Any]:
@@ -177,19 +190,23 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
         with location.open() as f:
             checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        if isinstance(err, pickle.UnpicklingError) and "Weights only load failed" in str(err):
-            raise CheckpointError(
-                f"{location.url!r} holds objects that `weights_only=True` refuses: {err} If you trust this file,"
-                " pass `weights_only=False`."
-            ) from err
-        raise NotACheckpointError(
-            f"{location.url!r} is not a checkpoint file torch.load can read ({type(err).__name__}: {err})."
-        ) from err
+        raise torch_load_error(location.url, err) from None
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
         )
     return checkpoint
+
+
+def torch_load_error(where: str, err: Exception) -> CheckpointError:
+    """A clear error for a ``torch.load`` of ``where`` that failed with ``err``."""
+    if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
+        return CheckpointError(
+            f"{where!r} names a class that `weights_only=True` loading refuses ({describe_load_error(err)})."
+            " If you trust this file, allow the class with `torch.serialization.add_safe_globals([...])`, or pass"
+            " `weights_only=False`."
+        )
+    return NotACheckpointError(f"{where!r} is not a checkpoint file torch.load can read ({describe_load_error(err)}).")
 
 
 def fit_target(
@@ -221,6 +238,16 @@ def fit_target(
     for key in [k for k in target if k != model_key]:
         if not any(s.startswith(key + ".") or s == key for s in saved):
             del target[key]  # e.g. a weights-only checkpoint: Lightning reports missing optimizer state itself
+    optimizers = target.get(layout.OPTIMIZER_KEY)
+    if optimizers is not None and model_key == layout.MODEL_KEY:
+        count = layout.saved_optimizer_count(metadata)
+        if count != len(optimizers):
+            raise StateDictMismatchError(
+                path,
+                reason=f"It holds the state of {count} optimizer(s), but {len(optimizers)} are configured"
+                " (`configure_optimizers`). Resume with the same optimizers, or load only the model weights"
+                " (`lightning_dcp.load_model_weights`).",
+            )
     flat, _ = flatten_state_dict(target)
     model_prefix = model_key + "."
 

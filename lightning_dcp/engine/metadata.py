@@ -12,6 +12,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import io
+import itertools
+import math
 import pickle
 import threading
 from typing import Any
@@ -23,6 +25,7 @@ from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
+    StorageMeta,
     TensorStorageMetadata,
 )
 
@@ -113,7 +116,10 @@ def _parse(data: bytes, where: str) -> Metadata:
         raise NotACheckpointError(f"{where} is not DCP metadata ({type(err).__name__}: {err}).") from None
     if not isinstance(metadata, Metadata):
         raise NotACheckpointError(f"{where} holds a {type(metadata).__name__}, not DCP metadata.")
-    problem = _problem(metadata)
+    try:
+        problem = _problem(metadata)
+    except (AttributeError, TypeError, ValueError) as err:  # an object built without (or with odd) fields
+        problem = f"a field is missing or of the wrong type ({type(err).__name__}: {err})"
     if problem is not None:
         raise NotACheckpointError(f"{where} is not valid DCP metadata: {problem}.")
     return metadata
@@ -142,6 +148,8 @@ def read_metadata(location: Location) -> Metadata:
 def _problem(metadata: Metadata) -> str | None:
     """What makes ``metadata`` untrustworthy for a reader, or ``None``."""
     entries = metadata.state_dict_metadata
+    if metadata.storage_meta is not None and not isinstance(metadata.storage_meta, StorageMeta):
+        return f"'storage_meta' is a {type(metadata.storage_meta).__name__}"
     if not isinstance(entries, dict):
         return "'state_dict_metadata' is not a dict"
     for key, meta in entries.items():
@@ -155,23 +163,72 @@ def _problem(metadata: Metadata) -> str | None:
             return f"entry {key!r} is a {type(meta).__name__}"
     mappings = metadata.planner_data
     if mappings is not None:
-        if not isinstance(mappings, dict):
-            return "'planner_data' is not a dict"
-        for key, path in mappings.items():
-            if not isinstance(path, (tuple, list)) or not all(isinstance(p, (str, int)) for p in path) or not path:
-                return f"the path of {key!r} in 'planner_data' is not a sequence of names and indices"
+        problem = _mappings_problem(mappings, len(entries))
+        if problem is not None:
+            return problem
     storage = metadata.storage_data
     if not isinstance(storage, dict):
         return "'storage_data' is not a dict"
     for index, info in storage.items():
         if not isinstance(index, MetadataIndex) or index.fqn not in entries:
             return f"a storage record names {getattr(index, 'fqn', index)!r}, which has no entry"
+        if index.offset is not None and not (
+            isinstance(index.offset, (tuple, list)) and all(_uint(o) for o in index.offset)
+        ):
+            return f"the storage record of {index.fqn!r} is at offset {index.offset!r}"
         if not isinstance(info, StorageInfo):
             return f"the storage record of {index.fqn!r} is a {type(info).__name__}"
         if not is_plain_name(info.relative_path):
             return f"the record of {index.fqn!r} points at {info.relative_path!r}, outside the checkpoint directory"
         if not (_uint(info.offset) and _uint(info.length)):
             return f"the record of {index.fqn!r} has offset {info.offset!r} and length {info.length!r}"
+    # Records never share bytes (DCP writes each item once): a crafted metadata pointing many chunks at one record
+    # would make a reader allocate and read it many times over.
+    spans = sorted((info.relative_path, info.offset, info.length, index.fqn) for index, info in storage.items())
+    for (name, offset, length, fqn), (next_name, next_offset, _, next_fqn) in itertools.pairwise(spans):
+        if name == next_name and offset + length > next_offset:
+            return f"the records of {fqn!r} and {next_fqn!r} overlap in {name}"
+    # Every tensor chunk has a record that can hold its bytes: this bounds what a reader allocates by what the
+    # files hold (a crafted entry cannot make a reader allocate terabytes for a tiny file).
+    lengths = {
+        (index.fqn, tuple(index.offset)): info.length for index, info in storage.items() if index.offset is not None
+    }
+    for key, meta in entries.items():
+        if not isinstance(meta, TensorStorageMetadata):
+            if MetadataIndex(key) not in storage:
+                return f"the entry {key!r} has no storage record"
+            continue
+        for chunk in meta.chunks:
+            length = lengths.get((key, tuple(chunk.offsets)))
+            nbytes = math.prod(chunk.sizes) * meta.properties.dtype.itemsize
+            if length is None or length < nbytes:
+                return f"a chunk of {key!r} at {tuple(chunk.offsets)} ({nbytes} bytes) has no record that holds it"
+    return None
+
+
+def _mappings_problem(mappings: Any, entries: int) -> str | None:
+    """Check ``planner_data``: each flat key's path in the nested state dict, as DCP's flattening writes it.
+
+    A path joins to its key (``("optimizer_states", 0, "state")`` is ``"optimizer_states.0.state"``), and the list
+    indices in it stay small: the lists a load rebuilds from them hold at most a few slots per entry (an index of
+    10**9 would make a reader append a billion placeholders).
+    """
+    if not isinstance(mappings, dict):
+        return "'planner_data' is not a dict"
+    slots: dict[tuple, int] = {}
+    for key, path in mappings.items():
+        if (
+            not isinstance(path, (tuple, list))
+            or not path
+            or not all(isinstance(p, str) or _uint(p) for p in path)
+            or ".".join(map(str, path)) != key
+        ):
+            return f"the path of {key!r} in 'planner_data' is {path!r}, not the names and indices of that key"
+        for depth, part in enumerate(path):
+            if isinstance(part, int):
+                slots[tuple(path[:depth])] = max(slots.get(tuple(path[:depth]), 0), part + 1)
+    if sum(slots.values()) > 16 * entries + 1024:
+        return f"'planner_data' rebuilds lists of {sum(slots.values())} slots for {entries} entries"
     return None
 
 
@@ -184,6 +241,7 @@ def _tensor_problem(meta: TensorStorageMetadata) -> str | None:
         return f"shape {size!r} is not a sequence of non-negative integers"
     if not isinstance(meta.chunks, list):
         return "its chunks are not a list"
+    covered = 0
     for chunk in meta.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             return f"a chunk is a {type(chunk).__name__}"
@@ -195,6 +253,9 @@ def _tensor_problem(meta: TensorStorageMetadata) -> str | None:
         for o, s, d in zip(offsets, sizes, size, strict=True):
             if not (_uint(o) and _uint(s)) or o + s > d:
                 return f"a chunk at {tuple(offsets)} of size {tuple(sizes)} lies outside the shape {tuple(size)}"
+        covered += math.prod(sizes)
+    if covered != math.prod(size):  # DCP's chunks tile a tensor exactly: a reader allocates what they cover
+        return f"its chunks hold {covered} of the {math.prod(size)} elements of its shape {tuple(size)}"
     return None
 
 

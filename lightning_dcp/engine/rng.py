@@ -19,7 +19,7 @@ try:  # numpy is optional for lightning_dcp
 except ImportError:  # pragma: no cover - numpy ships with Lightning's dependencies
     np = None
 
-__all__ = ["collect_rng_states", "derive_rng_states", "restore_rng_states"]
+__all__ = ["collect_rng_states", "derive_rng_states", "resume_rng_states", "restore_rng_states"]
 
 
 def collect_rng_states() -> dict[str, Any]:
@@ -55,6 +55,19 @@ def derive_rng_states(rank0_states: dict[str, Any], *, rank: int) -> int:
     if np is not None:
         np.random.seed(seed)
     return seed
+
+
+def resume_rng_states(saved: dict[str, Any], *, exact: bool, rank: int) -> bool:
+    """Restore this rank's saved states (``exact``: saved at the current world size), else derive them from rank 0's.
+
+    Returns:
+        ``exact``: whether the random streams continue exactly (callers warn when they do not).
+    """
+    if exact:
+        restore_rng_states(saved)
+    else:
+        derive_rng_states(saved, rank=rank)
+    return exact
 
 
 def _as_tuples(value: Any) -> Any:

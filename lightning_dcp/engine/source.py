@@ -3,7 +3,8 @@
 Three layouts are recognised, all plain DCP directories underneath:
 
 - ``"lightning_dcp"``: ours (see :mod:`lightning_dcp.engine.layout`): ``state_dict.*``, ``optimizer_states.*`` and the
-  ``lightning`` blob with the non-tensor Trainer state;
+  ``lightning`` blob with the non-tensor Trainer state, or a Fabric checkpoint's own keys (the blob's info names
+  its module and optimizer keys);
 - ``"lightning_sharded"``: Lightning's own sharded layout: ``state_dict.*`` (``ModelParallelStrategy``) or
   ``model.*`` (``FSDPStrategy(state_dict_type="sharded")``), ``optimizer_{i}.*`` and a ``meta.pt`` file
   (``torch.save`` of the non-tensor state);
@@ -29,10 +30,11 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.dcp_io import storage_reader
+from lightning_dcp.engine.integrity import not_one_checkpoint
 from lightning_dcp.engine.marker import METADATA_FILE
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.errors import CheckpointError, CheckpointNotFoundError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
 __all__ = ["LIGHTNING_META_FILE", "Source", "TensorEntry"]
 
@@ -82,8 +84,10 @@ class Source:
     def __init__(self, location: Location) -> None:
         self.location = location
         if not location.exists():
-            raise CheckpointNotFoundError(f"No checkpoint exists at {location.url!r}.")
+            raise checkpoint_not_found(location.url)
         if not location.isdir() or not location.has_metadata():
+            if location.isdir() and (folder := not_one_checkpoint(location)) is not None:
+                raise folder  # a run's dirpath rather than one of its checkpoints
             raise NotACheckpointError(
                 f"{location.url!r} is not a DCP checkpoint directory (no {METADATA_FILE!r} file in it); pass a"
                 " directory written by lightning_dcp, by Lightning's sharded strategies or by `dcp.save`."
@@ -96,28 +100,42 @@ class Source:
             self.kind = "lightning_sharded"
         else:
             self.kind = "dcp"
+        self._extra: dict[str, Any] | None = None
         self.model_key = layout.MODEL_KEY
         """The top-level key of the model weights (``"model"`` in Lightning's FSDPStrategy layout)."""
         if self.kind == "lightning_sharded" and not any(self._path(k)[0] == layout.MODEL_KEY for k in keys):
             self.model_key = _LIGHTNING_FSDP_MODEL_KEY
+        self.roles = layout.tree_roles(self._info()) if self.kind == "lightning_dcp" else None
+        """Which top-level keys hold modules and optimizers (lightning_dcp checkpoints; ``None`` otherwise)."""
+        self.module_keys = self.roles.modules if self.roles is not None else (self.model_key,)
+        """The top-level keys of model weights; a Fabric checkpoint may hold several modules."""
         self.entries = [self._entry(k, m) for k, m in keys.items() if isinstance(m, TensorStorageMetadata)]
         self.byte_keys = [k for k, m in keys.items() if isinstance(m, BytesStorageMetadata) and k != layout.EXTRA_KEY]
 
     def _path(self, key: str) -> tuple:
         return tuple((self.metadata.planner_data or {}).get(key, (key,)))
 
+    def _info(self) -> dict[str, Any]:
+        try:
+            info = self.read_extra().get(layout.INFO_KEY)
+        except CheckpointError:  # unreadable with weights_only: the tools that need the blob report it themselves
+            return {}
+        return info if isinstance(info, dict) else {}
+
     def _entry(self, key: str, meta: TensorStorageMetadata) -> TensorEntry:
         path = self._path(key)
-        weight = path[0] == self.model_key and len(path) == 2 if self.kind != "dcp" else True
-        name = str(path[1]) if weight and self.kind != "dcp" else key
+        weight = path[0] in self.module_keys and len(path) == 2 if self.kind != "dcp" else True
+        name = key
+        if weight and self.kind != "dcp":  # an FQN; prefixed by its module's key when there are several modules
+            name = str(path[1]) if len(self.module_keys) == 1 else f"{path[0]}.{path[1]}"
         return TensorEntry(key, path, name, meta.properties.dtype, tuple(meta.size), weight)
 
     # ------------------------------------------------------------------------------------------ small state
     def optimizer_index(self, entry_path: tuple) -> int | None:
         """The optimizer an entry belongs to (``None``: not optimizer state)."""
         head = entry_path[0]
-        if self.kind == "lightning_dcp" and head == layout.OPTIMIZER_KEY:
-            return int(entry_path[1])
+        if self.roles is not None:
+            return self.roles.optimizer_index(tuple(entry_path))
         if self.kind == "lightning_sharded" and isinstance(head, str):
             match = _LIGHTNING_OPTIMIZER.fullmatch(head)
             return int(match.group(1)) if match else None
@@ -130,8 +148,13 @@ class Source:
             CheckpointError: It cannot be read with ``weights_only`` unpickling, or is corrupt (the file is named).
         """
         if self.kind == "lightning_dcp":
+            if weights_only and self._extra is not None:
+                return dict(self._extra)
             blob = self.read_values([layout.EXTRA_KEY], weights_only=weights_only)[layout.EXTRA_KEY]
-            return layout.decode_extra(blob, path=self.location.url, weights_only=weights_only)
+            extra = layout.decode_extra(blob, path=self.location.url, weights_only=weights_only)
+            if weights_only:
+                self._extra = extra
+            return dict(extra)
         if self.kind == "lightning_sharded":
             name = self.location.join(LIGHTNING_META_FILE)
             try:

@@ -22,16 +22,16 @@ Commit on object stores (S3, GCS, ...), where no directory rename exists:
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import shutil
-import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from lightning_dcp.engine import localfs
+from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
@@ -52,13 +52,16 @@ __all__ = [
     "COMMIT_FILE",
     "METADATA_FILE",
     "POINTER_HEADER",
+    "STAGING_INFIX",
     "Location",
+    "check_storage_options",
     "fsync_dir",
+    "is_missing_credentials",
     "new_token",
     "read_commit",
+    "unreadable",
 ]
 
-STAGING_INFIX = ".tmp-"
 POINTER_HEADER = b"lightning_dcp pointer v1\n"
 """First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
 _POINTER_MAX_BYTES = 4096
@@ -69,7 +72,8 @@ def read_commit(location: Location) -> dict[str, Any] | None:
     """The validated ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
 
     Raises:
-        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker (the message says why).
+        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker, or a local marker cannot
+            be read (a symlink loop, a name too long; the message says why).
     """
     try:
         with location.open(COMMIT_FILE) as f:
@@ -78,6 +82,8 @@ def read_commit(location: Location) -> dict[str, Any] | None:
         return None
     except IsADirectoryError as err:
         raise CorruptCheckpointError(f"{location.url!r}: {COMMIT_FILE} is a directory.", file=COMMIT_FILE) from err
+    except OSError as err:
+        raise unreadable(location, COMMIT_FILE, err) from err
     try:
         return parse_commit(data)
     except MarkerError as err:
@@ -88,9 +94,36 @@ def read_commit(location: Location) -> dict[str, Any] | None:
         ) from None
 
 
+def check_storage_options(storage_options: Any, *, name: str = "storage_options") -> None:
+    """Raise ``TypeError`` unless ``storage_options`` is ``None`` or a mapping of option names (``str``) to values.
+
+    fsspec takes the options as keyword arguments (``fsspec.filesystem(protocol, **storage_options)``): anything else
+    fails deep inside a save or a load, far from where it was passed.
+    """
+    if storage_options is None:
+        return
+    if not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options):
+        raise TypeError(
+            f"`{name}` must be a dict of fsspec filesystem options (e.g. {{'key': ..., 'secret': ...,"
+            f" 'client_kwargs': {{'endpoint_url': ...}}}} for s3fs), got {type(storage_options).__name__}:"
+            f" {storage_options!r:.80}."
+        )
+
+
+def unreadable(location: Location, name: str, err: OSError) -> CorruptCheckpointError:
+    """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
+
+    A symlink loop or a name too long is a fact about the checkpoint; a remote store's failure is not, and is raised
+    again as it is.
+    """
+    if not location.local or isinstance(err, CheckpointError):
+        raise err
+    return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
+
+
 def new_token() -> str:
     """A fresh random token (12 hex characters) that names one save's staging directory."""
-    return uuid.uuid4().hex[:12]
+    return localfs.new_token()
 
 
 class Location:
@@ -107,6 +140,7 @@ class Location:
     """
 
     def __init__(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
+        check_storage_options(storage_options)
         self.url = os.fspath(path)
         self.storage_options = dict(storage_options or {})
         self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
@@ -294,16 +328,22 @@ class Location:
 
     # ------------------------------------------------------------------------------------------------ changes
     def remove(self) -> None:
-        """Delete this path (directory tree, file or link) if it exists; a link never deletes its target."""
+        """Delete this path (directory tree, file or link) if it exists; a link never deletes its target.
+
+        A checkpoint's ``.commit`` marker goes first, so a removal cut short (a kill, a lost connection) leaves an
+        uncommitted directory, never a marker that vouches for files already deleted.
+        """
         if self.local:
-            if os.path.islink(self.path) or os.path.isfile(self.path):
-                os.unlink(self.path)
-            elif os.path.isdir(self.path):
-                shutil.rmtree(self.path)
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.join(COMMIT_FILE))
+            localfs.remove_path(self.path)
             return
         with self._translated():
             if not self.fs.exists(self.path):
                 return
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                self.fs.rm_file(self.join(COMMIT_FILE))
             self.fs.rm(self.path, recursive=True)
             self.fs.invalidate_cache(self.path)
             # Some S3 servers (SeaweedFS) keep an emptied "directory" listed until its own key is deleted.
@@ -339,7 +379,7 @@ class Location:
             NotACheckpointError: ``staging`` holds no committed checkpoint.
         """
         if self.local:
-            _local_replace(staging.path, self.path)
+            localfs.replace_directory(staging.path, self.path)
             return
         with self._translated():
             files = staging.fs.find(staging.path, detail=True)
@@ -369,6 +409,10 @@ class Location:
             if self.bucket is not None and "bucket" in str(err).lower():
                 raise BucketNotFoundError(self._bucket_message()) from err
             raise
+        except Exception as err:
+            if is_missing_credentials(err):
+                raise StorageAccessError(self._credentials_message(err)) from err
+            raise
 
     def _check_bucket(self) -> None:
         bucket = self.bucket
@@ -393,6 +437,16 @@ class Location:
             " they may read, write and list this bucket."
         )
 
+    def _credentials_message(self, err: Exception) -> str:
+        hint = (
+            "pass `storage_options={'key': ..., 'secret': ...}` (CLI: --storage-options '{\"key\": ..., \"secret\":"
+            " ...}'), set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or an AWS profile), or `{'anon': True}` for a"
+            " public bucket"
+            if self._protocol() in ("s3", "s3a")
+            else "pass credentials in `storage_options` or set them up in the environment"
+        )
+        return f"No credentials were found to access {self.url!r} ({type(err).__name__}: {err}): {hint}."
+
     def _bucket_message(self) -> str:
         return (
             f"The bucket {self.bucket!r} of {self.url!r} does not exist. Create it first (for example"
@@ -403,47 +457,13 @@ class Location:
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
 
-
-_AT_FDCWD = -100
-_RENAME_EXCHANGE = 2
-
-
-def _rename_exchange(src: str, dst: str) -> bool:
-    """Atomically swap two existing paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        renameat2 = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    result = renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE)
-    return result == 0
+_CREDENTIAL_ERRORS = {
+    ("botocore", "NoCredentialsError"),  # s3fs: no key anywhere (storage_options, environment, profile)
+    ("botocore", "PartialCredentialsError"),
+    ("google", "DefaultCredentialsError"),  # gcsfs
+}
 
 
-def _local_replace(src: str, dst: str) -> None:
-    """Move directory ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is in place."""
-    if not os.path.lexists(dst):
-        os.rename(src, dst)
-    elif _rename_exchange(src, dst):
-        # ``src`` now holds the previous checkpoint.
-        Location(src).remove()
-    else:
-        parent, name = os.path.split(os.path.abspath(dst))
-        old = os.path.join(parent, f".{name}{STAGING_INFIX}old-{new_token()}")
-        os.rename(dst, old)
-        os.rename(src, dst)
-        Location(old).remove()
-    fsync_dir(os.path.dirname(os.path.abspath(dst)))
-
-
-def fsync_dir(path: str) -> None:
-    """``fsync`` a local directory so a rename inside it survives a power loss (best effort)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+def is_missing_credentials(err: BaseException) -> bool:
+    """Whether ``err`` is a storage library's "no credentials found" (matched by name: those libraries are optional)."""
+    return any((c.__module__.split(".", 1)[0], c.__name__) in _CREDENTIAL_ERRORS for c in type(err).__mro__)

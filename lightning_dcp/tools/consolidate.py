@@ -25,7 +25,17 @@ from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
 from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter
 
-__all__ = ["DTYPES", "FORMATS", "cast_dtype", "cast_tensor", "consolidate", "parse_size", "resolve_dtype", "selected"]
+__all__ = [
+    "DTYPES",
+    "FORMATS",
+    "cast_dtype",
+    "cast_tensor",
+    "consolidate",
+    "parse_size",
+    "refuse_overlap",
+    "resolve_dtype",
+    "selected",
+]
 
 SUFFIX = ".consolidated"
 """Default ``.ckpt`` output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
@@ -64,9 +74,12 @@ def consolidate(
     ``.ckpt`` output holds ``state_dict`` (full tensors), ``optimizer_states`` (``optimizer.state_dict()`` layout,
     integer parameter ids) and the rest of the Trainer state, so ``torch.load(dst, weights_only=True)`` (also with
     ``mmap=True``), ``LightningModule.load_from_checkpoint(dst)`` and ``trainer.fit(model, ckpt_path=dst)`` accept it.
-    A plain DCP directory becomes its nested state dict, as ``dcp_to_torch`` writes it. safetensors output holds
-    tensors only: model weights under their FQNs (plus optimizer tensors under their flat DCP keys when not
-    ``weights_only``), with ``format``, ``epoch`` and ``global_step`` in its metadata.
+    A Fabric checkpoint becomes the dict ``fabric.save`` was given (module states under their keys, optimizer
+    states in ``optimizer.state_dict()`` layout, the other values as saved), which ``fabric.load`` accepts under any
+    strategy. A plain DCP directory becomes its nested state dict, as ``dcp_to_torch`` writes it. safetensors output
+    holds tensors only: model weights under their FQNs (prefixed by the module's key when a Fabric checkpoint holds
+    several modules; plus optimizer tensors under their flat DCP keys when not ``weights_only``), with ``format``,
+    ``epoch`` and ``global_step`` in its metadata.
 
     Args:
         src: Checkpoint directory, local path or fsspec URL.
@@ -93,7 +106,9 @@ def consolidate(
 
     Raises:
         FileExistsError: ``dst`` exists and ``overwrite`` is False.
-        ValueError: Invalid options (unknown format or dtype, patterns without ``weights_only``, shards for ckpt).
+        ValueError: ``dst`` is the checkpoint itself, lies inside it or contains it (refused even with
+            ``overwrite``: the source is never touched); invalid options (unknown format or dtype, patterns without
+            ``weights_only``, shards for ckpt).
         CheckpointNotFoundError: Nothing exists at ``src``.
         NotACheckpointError: ``src`` is no DCP checkpoint, or a data file is truncated or corrupt (the file is
             named); no output is left behind.
@@ -114,8 +129,11 @@ def consolidate(
             dst = src.rstrip("/") + "-safetensors"
     dst = os.fspath(dst)
     out = Location(dst, storage_options=storage_options)
+    given = Location(src, storage_options=storage_options)
+    resolved = given.resolve()
+    refuse_overlap((given, resolved), out)
     refuse_existing(out, overwrite=overwrite)
-    source = Source(Location(src, storage_options=storage_options).resolve())
+    source = Source(resolved)
     entries = [
         e
         for e in source.entries
@@ -139,6 +157,29 @@ def consolidate(
     finally:
         bar.close()
     return dst
+
+
+def refuse_overlap(sources: Sequence[Location], out: Location) -> None:
+    """Raise ``ValueError`` when ``out`` is one of ``sources``, lies inside one, or contains one.
+
+    Writing there (even with ``overwrite``) would replace or corrupt the checkpoint being read. Local paths are
+    compared after resolving symlinks (``last.ckpt``); remote ones by filesystem type and path.
+    """
+    target = _canonical(out)
+    for source in sources:
+        path = _canonical(source)
+        if type(source.fs) is not type(out.fs):
+            continue
+        if target == path or target.startswith(path + "/") or path.startswith(target + "/"):
+            where = "is" if target == path else "lies inside" if target.startswith(path + "/") else "contains"
+            raise ValueError(
+                f"The output {out.url!r} {where} the checkpoint being consolidated ({source.url!r}): choose an output"
+                " outside it (e.g. the default, `<checkpoint>.consolidated` beside it); the checkpoint is untouched."
+            )
+
+
+def _canonical(location: Location) -> str:
+    return os.path.realpath(location.path) if location.local else location.path.rstrip("/")
 
 
 def parse_size(value: int | str) -> int:
@@ -181,7 +222,7 @@ def _write_ckpt(
 
 
 def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, weights_only: bool) -> dict[str, Any]:
-    """The object the ``.ckpt`` pickles: the Trainer's checkpoint dict with :class:`TensorRef` placeholders."""
+    """The object the ``.ckpt`` pickles: the Trainer's (or Fabric's) checkpoint dict, tensors as ``TensorRef``."""
     nested: dict[str, Any] = {}
     for entry in entries:
         set_element(nested, entry.path, refs[entry.key])
@@ -191,13 +232,12 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
     if source.kind == "dcp":
         return nested
     extra = source.read_extra()
+    if source.roles is not None and not source.roles.trainer:
+        return _fabric_checkpoint(nested, extra, source.roles, weights_only=weights_only)
     if source.kind == "lightning_dcp":
         nested.setdefault(layout.MODEL_KEY, {})
         checkpoint = layout.join_checkpoint(nested, extra, in_place=False)
         info = {k: v for k, v in checkpoint[layout.INFO_KEY].items() if k != "loaded_in_place"}
-        optimizer_layout = info.get("optimizer_layout")
-        if optimizer_layout == layout.FQN and layout.OPTIMIZER_KEY in checkpoint:
-            checkpoint[layout.OPTIMIZER_KEY] = [layout.fqns_to_param_ids(s) for s in checkpoint[layout.OPTIMIZER_KEY]]
     else:  # Lightning's sharded layout: ``optimizer_{i}`` entries in get_optimizer_state_dict's (FQN) layout
         checkpoint = {**extra, layout.MODEL_KEY: nested.get(source.model_key, {})}
         optimizers = sorted((i, k) for k in nested if (i := source.optimizer_index((k,))) is not None)
@@ -208,6 +248,26 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
     if weights_only:
         for key in _TRAINING_KEYS:
             checkpoint.pop(key, None)
+    return checkpoint
+
+
+def _fabric_checkpoint(
+    nested: dict[str, Any], extra: dict[str, Any], roles: layout.TreeRoles, *, weights_only: bool
+) -> dict[str, Any]:
+    """Fabric's own single-file format: the dict ``fabric.save`` was given, as ``torch.save`` would have written it.
+
+    Module states under their keys (full tensors, FQN keys), optimizer states in ``optimizer.state_dict()`` layout
+    (integer parameter ids) and every other value as saved, so ``fabric.load(dst, state)`` under any Fabric strategy
+    and ``model.load_state_dict(torch.load(dst)["model"])`` accept it. ``weights_only`` keeps the modules and the
+    non-tensor values and drops optimizers and other tensors.
+    """
+    checkpoint = {k: v for k, v in extra.items() if k != layout.INFO_KEY}
+    for key, value in nested.items():
+        if key == layout.RANK_KEY or (weights_only and key not in roles.modules):
+            continue
+        if key in roles.optimizers:  # an optimizer that never stepped has no "state" entry in DCP
+            value = layout.fqns_to_param_ids({"state": {}, **value})
+        checkpoint[key] = value
     return checkpoint
 
 

@@ -31,7 +31,10 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         ``world_size`` (ranks at save: recorded by lightning_dcp; otherwise the number of ranks that wrote data
         files, a lower bound), ``strategy``, ``global_step`` and ``epoch`` (``None`` when not recorded),
         ``num_tensors``, ``total_bytes`` and ``weight_bytes`` (bytes of the full, unsharded tensors),
-        ``files`` (data files), and ``tensors``: one dict per tensor with ``key`` (flat DCP key), ``name`` (FQN for
+        ``files`` (data files), ``modules`` and ``optimizers`` (the top-level keys holding model weights and
+        optimizer state: ``["state_dict"]``/``["optimizer_states"]`` for the Trainer, the state keys of
+        ``fabric.save`` for Fabric), ``objects`` (the other saved keys of a Fabric checkpoint), and ``tensors``: one
+        dict per tensor with ``key`` (flat DCP key), ``name`` (FQN for
         model weights), ``weight``, ``shape``, ``dtype`` (e.g. ``"float32"``), ``bytes`` and ``chunks`` (saved
         shards).
 
@@ -67,9 +70,21 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         for e in source.entries
     ]
     strategy = info.get("strategy") or ("lightning (sharded)" if source.kind == "lightning_sharded" else None)
+    roles = source.roles
+    fabric = roles is not None and not roles.trainer
+    tree_keys = {e.path[0] for e in source.entries} | {source._path(k)[0] for k in source.byte_keys}
     return {
         "path": source.location.url,
         "format": source.kind,
+        "front_end": None if roles is None else "trainer" if roles.trainer else info.get("front_end", "fabric"),
+        "modules": list(source.module_keys),
+        "optimizers": list(roles.optimizers) if roles is not None else [],
+        "objects": sorted(
+            [k for k in tree_keys if k not in source.module_keys and k not in roles.optimizers and k != layout.RANK_KEY]
+            + [k for k in extra if k != layout.INFO_KEY]
+        )
+        if fabric
+        else [],
         "world_size": info.get("world_size", len(writers) or None),
         "strategy": strategy,
         "global_step": extra.get("global_step"),

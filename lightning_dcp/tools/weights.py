@@ -14,7 +14,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.errors import StateDictMismatchError
+from lightning_dcp.engine.dist import on_rank0
+from lightning_dcp.engine.loading import probe
+from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = ["LoadReport", "load_model_weights"]
 
@@ -40,6 +42,7 @@ def load_model_weights(
     model: torch.nn.Module,
     path: str | os.PathLike,
     *,
+    key: str | None = None,
     exclude: Sequence[str] = (),
     strict: bool = True,
     storage_options: dict[str, Any] | None = None,
@@ -49,12 +52,17 @@ def load_model_weights(
     Works for plain modules and for sharded ones (FSDP2/DTensor parameters load only this rank's shard, resharding
     from whatever world size wrote the checkpoint), from lightning_dcp checkpoints, Lightning's own sharded
     directories and single ``.ckpt`` files. Typical use: in ``LightningModule.configure_model`` (after sharding) or
-    before ``trainer.fit`` without ``ckpt_path``, to fine-tune from a pretraining run.
+    before ``trainer.fit`` without ``ckpt_path``, to fine-tune from a pretraining run. Both front ends' checkpoints
+    work both ways: a Fabric checkpoint's module into a LightningModule, a Trainer checkpoint's ``state_dict`` into
+    the module of a Fabric run (FQNs must match: the same module class, or ``exclude``/``strict=False``).
 
     Args:
         model: The module to fill (its ``state_dict`` FQNs name the entries; for a LightningModule, the same FQNs
             as the checkpoint's ``state_dict``).
         path: Checkpoint directory or file (local path or fsspec URL).
+        key: The top-level key of the weights in a lightning_dcp checkpoint: a Fabric checkpoint's module key (the
+            key it had in ``fabric.save(path, state)``). ``None``: the Trainer's ``"state_dict"``, or a Fabric
+            checkpoint's only module.
         exclude: Glob patterns of FQNs to leave untouched (e.g. ``["head.*"]`` for a new classification head).
         strict: Every non-excluded key of the model must be in the checkpoint and vice versa; with ``False`` only
             the shared keys load and the report lists the rest.
@@ -69,23 +77,29 @@ def load_model_weights(
         StateDictMismatchError: ``strict`` and keys differ, or a shared key's shape or dtype differs (always); the
             message names the FQNs, the saved and the expected shapes. Nothing is loaded then.
         CheckpointNotFoundError, NotACheckpointError: As for ``DCPCheckpointIO.load_checkpoint``.
+        CheckpointError: ``key`` is ``None`` and a Fabric checkpoint holds several modules (they are named).
     """
     live = get_model_state_dict(model, options=StateDictOptions())
     excluded = sorted(k for k in live if any(fnmatch.fnmatchcase(k, p) for p in exclude))
     target = {k: v for k, v in live.items() if k not in excluded}
-    loaded = Checkpointer(storage_options=storage_options).load(
+    checkpointer = Checkpointer(storage_options=storage_options)
+    collective = dist.is_available() and dist.is_initialized()
+    if key is None:
+        key = _weights_key(checkpointer, os.fspath(path), collective=collective)
+    loaded = checkpointer.load(
         path,
-        target={layout.MODEL_KEY: target},
+        target={key: target},
         strict=strict,
-        collective=dist.is_available() and dist.is_initialized(),
-        only=[layout.MODEL_KEY],
+        collective=collective,
+        only=[key],
         exclude=exclude,
+        model_key=key,
     )
     if loaded.kind == "file":  # a single file: full tensors, checked here as the DCP path does
         saved = loaded.objects[layout.MODEL_KEY]
         weights, missing, unexpected = _fit_full(str(path), target, saved, strict=strict, exclude=exclude)
     else:
-        weights, missing, unexpected = loaded.tree[layout.MODEL_KEY], loaded.missing_keys, loaded.unexpected_keys
+        weights, missing, unexpected = loaded.tree[key], loaded.missing_keys, loaded.unexpected_keys
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=not loaded.in_place, strict=False))
     return LoadReport(
         loaded_keys=sorted(set(target) - set(missing)),
@@ -93,6 +107,20 @@ def load_model_weights(
         unexpected_keys=list(unexpected),
         excluded_keys=excluded,
     )
+
+
+def _weights_key(checkpointer: Checkpointer, path: str, *, collective: bool) -> str:
+    """The top-level key of the weights: ``"state_dict"``, or the only module of a Fabric checkpoint."""
+    found = on_rank0(collective, lambda: probe(checkpointer.location(path)))
+    if found.kind != "dcp":
+        return layout.MODEL_KEY
+    head = checkpointer.load(found.url, target={}, strict=False, collective=collective)
+    modules = layout.tree_roles(head.objects.get(layout.INFO_KEY, {})).modules
+    if len(modules) != 1:
+        raise CheckpointError(
+            f"{found.url!r} holds the weights of {len(modules)} modules {list(modules)}: choose one with `key=`."
+        )
+    return modules[0]
 
 
 def _fit_full(

@@ -11,6 +11,7 @@ from typing_extensions import override
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.storage import check_storage_options
 
 __all__ = ["DCPCheckpointIO"]
 
@@ -44,6 +45,7 @@ class DCPCheckpointIO(CheckpointIO):
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
+        TypeError: ``storage_options`` is not a dict of fsspec options.
     """
 
     def __init__(
@@ -55,6 +57,7 @@ class DCPCheckpointIO(CheckpointIO):
         async_save: bool = False,
         defer_staging: bool = False,
     ) -> None:
+        check_storage_options(storage_options)
         self.checkpointer = Checkpointer(
             storage_options=storage_options,
             thread_count=thread_count,
@@ -107,8 +110,10 @@ class DCPCheckpointIO(CheckpointIO):
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
         Raises:
+            TypeError: ``storage_options`` is not a dict of fsspec options.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
+        check_storage_options(storage_options)
         tree, objects, layout_info = layout.split_checkpoint(checkpoint)
         self.checkpointer.save(
             tree,

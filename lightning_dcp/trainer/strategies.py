@@ -37,7 +37,13 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
-from lightning_dcp._compat import install_flag_only_sigterm_handler, unwrap_checkpoint_io
+from lightning_dcp._compat import (
+    install_flag_only_sigterm_handler,
+    restore_modules_and_callbacks,
+    train_epoch_in_progress,
+    trainer_run_arguments,
+    unwrap_checkpoint_io,
+)
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
@@ -106,8 +112,34 @@ class DCPStrategyMixin:
     @property
     @override
     def restore_checkpoint_after_setup(self) -> bool:
-        """Sharded loads fill the optimizers in place, so they must exist: restore after ``setup``."""
-        return True if self._dcp_sharded else super().restore_checkpoint_after_setup
+        """Sharded loads fill the optimizers in place, so they must exist: restore after ``setup``.
+
+        The restore then runs at the end of :meth:`setup` (before ``on_fit_start``); once done, this answers
+        ``False`` so that Lightning does not restore a second time after ``on_fit_start``.
+        """
+        if not self._dcp_sharded:
+            return super().restore_checkpoint_after_setup
+        return not getattr(self, "_dcp_restored_at_setup", False)
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        """Set up as the parent strategy does; sharded, then restore the checkpoint given to ``fit``/``validate``/...
+
+        Lightning restores model, datamodule and callback state before ``setup`` for strategies that load before
+        their optimizers exist, and after ``on_fit_start`` for the others. Restoring here, with the optimizers and
+        the sharded model in place (loads reshard as usual), keeps Lightning's stock order for hooks:
+        ``on_fit_start`` sees the restored callback and model state, as under ``strategy="ddp"``. The user's
+        ``weights_only`` reaches the loader (Lightning's late restore drops it). Without a checkpoint, or when the
+        running ``Trainer._run`` cannot be found, Lightning's late restore applies unchanged.
+        """
+        self._dcp_restored_at_setup = False
+        super().setup(trainer)
+        if not self._dcp_sharded:
+            return
+        arguments = trainer_run_arguments(trainer)
+        if arguments is not None and arguments[0]:
+            restore_modules_and_callbacks(trainer, *arguments)
+            self._dcp_restored_at_setup = True
 
     @property
     @override
@@ -126,6 +158,9 @@ class DCPStrategyMixin:
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
             install_flag_only_sigterm_handler(self.lightning_module.trainer)
+        deferred, self._dcp_deferred_rng = getattr(self, "_dcp_deferred_rng", None), None
+        if deferred is not None:  # saved mid-epoch: after the epoch's iterator drew its seed (see _restore_rank_state)
+            restore_rng_states(deferred)
 
     @override
     def teardown(self) -> None:
@@ -137,6 +172,7 @@ class DCPStrategyMixin:
         Raises:
             CheckpointError: The background save failed; it was not committed.
         """
+        self._dcp_restored_at_setup = False
         try:
             if self._checkpoint_io is not None:
                 self._checkpoint_io.teardown()
@@ -179,7 +215,10 @@ class DCPStrategyMixin:
             storage_options=storage_options,
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
-            rank_state={"rng": collect_rng_states()},
+            rank_state={
+                "rng": collect_rng_states(),
+                "mid_epoch": train_epoch_in_progress(self.lightning_module.trainer),
+            },
         )
 
     @override
@@ -224,7 +263,12 @@ class DCPStrategyMixin:
         if not state or "rng" not in state:
             return
         if info.get("rank_state_exact"):
-            restore_rng_states(state["rng"])
+            if state.get("mid_epoch") and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+                # The resumed fit creates the epoch's data iterator after this load, drawing a seed from the global
+                # generator that the uninterrupted run drew before the save: restore after it, in on_train_start.
+                self._dcp_deferred_rng = state["rng"]
+            else:
+                restore_rng_states(state["rng"])
             return
         derive_rng_states(state["rng"], rank=self.global_rank)
         rank_zero_warn(
@@ -311,7 +355,11 @@ class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
 
 
 def register_strategies(registry: Any = StrategyRegistry) -> None:
-    """Register the ``dcp_*`` names in Lightning's strategy registry (idempotent; runs on import)."""
+    """Register the ``dcp_*`` names in Lightning's strategy registry (idempotent; runs on import).
+
+    Besides one name per strategy, ``"dcp_ddp_find_unused_parameters_false"`` / ``"_true"`` mirror Lightning's
+    ``"ddp_find_unused_parameters_*"`` aliases.
+    """
     for cls, description in (
         (DCPSingleDeviceStrategy, "Single device, DCP checkpoints"),
         (DCPDDPStrategy, "DDP, sharded DCP checkpoints"),
@@ -320,3 +368,8 @@ def register_strategies(registry: Any = StrategyRegistry) -> None:
     ):
         if cls.strategy_name not in registry:
             registry.register(cls.strategy_name, cls, description=description)
+    for find_unused in (False, True):  # Lightning's "ddp_find_unused_parameters_{false,true}" (a GAN needs true)
+        name = f"{DCPDDPStrategy.strategy_name}_find_unused_parameters_{str(find_unused).lower()}"
+        if name not in registry:
+            description = f"DDP with `find_unused_parameters={find_unused}`, sharded DCP checkpoints"
+            registry.register(name, DCPDDPStrategy, description=description, find_unused_parameters=find_unused)

@@ -23,6 +23,17 @@ STEPS, EPOCHS, SAMPLES = 12, 3, 64
 CKPT = "epoch=1-step=6.ckpt"
 
 
+class DropoutIdModel(IdLoggingModel):
+    """IdLoggingModel with dropout: every step draws from the global torch generator (issue 11 #9)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drop = torch.nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.body(x)))
+
+
 def _record(tmp: str, name: str, rank: int, trainer, model, callback: ElasticResume | None) -> None:
     result = snapshot(trainer)
     result["ids"] = model.seen_ids
@@ -31,9 +42,9 @@ def _record(tmp: str, name: str, rank: int, trainer, model, callback: ElasticRes
     save_result(tmp, name, rank, result)
 
 
-def _fit(world_size: int, **kwargs):
+def _fit(world_size: int, model_cls=IdLoggingModel, **kwargs):
     seed()
-    model, callback = IdLoggingModel(), ElasticResume()
+    model, callback = model_cls(), ElasticResume()
     trainer = make_trainer(world_size, callbacks=[callback, *kwargs.pop("callbacks", [])], **kwargs)
     trainer.fit(model, datamodule=IndexedDataModule(SAMPLES, batch_size=4))
     return trainer, model, callback
@@ -49,6 +60,20 @@ def _two_ranks(rank: int, world_size: int, tmp: str) -> None:
 
     _resume(rank, world_size, tmp, "resumed2", accumulate_grad_batches=2)
     _resume(rank, world_size, tmp, "plain2", callback=False, accumulate_grad_batches=2)
+
+    # Dropout: the random streams of a mid-epoch resume continue exactly (RNG restored after the epoch's iterator).
+    trainer, model, cb = _fit(world_size, DropoutIdModel, max_epochs=EPOCHS, accumulate_grad_batches=2)
+    _record(tmp, "full_dropout", rank, trainer, model, cb)
+    ckpt = ModelCheckpoint(dirpath=os.path.join(tmp, "dropout"), every_n_train_steps=6, save_top_k=-1)
+    _fit(world_size, DropoutIdModel, max_steps=6, accumulate_grad_batches=2, callbacks=[ckpt])
+    seed()
+    torch.rand(17)  # the resumed process's own random state must not matter (PL_GLOBAL_SEED, the sampler's, stays)
+    resumed = make_trainer(world_size, max_epochs=EPOCHS, accumulate_grad_batches=2, callbacks=[ElasticResume()])
+    model = DropoutIdModel()
+    resumed.fit(
+        model, datamodule=IndexedDataModule(SAMPLES, batch_size=4), ckpt_path=os.path.join(tmp, "dropout", CKPT)
+    )
+    _record(tmp, "resumed_dropout", rank, resumed, model, None)
 
 
 def _resume(rank: int, world_size: int, tmp: str, name: str, **kwargs) -> None:
@@ -122,6 +147,16 @@ def test_elastic_resume(tmp_path):
             assert_same(full[rank][key], resumed[key], key)
         assert first[rank]["ids"] + resumed["ids"] == full[rank]["ids"]
         assert first[rank]["losses"] + resumed["losses"] == full[rank]["losses"]
+
+    for rank in range(2):  # with dropout too: the mid-epoch resume continues the random streams bit for bit
+        full_dropout, resumed_dropout = (
+            load_result(tmp, "full_dropout", rank),
+            load_result(tmp, "resumed_dropout", rank),
+        )
+        for key in ("params", "optimizers", "global_step"):
+            assert_same(full_dropout[key], resumed_dropout[key], key)
+        assert resumed_dropout["losses"] == full_dropout["losses"][6 * 2 :]
+        assert not torch.equal(full_dropout["params"]["body.0.weight"], full[rank]["params"]["body.0.weight"])
 
     # Without the callback Lightning restarts epoch 1 at its first batch: samples seen twice, others never.
     plain_epoch1 = _by(first + results("plain2", 2), 0)[1]

@@ -20,16 +20,21 @@ def open_dict_everywhere(cfg):
     return open_dict(cfg)
 
 
-def test_hydra_config_instantiates(tmp_path):
+def _compose(name: str, tmp_path) -> dict:
+    """configs/{name}.yaml composed and resolved as in a real run whose directory is ``tmp_path``."""
     with initialize_config_dir(config_dir=os.path.join(ROOT, "configs"), version_base="1.3"):
-        cfg = compose(config_name="train", overrides=[f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
+        cfg = compose(config_name=name, overrides=[f"hydra.run.dir={tmp_path}"], return_hydra_config=True)
         with open_dict_everywhere(cfg):
             cfg.hydra.runtime.output_dir = str(tmp_path)
             cfg.hydra.runtime.cwd = str(tmp_path)
         HydraConfig.instance().set_config(cfg)
         with open_dict(cfg):
             del cfg["hydra"]  # ${hydra:...} resolves through HydraConfig, as in a real run
-        plain = OmegaConf.to_container(cfg, resolve=True)
+        return OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_hydra_config_instantiates(tmp_path):
+    plain = _compose("train", tmp_path)
     io = instantiate(plain["trainer"]["plugins"][0])
     assert isinstance(io, DCPCheckpointIO)
     checkpoint = instantiate(plain["callbacks"]["checkpoint"])
@@ -55,3 +60,14 @@ def test_lightning_cli_config_instantiates(tmp_path, monkeypatch):
     assert isinstance(cli.trainer.strategy, DCPDDPStrategy)
     assert isinstance(cli.trainer.strategy.checkpoint_io, DCPCheckpointIO)
     assert cli.model.hparams.max_steps == cli.trainer.max_steps == 60
+
+
+def test_fabric_hydra_config_instantiates(tmp_path):
+    from lightning_dcp.fabric import DCPDDPStrategy as FabricDDPStrategy
+
+    plain = _compose("fabric_train", tmp_path)
+    fabric = instantiate(plain["fabric"], _convert_="all")  # not launched: no processes start
+    assert isinstance(fabric.strategy, FabricDDPStrategy) and fabric.strategy.checkpointer.async_save
+    assert fabric.world_size == 2 and plain["ckpt_dir"].startswith(str(tmp_path))
+    model = instantiate(plain["model"])
+    assert model.hparams.max_steps == plain["max_steps"] == 60

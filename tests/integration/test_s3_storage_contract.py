@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO, NotACheckpointError
-from lightning_dcp.engine.dcp_io import COMMIT_FILE
+from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import Location
 
 

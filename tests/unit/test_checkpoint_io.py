@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -16,6 +17,7 @@ from lightning_dcp import (
     NotACheckpointError,
     StateDictMismatchError,
 )
+from tests._crafting import torch_bytes, write_committed
 from tests._models import Payload
 from tests._trainer import assert_same
 
@@ -143,14 +145,37 @@ def test_mismatched_target_fails_before_loading_and_changes_nothing(tmp_path):
         )
 
 
-def test_non_tensor_state_never_runs_code(tmp_path):
+def test_unloadable_state_is_refused_at_save_naming_the_key(tmp_path):
     marker = str(tmp_path / "pwned")
     checkpoint = _checkpoint()
     checkpoint["hyper_parameters"] = {"evil": Payload(marker)}
     path = str(tmp_path / "a.ckpt")
+    with pytest.raises(CheckpointError, match=r"tests._models.Payload at \['hyper_parameters'\]\['evil'\]") as err:
+        DCPCheckpointIO().save_checkpoint(checkpoint, path)
+    assert "add_safe_globals" in str(err.value)
+    assert not os.path.exists(marker) and not os.path.exists(path)  # nothing ran, nothing half-written is left
+
+
+def test_numpy_state_round_trips_as_numpy(tmp_path):
+    checkpoint = _checkpoint()
+    checkpoint["extra"] = {
+        "array": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "scalar": np.int64(7),
+        "n": [np.bool_(1)],
+    }
+    path = str(tmp_path / "a.ckpt")
     DCPCheckpointIO().save_checkpoint(checkpoint, path)
-    assert not os.path.exists(marker)
-    with pytest.raises(CheckpointError, match="weights_only"):
+    extra = DCPCheckpointIO().load_checkpoint(path)["extra"]
+    assert isinstance(extra["array"], np.ndarray) and extra["array"].dtype == np.float32
+    assert np.array_equal(extra["array"], checkpoint["extra"]["array"])
+    assert type(extra["scalar"]) is np.int64 and extra["scalar"] == 7 and type(extra["n"][0]) is np.bool_
+
+
+def test_crafted_blob_never_runs_code(tmp_path):
+    marker = str(tmp_path / "pwned")
+    path = str(tmp_path / "a.ckpt")
+    write_committed(path, {"state_dict": _checkpoint()["state_dict"], "lightning": torch_bytes({"x": Payload(marker)})})
+    with pytest.raises(CheckpointError, match="add_safe_globals"):
         DCPCheckpointIO().load_checkpoint(path)
     assert not os.path.exists(marker)
 

@@ -1,0 +1,125 @@
+"""The local-disk commit: a finished staging directory takes the checkpoint's name atomically, and is made durable.
+
+A save writes into a hidden sibling (``.{name}.tmp-{token}``) of its target and renames it into place once every rank
+finished. Replacing an existing checkpoint swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where
+Linux offers it, so the old checkpoint stays readable until the new one is in place. Renames that cross filesystems
+(``EXDEV``) fall back to a copy under a hidden name, then a rename (:func:`replace_directory`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import shutil
+import uuid
+
+__all__ = ["STAGING_INFIX", "fsync_dir", "new_token", "remove_path", "replace_directory"]
+
+STAGING_INFIX = ".tmp-"
+"""Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+
+
+def new_token() -> str:
+    """A fresh random token (12 hex characters) that names one save's staging directory."""
+    return uuid.uuid4().hex[:12]
+
+
+def remove_path(path: str) -> None:
+    """Delete ``path`` (directory tree, file or link) if it exists; a link never deletes its target."""
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+    elif os.path.isdir(path):
+        shutil.rmtree(path)
+
+
+def replace_directory(src: str, dst: str) -> None:
+    """Move the complete directory ``src`` to ``dst``; an existing ``dst`` is replaced only once ``src`` is in place.
+
+    A rename that crosses filesystems (``EXDEV``: overlayfs refuses to rename a directory of a lower layer, e.g. one
+    baked into a container image; bind mounts) falls back to a copy (see :func:`_move`). When ``dst`` itself cannot
+    be renamed out of the way, it is deleted just before ``src`` is moved in; ``src`` carries its own ``.commit``
+    marker, so the new checkpoint is whole under its hidden name during that window. Rank 0 only.
+    """
+    parent, name = os.path.split(os.path.abspath(dst))
+    if not os.path.lexists(dst):
+        _move(src, dst)
+    elif _rename_exchange(src, dst):
+        remove_path(src)  # ``src`` now holds the previous checkpoint
+    else:
+        old: str | None = os.path.join(parent, f".{name}{STAGING_INFIX}old-{new_token()}")
+        try:
+            os.rename(dst, old)
+        except OSError as err:
+            if err.errno != errno.EXDEV:
+                raise
+            remove_path(dst)
+            old = None
+        _move(src, dst)
+        if old is not None:
+            remove_path(old)
+    fsync_dir(parent)
+
+
+def _rename_exchange(src: str, dst: str) -> bool:
+    """Atomically swap two existing paths with Linux ``renameat2(RENAME_EXCHANGE)``; False where unsupported."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        renameat2 = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    result = renameat2(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), _RENAME_EXCHANGE)
+    return result == 0
+
+
+def _move(src: str, dst: str) -> None:
+    """Rename ``src`` to the free name ``dst``; across filesystems (``EXDEV``), copy first, then rename.
+
+    The copy is written under a hidden name beside ``dst`` (``.{name}.tmp-copy-{token}``, on ``dst``'s filesystem),
+    synced, and renamed into place; only then is ``src`` deleted. A crash leaves ``src`` intact and at most a hidden
+    partial copy, which the next save to that name removes with the other staging leftovers.
+    """
+    try:
+        os.rename(src, dst)
+        return
+    except OSError as err:
+        if err.errno != errno.EXDEV:
+            raise
+    parent, name = os.path.split(os.path.abspath(dst))
+    tmp = os.path.join(parent, f".{name}{STAGING_INFIX}copy-{new_token()}")
+    try:
+        shutil.copytree(src, tmp, symlinks=True)
+        _fsync_tree(tmp)
+        os.rename(tmp, dst)
+    except BaseException:
+        remove_path(tmp)
+        raise
+    remove_path(src)
+
+
+def _fsync_tree(root: str) -> None:
+    for directory, _, files in os.walk(root):
+        for file in files:
+            fd = os.open(os.path.join(directory, file), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(directory)
+
+
+def fsync_dir(path: str) -> None:
+    """``fsync`` a local directory so a rename inside it survives a power loss (best effort)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,263 @@
+"""``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` on the engine, with Fabric's semantics.
+
+A save writes every rank's part of the state as one committed, checksummed DCP checkpoint (:mod:`.state` says what
+goes where) plus each rank's RNG states. A load reads lightning_dcp checkpoints (written through Fabric or the
+Trainer; resharding to the current world size) and single ``torch.save`` files (Fabric's own format, or the
+``.pt`` that ``python -m lightning_dcp.consolidate`` writes), and follows ``Strategy.load_checkpoint``:
+
+- ``state=None`` or ``{}``: the whole checkpoint with full CPU tensors (optimizer state in
+  ``optimizer.state_dict()`` layout, as in a ``torch.save`` checkpoint);
+- a dict: modules, optimizers and stateful objects are restored in place, other keys are replaced by the saved
+  values; the saved entries not asked for come back (tensors among them as full CPU tensors, the modules and
+  optimizers nobody asked for left unread). A requested key the checkpoint lacks is an error unless
+  ``strict=False``; so are differing module keys. Everything is checked before anything is loaded;
+- a module (``fabric.load_raw``): its weights, from a raw state-dict file or from the one module of a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from lightning_dcp.engine import layout
+from lightning_dcp.engine.checkpointer import Checkpointer, Loaded
+from lightning_dcp.engine.dist import on_rank0, rank_and_world
+from lightning_dcp.engine.loading import probe, torch_load_error
+from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import CheckpointError, NotACheckpointError
+from lightning_dcp.fabric.state import (
+    check_requested,
+    is_stateful,
+    load_targets,
+    owner_of,
+    saved_keys,
+    split_state,
+    unwrap,
+)
+
+__all__ = ["load_state", "save_state"]
+
+
+def save_state(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Mapping[str, Any],
+    *,
+    filters: Mapping[str, Callable[[str, Any], bool]] | None = None,
+    info: Mapping[str, Any] | None = None,
+    storage_options: dict[str, Any] | None = None,
+) -> None:
+    """Save a Fabric state dict as a DCP checkpoint at ``path``; every rank writes its part.
+
+    Collective: call on all ranks with the same ``path``.
+
+    Raises:
+        CheckpointError: Writing failed on some rank (nothing was committed), or the state cannot be split.
+    """
+    tree, objects, layout_info = split_state(state, filters=filters)
+    checkpointer.save(
+        tree,
+        path,
+        objects=objects,
+        rank_objects={"rng": collect_rng_states()},
+        info={**(info or {}), **layout_info},
+        storage_options=storage_options,
+        collective=True,
+    )
+
+
+def load_state(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool = True,
+    weights_only: bool | None = None,
+) -> dict[str, Any]:
+    """Load the checkpoint at ``path`` as ``Strategy.load_checkpoint`` does (see this module's docstring).
+
+    Collective: call on all ranks with the same ``path``.
+
+    Raises:
+        CheckpointNotFoundError: Nothing exists at ``path``.
+        NotACheckpointError: Not a readable checkpoint (or an incomplete save).
+        StateDictMismatchError: Keys, shapes or dtypes differ from ``state``; nothing was loaded.
+        CheckpointError: Non-tensor state that ``weights_only`` refuses, or a request the checkpoint cannot serve.
+    """
+    weights_only = True if weights_only is None else weights_only
+    checkpointer.wait(collective=True)  # a background save to this path must land before it is probed
+    found = on_rank0(True, lambda: probe(checkpointer.location(path)))
+    if found.kind == "file":
+        return _load_file(checkpointer.location(found.url), state, strict=strict, weights_only=weights_only)
+    if found.kind == "lightning":
+        raise NotACheckpointError(
+            f"{found.url!r} was written by Lightning's own sharded strategy (it has meta.pt), not by lightning_dcp."
+            " Load it with that strategy, then `fabric.save` it again under a dcp_* strategy."
+        )
+    if not state:
+        return _load_everything(checkpointer, found.url, weights_only=weights_only)
+    if isinstance(state, Optimizer):
+        raise CheckpointError(
+            f"{found.url!r} keys optimizer state by parameter names: load it together with its module,"
+            " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
+        )
+    head = checkpointer.load(found.url, target={}, strict=False, collective=True, weights_only=weights_only)
+    roles = layout.tree_roles(head.objects.pop(layout.INFO_KEY, {}))
+    if isinstance(state, Module):
+        _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
+        return {}
+    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only)
+    _restore_rng(head)
+    return remainder
+
+
+# ------------------------------------------------------------------------------------------------ directories
+def _load_everything(checkpointer: Checkpointer, url: str, *, weights_only: bool) -> dict[str, Any]:
+    loaded = checkpointer.load(url, collective=True, weights_only=weights_only)
+    tree = {k: v for k, v in loaded.tree.items() if k != layout.RANK_KEY}
+    info = loaded.objects.get(layout.INFO_KEY, {})
+    roles = layout.tree_roles(info)
+    if roles.trainer:
+        checkpoint = layout.join_checkpoint(tree, loaded.objects, in_place=False)
+        checkpoint.pop(layout.INFO_KEY, None)
+        return checkpoint
+    checkpoint = {k: v for k, v in loaded.objects.items() if k != layout.INFO_KEY}
+    for key, value in tree.items():
+        if key in roles.optimizers:  # as `optimizer.state_dict()` gives it (an empty state is not stored by DCP)
+            value = layout.fqns_to_param_ids({"state": {}, **value})
+        checkpoint[key] = value
+    return checkpoint
+
+
+def _load_module(
+    checkpointer: Checkpointer,
+    url: str,
+    module: Module,
+    metadata: Any,
+    roles: layout.TreeRoles,
+    *,
+    strict: bool,
+    weights_only: bool,
+) -> None:
+    if len(roles.modules) != 1:
+        raise CheckpointError(
+            f"{url!r} holds {len(roles.modules)} modules ({list(roles.modules)}): name the one to load,"
+            " e.g. `fabric.load(path, {'model': model}, strict=False)`."
+        )
+    key = roles.modules[0]
+    targets = load_targets(url, {key: module}, metadata, roles=roles, strict=strict)
+    if key not in targets.tree:
+        raise NotACheckpointError(f"{url!r} holds no weights under {key!r}.")
+    loaded = checkpointer.load(
+        url, target=targets.tree, strict=False, collective=True, only=[key], weights_only=weights_only
+    )
+    set_model_state_dict(unwrap(module), loaded.tree[key], options=StateDictOptions(strict=False))
+
+
+def _load_dict(
+    checkpointer: Checkpointer,
+    url: str,
+    state: dict[str, Any],
+    metadata: Any,
+    head: Loaded,
+    roles: layout.TreeRoles,
+    strict: bool,
+    weights_only: bool,
+) -> dict[str, Any]:
+    saved = saved_keys(metadata)
+    objects = dict(head.objects)
+    check_requested(url, state, [*saved, *objects], strict=strict)
+    unasked = [k for k in saved if k not in state and k not in roles.modules and k not in roles.optimizers]
+    targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked)
+    tree: dict[str, Any] = {}
+    if targets.tree:
+        only = list(targets.tree)
+        loaded = checkpointer.load(
+            url, target=targets.tree, strict=False, collective=True, only=only, weights_only=weights_only
+        )
+        tree = loaded.tree
+    for key, module in targets.modules.items():
+        set_model_state_dict(module, tree[key], options=StateDictOptions(strict=False))
+    for key, (owner, optimizer) in targets.optimizers.items():
+        set_optimizer_state_dict(owner, optimizer, tree[key], options=StateDictOptions())
+    remainder = objects
+    for key, obj in list(state.items()):
+        if key in targets.modules or key in targets.optimizers:
+            continue
+        if key in tree:
+            _restore(state, key, obj, tree[key])
+        elif key in remainder:
+            _restore(state, key, obj, remainder.pop(key))
+    remainder.update({key: tree[key] for key in unasked})
+    return remainder
+
+
+def _restore(state: dict[str, Any], key: str, obj: Any, value: Any) -> None:
+    """An object with ``load_state_dict`` is restored in place; any other value is replaced (Fabric's rule)."""
+    if is_stateful(obj) and not isinstance(obj, (Module, Optimizer)):
+        obj.load_state_dict(value)
+    else:
+        state[key] = value
+
+
+def _restore_rng(head: Loaded) -> None:
+    saved = head.rank_objects
+    if not saved or "rng" not in saved:
+        return
+    rank, world_size = rank_and_world(True)
+    if resume_rng_states(saved["rng"], exact=head.rank_objects_exact, rank=rank):
+        return
+    rank_zero_warn(
+        f"The checkpoint was saved at world size {head.saved_world_size} and is loaded at {world_size}: per-rank"
+        " random states cannot carry over one-to-one, so each rank's generators (torch, numpy, python) are"
+        " re-seeded deterministically from rank 0's saved state and the rank. Model, optimizer and the other"
+        " saved values are exact."
+    )
+
+
+# ------------------------------------------------------------------------------------------------------ files
+def _load_file(
+    location: Location, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool
+) -> dict[str, Any]:
+    """A ``torch.save`` file, read whole on every rank (as Fabric does), applied as full state dicts."""
+    try:
+        with location.open() as f:
+            checkpoint = torch.load(f, map_location="cpu", weights_only=weights_only)
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        raise torch_load_error(location.url, err) from None
+    full = StateDictOptions(full_state_dict=True, strict=strict)
+    if not state:
+        return checkpoint
+    if isinstance(state, Module):
+        set_model_state_dict(unwrap(state), checkpoint, options=full)
+        return {}
+    if isinstance(state, Optimizer):
+        state.load_state_dict(checkpoint)
+        return {}
+    check_requested(location.url, state, checkpoint, strict=strict)
+    modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, Module)}
+    for key, obj in list(state.items()):
+        if key not in checkpoint:
+            continue
+        value = checkpoint.pop(key)
+        if isinstance(obj, Module):
+            set_model_state_dict(modules[key], value, options=full)
+        elif isinstance(obj, Optimizer):
+            owner = owner_of(key, obj, modules)
+            if layout.optimizer_layout([value]) == layout.PARAM_ID:
+                value = layout.param_ids_to_fqns(value, owner, obj)
+            set_optimizer_state_dict(owner, obj, value, options=StateDictOptions(full_state_dict=True))
+        else:
+            _restore(state, key, obj, value)
+    return checkpoint

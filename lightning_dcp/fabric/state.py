@@ -1,0 +1,289 @@
+"""How a Fabric state dict maps onto the engine's tree, objects and info, and how a checkpoint is checked against one.
+
+``fabric.save(path, state)`` hands the strategy a flat dict of the user's objects. Each top-level key keeps its name
+in the checkpoint (see :mod:`lightning_dcp.engine.layout`):
+
+- a module: its ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded), a DCP entry per tensor;
+- an optimizer: its ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN);
+- any other value holding tensors (a tensor, or a dict of tensors and plain values, also from an object's
+  ``state_dict()``): DCP entries;
+- everything else: the rank-0 blob, as ``torch.save`` would keep it.
+
+``filter={key: fn}`` keeps the items ``(name, value)`` of that key's state dict for which ``fn`` is true, as Fabric
+applies it (a key left without any item is not saved).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_dcp._compat import flatten_state_dict
+from lightning_dcp.engine import layout
+from lightning_dcp.errors import CheckpointError, StateDictMismatchError
+
+__all__ = [
+    "Targets",
+    "check_requested",
+    "is_stateful",
+    "load_targets",
+    "owner_of",
+    "saved_keys",
+    "split_state",
+    "unwrap",
+]
+
+FRONT_END = "fabric"
+_PLAIN = (bool, int, float, str, bytes, type(None))
+_HINT = "Load a checkpoint of this model, or pass `strict=False` to load only the keys both have."
+
+
+def unwrap(module: Module) -> Module:
+    """The module whose FQNs name the checkpoint entries (DDP's wrapper removed; FSDP wrappers are understood)."""
+    return module.module if isinstance(module, DistributedDataParallel) else module
+
+
+def is_stateful(obj: Any) -> bool:
+    """Whether ``obj`` follows Fabric's ``_Stateful`` protocol (``state_dict()`` and ``load_state_dict()``)."""
+    return callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))
+
+
+def owner_of(key: str, optimizer: Optimizer, modules: Mapping[str, Module]) -> Module:
+    """The module of ``modules`` that holds every parameter of ``optimizer`` (its FQNs name the optimizer state).
+
+    Raises:
+        CheckpointError: No module in the state holds all of them.
+    """
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for module in modules.values():
+        if params <= {id(p) for p in module.parameters()}:
+            return module
+    raise CheckpointError(
+        f"The optimizer under {key!r} optimizes parameters of no single module in the state (modules:"
+        f" {sorted(modules)}). Put the module it trains into the same state dict, e.g."
+        f" `{{'model': model, {key!r}: optimizer}}`: its parameter names key the optimizer state."
+    )
+
+
+def _tensor_tree(value: Any) -> tuple[bool, bool]:
+    """``(fits, has_tensor)``: whether DCP stores ``value`` faithfully as nested entries, and holds a tensor.
+
+    DCP flattens dicts (string keys; an empty dict would vanish) and stores other leaves pickled; lists holding
+    tensors would come back rebuilt, so they go to the blob.
+    """
+    if isinstance(value, torch.Tensor):
+        return True, True
+    if isinstance(value, Mapping):
+        if not value or not all(isinstance(k, str) for k in value):
+            return False, False
+        found = False
+        for item in value.values():
+            fits, has_tensor = _tensor_tree(item)
+            if not fits:
+                return False, False
+            found = found or has_tensor
+        return True, found
+    if isinstance(value, (list, tuple)):
+        return all(isinstance(v, _PLAIN) for v in value), False
+    return isinstance(value, _PLAIN), False
+
+
+def _filtered(key: str, value: Any, filters: Mapping[str, Callable[[str, Any], bool]]) -> tuple[bool, Any]:
+    if key not in filters or not isinstance(value, dict):
+        return True, value
+    kept = {name: item for name, item in value.items() if filters[key](name, item)}
+    return bool(kept), kept
+
+
+def split_state(
+    state: Mapping[str, Any],
+    *,
+    filters: Mapping[str, Callable[[str, Any], bool]] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Turn a Fabric state dict into the engine's ``(tree, objects, info)``.
+
+    Args:
+        state: ``{key: module | optimizer | stateful object | tensor | any value}`` (Fabric's wrappers removed).
+        filters: ``fabric.save(..., filter=...)``: per key, a predicate on the ``(name, value)`` items of its state
+            dict.
+
+    Returns:
+        The tree (modules, optimizers, tensor-holding values), the blob's content (everything else) and the info
+        to record (``"modules"``, ``"optimizers"``: the keys of each kind that were saved).
+
+    Collective: call on all ranks (``get_optimizer_state_dict`` initialises lazy optimizer state collectively under
+    FSDP).
+
+    Raises:
+        CheckpointError: An optimizer whose parameters no module in the state holds.
+    """
+    filters = filters or {}
+    modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, Module)}
+    tree: dict[str, Any] = {}
+    objects: dict[str, Any] = {}
+    roles: dict[str, list[str]] = {layout.MODULES_INFO: [], layout.OPTIMIZERS_INFO: []}
+    for key, obj in state.items():
+        role = None
+        if isinstance(obj, Module):
+            value, role = get_model_state_dict(modules[key], options=StateDictOptions()), layout.MODULES_INFO
+        elif isinstance(obj, Optimizer):
+            owner = owner_of(key, obj, modules)
+            value, role = get_optimizer_state_dict(owner, obj, options=StateDictOptions()), layout.OPTIMIZERS_INFO
+        else:
+            value = obj.state_dict() if is_stateful(obj) else obj
+        keep, value = _filtered(key, value, filters)
+        if not keep:
+            continue
+        if role is not None:
+            tree[key] = value
+            roles[role].append(key)
+        elif all(_tensor_tree(value)):
+            tree[key] = value
+        else:
+            objects[key] = value
+    info = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
+    return tree, objects, info
+
+
+# ------------------------------------------------------------------------------------------------------- load
+def saved_keys(metadata: Metadata) -> dict[str, dict[str, Any]]:
+    """Per top-level key of the checkpoint's tree, its flat DCP keys and their metadata (blobs left out)."""
+    mappings = metadata.planner_data or {}
+    keys: dict[str, dict[str, Any]] = {}
+    for flat, meta in metadata.state_dict_metadata.items():
+        head = mappings.get(flat, (flat,))[0]
+        if head not in (layout.EXTRA_KEY, layout.RANK_KEY):
+            keys.setdefault(str(head), {})[flat] = meta
+    return keys
+
+
+@dataclasses.dataclass
+class Targets:
+    """What a load reads into: in-place targets per key, and what each key is."""
+
+    tree: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """``{key: target}`` for ``dcp.load``: this rank's module and optimizer state, full CPU tensors otherwise."""
+    modules: dict[str, Module] = dataclasses.field(default_factory=dict)
+    optimizers: dict[str, tuple[Module, Optimizer]] = dataclasses.field(default_factory=dict)
+    """``{key: (owner module, optimizer)}``."""
+
+
+def check_requested(path: str, requested: Iterable[str], available: Iterable[str], *, strict: bool) -> list[str]:
+    """The requested keys the checkpoint lacks; with ``strict`` any of them is an error, as in Fabric.
+
+    Raises:
+        StateDictMismatchError: ``strict`` and a requested key is not in the checkpoint.
+    """
+    missing = sorted(set(requested) - set(available))
+    if strict and missing:
+        raise StateDictMismatchError(
+            path,
+            missing_keys=missing,
+            hint=f"The checkpoint holds {sorted(available)}. Pass `strict=False` to load the keys it has.",
+        )
+    return missing
+
+
+def load_targets(
+    path: str,
+    state: Mapping[str, Any],
+    metadata: Metadata,
+    *,
+    roles: layout.TreeRoles,
+    strict: bool,
+    extra_keys: Iterable[str] = (),
+) -> Targets:
+    """Build the in-place load targets for ``state`` and check them against the checkpoint before anything loads.
+
+    Args:
+        path: The checkpoint (for messages).
+        state: The user's state dict (wrappers removed).
+        metadata: The checkpoint's DCP metadata.
+        roles: Which of its keys are modules and optimizers.
+        strict: Module keys must match exactly (otherwise the shared ones load); optimizers always must.
+        extra_keys: Further tree keys to read as full CPU tensors (values not in ``state``, for the remainder).
+
+    Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives).
+
+    Raises:
+        StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; the message names them.
+    """
+    saved = saved_keys(metadata)
+    modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, Module)}
+    targets = Targets()
+    for key, obj in state.items():
+        if key not in saved:
+            continue
+        if isinstance(obj, Module):
+            targets.tree[key] = _module_target(path, key, modules[key], saved[key], metadata, strict=strict)
+            targets.modules[key] = modules[key]
+        elif isinstance(obj, Optimizer):
+            owner = owner_of(key, obj, modules)
+            live = get_optimizer_state_dict(owner, obj, options=StateDictOptions())
+            _check_exact(path, key, live, saved[key])
+            targets.tree[key] = live
+            targets.optimizers[key] = (owner, obj)
+        elif key not in roles.modules and key not in roles.optimizers:
+            targets.tree[key] = _full_target(metadata, key)
+    for key in extra_keys:
+        if key in saved and key not in state:
+            targets.tree[key] = _full_target(metadata, key)
+    return targets
+
+
+def _module_target(
+    path: str, key: str, module: Module, saved: Mapping[str, Any], metadata: Metadata, *, strict: bool
+) -> dict[str, Any]:
+    mappings = metadata.planner_data or {}
+    saved_fqns = {str(mappings.get(flat, (flat,))[1]): meta for flat, meta in saved.items() if flat != key}
+    live = get_model_state_dict(module, options=StateDictOptions())
+    missing = sorted(set(live) - set(saved_fqns))
+    unexpected = sorted(set(saved_fqns) - set(live))
+    mismatched = _mismatched({fqn: (saved_fqns[fqn], value) for fqn, value in live.items() if fqn in saved_fqns})
+    if mismatched or (strict and (missing or unexpected)):
+        raise StateDictMismatchError(
+            path,
+            missing_keys=[f"{key}.{k}" for k in missing] if strict else (),
+            unexpected_keys=[f"{key}.{k}" for k in unexpected] if strict else (),
+            mismatched={f"{key}.{k}": v for k, v in mismatched.items()},
+            hint=_HINT,
+        )
+    return {fqn: value for fqn, value in live.items() if fqn in saved_fqns}
+
+
+def _check_exact(path: str, key: str, live: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    flat, _ = flatten_state_dict({key: live})
+    missing = sorted(k for k in flat if k not in saved)
+    unexpected = sorted(k for k in saved if k not in flat)
+    mismatched = _mismatched({k: (saved[k], v) for k, v in flat.items() if k in saved})
+    if missing or unexpected or mismatched:
+        raise StateDictMismatchError(
+            path,
+            missing_keys=missing,
+            unexpected_keys=unexpected,
+            mismatched=mismatched,
+            hint=f"The optimizer state under {key!r} does not fit this optimizer (other parameters, or another"
+            " optimizer type): resume with the same model and optimizer, or leave it out of the state.",
+        )
+
+
+def _mismatched(pairs: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple]:
+    out = {}
+    for name, (meta, value) in pairs.items():
+        if isinstance(value, torch.Tensor) and isinstance(meta, TensorStorageMetadata):
+            if tuple(meta.size) != tuple(value.shape) or meta.properties.dtype != value.dtype:
+                out[name] = (tuple(meta.size), meta.properties.dtype, tuple(value.shape), value.dtype)
+    return out
+
+
+def _full_target(metadata: Metadata, key: str) -> Any:
+    """Full CPU tensors (and placeholders for small values) of the saved entries under ``key``."""
+    return layout.metadata_target(metadata, prefixes=(key,))[key]

@@ -1,0 +1,279 @@
+"""Lightning Fabric strategies whose ``fabric.save`` / ``fabric.load`` go through lightning_dcp's engine.
+
+``DCPStrategyMixin`` replaces a Fabric strategy's checkpoint methods: every rank writes its part of the state
+(replicated DDP tensors once, with the bytes spread over ranks; DTensor shards by their owners), the save is
+committed only once every rank finished (optionally in the background), every record is checksummed, any fsspec
+storage works, and loads reshard to the current world size and across these strategies. Importing ``lightning_dcp``
+registers ``"dcp_single_device"``, ``"dcp_ddp"``, ``"dcp_fsdp"`` and ``"dcp_model_parallel"`` in Fabric's strategy
+registry, so ``Fabric(strategy="dcp_ddp")`` works.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.strategies import (
+    STRATEGY_REGISTRY,
+    DDPStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+)
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.fabric.checkpoint import load_state, save_state
+
+__all__ = [
+    "DCPDDPStrategy",
+    "DCPFSDPStrategy",
+    "DCPModelParallelStrategy",
+    "DCPSingleDeviceStrategy",
+    "DCPStrategyMixin",
+    "fully_shard_layers",
+    "register_strategies",
+]
+
+
+class DCPStrategyMixin:
+    """Make a Fabric strategy save and load sharded DCP checkpoints through lightning_dcp's engine.
+
+    Put it first in the bases: ``class MyStrategy(DCPStrategyMixin, DDPStrategy)``. It consumes the keyword
+    arguments below and passes every other argument to the strategy.
+
+    Args:
+        storage_options: fsspec options (credentials, endpoint, region) for every read, write, list and delete.
+        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
+        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
+        async_save: ``fabric.save`` returns once the state is staged into reused CPU buffers and writes in the
+            background. At most one save is in flight; the next save, a load and :meth:`wait_for_save` wait for
+            it and raise its error. Call :meth:`wait_for_save` before the process exits (Fabric never tears its
+            strategy down), or the last save is not committed.
+
+    Raises:
+        ValueError: ``thread_count`` is not a positive integer.
+        TypeError: A ``CheckpointIO`` plugin is given: these strategies write through the engine, not a plugin.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        storage_options: dict[str, Any] | None = None,
+        thread_count: int = 1,
+        sync_files: bool = True,
+        async_save: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        self._refuse_plugin(kwargs.pop("checkpoint_io", None))
+        self.checkpointer = Checkpointer(
+            storage_options=storage_options, thread_count=thread_count, sync_files=sync_files, async_save=async_save
+        )
+        """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+        super().__init__(*args, **kwargs)
+
+    def _refuse_plugin(self, io: CheckpointIO | None) -> None:
+        if io is not None:
+            raise TypeError(
+                f"`{type(self).__name__}` writes DCP checkpoints through lightning_dcp's engine and takes no"
+                f" CheckpointIO plugin (got `{type(io).__name__}`): remove it, and pass storage options to the"
+                f" strategy, e.g. `{type(self).__name__}(storage_options={{...}})`."
+            )
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Fabric's default plugin, unused: checkpoints go through :attr:`checkpointer`."""
+        return TorchCheckpointIO()
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        self._refuse_plugin(io)
+
+    # ----------------------------------------------------------------------------------------------- save
+    def save_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: dict[str, Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Any] | None = None,
+    ) -> None:
+        """Write ``state`` as a DCP checkpoint directory at ``path`` (``fabric.save`` calls this).
+
+        Modules and optimizers become FQN-keyed state dicts (``get_model_state_dict`` /
+        ``get_optimizer_state_dict``), tensors become DCP entries written by every rank, the other values go into
+        one blob written by rank 0, and each rank adds its RNG states. The directory is committed once every rank
+        finished; an existing checkpoint at ``path`` is replaced only then.
+
+        Args:
+            path: Target directory, a local path or fsspec URL; rank 0's value is used on every rank.
+            state: ``{key: module | optimizer | object with state_dict() | tensor | value}``.
+            storage_options: fsspec options for this call, merged over the strategy's.
+            filter: ``{key: fn(name, value) -> bool}``: keep only these items of that key's state dict.
+
+        Collective: call on all ranks.
+
+        Raises:
+            CheckpointError: Writing failed on some rank (nothing was committed).
+        """
+        save_state(
+            self.checkpointer,
+            self.broadcast(os.fspath(path)),
+            state,
+            filters=filter,
+            info={"strategy": type(self).__name__},
+            storage_options=storage_options,
+        )
+
+    # ----------------------------------------------------------------------------------------------- load
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike,
+        state: Module | Optimizer | dict[str, Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Restore ``state`` from the checkpoint at ``path`` (``fabric.load`` and ``fabric.load_raw`` call this).
+
+        Reads lightning_dcp checkpoints (from Fabric or the Trainer, any world size and any of these strategies)
+        and single ``torch.save`` files; see :mod:`lightning_dcp.fabric.checkpoint` for what each kind of ``state``
+        receives. RNG states are restored exactly at the world size of the save, re-derived (with a warning) at
+        another.
+
+        Returns:
+            The saved entries not restored into ``state``; the whole checkpoint when ``state`` is empty.
+
+        Collective: call on all ranks.
+
+        Raises:
+            CheckpointNotFoundError: Nothing exists at ``path``.
+            NotACheckpointError: Not a readable checkpoint (or an incomplete save).
+            StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; nothing was loaded.
+            CheckpointError: Non-tensor state that ``weights_only`` (default True) refuses.
+        """
+        torch.cuda.empty_cache()
+        path = self.broadcast(os.fspath(path))
+        return load_state(self.checkpointer, path, state, strict=strict, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike) -> None:
+        """Delete the checkpoint at ``path`` once (rank 0), after the background save it depends on commits.
+
+        Collective: call on all ranks.
+        """
+        self.checkpointer.remove(self.broadcast(os.fspath(path)), collective=True)
+
+    def wait_for_save(self) -> None:
+        """Block until the background save in flight (if any) is committed.
+
+        Collective: call on all ranks; every rank raises if any rank's part failed.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed (earlier checkpoints are intact).
+        """
+        self.checkpointer.wait(collective=True)
+
+    @override
+    def teardown(self) -> None:
+        """Finish the background save in flight (if any) and release its buffers, then tear the strategy down.
+
+        Raises:
+            CheckpointError: The background save failed; it was not committed.
+        """
+        try:
+            self.checkpointer.close()
+        finally:
+            super().teardown()
+
+
+class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
+    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
+
+    ``device=None`` (the default) takes the device Fabric picks for its ``accelerator``.
+    """
+
+    strategy_name = "dcp_single_device"
+
+    def __init__(self, device: Any = None, **kwargs: Any) -> None:
+        self._device_given = device is not None
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The device given at construction (none yet when Fabric is to choose it)."""
+        return [self.root_device] if self._device_given else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if devices and not self._device_given:
+            self._root_device = torch.device(devices[0])
+
+
+class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):
+    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
+
+    strategy_name = "dcp_ddp"
+
+
+class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
+    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
+
+    Fabric's own ``state_dict_type`` has no effect: checkpoints are always this strategy's sharded DCP directories.
+    """
+
+    strategy_name = "dcp_fsdp"
+
+
+def fully_shard_layers(module: Module, device_mesh: Any) -> Module:
+    """FSDP2: ``fully_shard`` every submodule that holds parameters itself, then the root, over data parallel.
+
+    The default ``parallelize_fn`` of :class:`DCPModelParallelStrategy`. FQNs are unchanged, so checkpoints of the
+    module load into the unsharded module and back.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = device_mesh["data_parallel"]
+    for submodule in module.modules():
+        if submodule is not module and any(True for _ in submodule.parameters(recurse=False)):
+            fully_shard(submodule, mesh=mesh)
+    fully_shard(module, mesh=mesh)
+    return module
+
+
+class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
+    """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
+
+    See :class:`DCPStrategyMixin`. Without a ``parallelize_fn`` (e.g. ``Fabric(strategy="dcp_model_parallel")``)
+    the model is sharded with FSDP2 over every process (:func:`fully_shard_layers`; data parallel size = world
+    size, tensor parallel size 1).
+    """
+
+    strategy_name = "dcp_model_parallel"
+
+    def __init__(self, parallelize_fn: Any = None, **kwargs: Any) -> None:
+        self._fsdp_everywhere = parallelize_fn is None
+        if self._fsdp_everywhere:
+            kwargs.setdefault("tensor_parallel_size", 1)
+        super().__init__(parallelize_fn=parallelize_fn or fully_shard_layers, **kwargs)
+
+    @override
+    def setup_environment(self) -> None:
+        """Without a ``parallelize_fn`` the data parallel dimension spans every process."""
+        if self._fsdp_everywhere and self._data_parallel_size == "auto":
+            self._data_parallel_size = self.num_nodes * self.num_processes
+        super().setup_environment()
+
+
+def register_strategies(registry: Any = STRATEGY_REGISTRY) -> None:
+    """Register the ``dcp_*`` names in Fabric's strategy registry (idempotent; runs on ``import lightning_dcp``)."""
+    for cls, description in (
+        (DCPSingleDeviceStrategy, "Single device, DCP checkpoints (lightning_dcp)"),
+        (DCPDDPStrategy, "DDP, sharded DCP checkpoints (lightning_dcp)"),
+        (DCPFSDPStrategy, "FSDP, sharded DCP checkpoints (lightning_dcp)"),
+        (DCPModelParallelStrategy, "ModelParallel (FSDP2/TP), sharded DCP checkpoints (lightning_dcp)"),
+    ):
+        if cls.strategy_name not in registry:
+            registry.register(cls.strategy_name, cls, description=description)

@@ -1,0 +1,76 @@
+"""The local commit across filesystems (``EXDEV``), on real mounts: a tmpfs, and an overlayfs whose lower layer holds
+the checkpoint being replaced (as in a container image). Skipped where this process may not mount (needs root)."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import subprocess
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from lightning_dcp import DCPCheckpointIO, verify_checkpoint
+from lightning_dcp.engine.localfs import replace_directory
+
+
+@contextlib.contextmanager
+def _mounted(args: list[str], target: str) -> Iterator[None]:
+    os.makedirs(target, exist_ok=True)
+    result = subprocess.run(["mount", *args, target], capture_output=True, text=True)
+    if result.returncode != 0:
+        pytest.skip(f"cannot mount here ({result.stderr.strip() or result.returncode})")
+    try:
+        yield
+    finally:
+        subprocess.run(["umount", "-l", target], check=False)
+
+
+def _tree(path: str) -> dict[str, bytes]:
+    out = {}
+    for directory, _, files in os.walk(path):
+        for name in files:
+            full = os.path.join(directory, name)
+            out[os.path.relpath(full, path)] = open(full, "rb").read()
+    return out
+
+
+def test_replace_directory_copies_across_filesystems(tmp_path):
+    mnt = str(tmp_path / "tmpfs")
+    with _mounted(["-t", "tmpfs", "-o", "size=16m", "tmpfs"], mnt):
+        src = os.path.join(mnt, "staging")
+        os.makedirs(os.path.join(src, "sub"))
+        for name, data in (("a", b"new-a"), ("sub/b", b"new-b")):
+            with open(os.path.join(src, name), "wb") as f:
+                f.write(data)
+        dst = str(tmp_path / "disk" / "step=2.ckpt")
+        os.makedirs(tmp_path / "disk")
+        with pytest.raises(OSError) as rename:  # the situation is real: the kernel refuses the rename
+            os.rename(src, dst)
+        assert rename.value.errno == errno.EXDEV
+        os.makedirs(dst)
+        with open(os.path.join(dst, "old"), "wb") as f:
+            f.write(b"old")
+        expected = _tree(src)
+        replace_directory(src, dst)
+        assert _tree(dst) == expected and not os.path.exists(src)
+        assert sorted(os.listdir(tmp_path / "disk")) == ["step=2.ckpt"]  # no hidden copy or old version left
+
+
+def test_save_over_a_checkpoint_in_an_overlay_lower_layer(tmp_path):
+    lower, upper, work, merged = (str(tmp_path / n) for n in ("lower", "upper", "work", "merged"))
+    for d in (lower, upper, work):
+        os.makedirs(d)
+    DCPCheckpointIO().save_checkpoint({"state_dict": {"w": torch.zeros(4)}, "step": 1}, f"{lower}/run/a.ckpt")
+    with _mounted(["-t", "overlay", "overlay", "-o", f"lowerdir={lower},upperdir={upper},workdir={work}"], merged):
+        with pytest.raises(OSError) as rename:  # overlayfs cannot rename a lower-layer directory
+            os.rename(f"{merged}/run/a.ckpt", f"{merged}/run/moved")
+        assert rename.value.errno == errno.EXDEV
+        io = DCPCheckpointIO()
+        io.save_checkpoint({"state_dict": {"w": torch.ones(4)}, "step": 2}, f"{merged}/run/a.ckpt")
+        loaded = io.load_checkpoint(f"{merged}/run/a.ckpt")
+        assert torch.equal(loaded["state_dict"]["w"], torch.ones(4)) and loaded["step"] == 2
+        verify_checkpoint(f"{merged}/run/a.ckpt")
+        assert os.listdir(f"{merged}/run") == ["a.ckpt"]

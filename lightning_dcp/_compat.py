@@ -30,6 +30,9 @@ from torch._utils import _rebuild_tensor_v3 as rebuild_tensor_v3
 # what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
 from torch.distributed._shard._utils import narrow_tensor_by_index
 
+# FSDP1's sharded state dict holds ShardedTensors: async staging rebuilds them around CPU buffers.
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 # DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
 # without the storage options; lightning_dcp.engine.dcp_io subclasses it to keep them.
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem
@@ -50,9 +53,11 @@ __all__ = [
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
+    "ShardedTensor",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
     "check_private_api",
+    "dtensor_over",
     "flatten_state_dict",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
@@ -67,6 +72,7 @@ __all__ = [
     "restart_train_iterator",
     "restore_modules_and_callbacks",
     "set_element",
+    "sharded_tensor_over",
     "shift_epoch_batches",
     "storage_type_name",
     "tensor_version",
@@ -84,6 +90,45 @@ TORCH_GREATER_EQUAL_2_9 = compare_version("torch", lambda a, b: a >= b, "2.9.0")
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place version counter of ``tensor`` (shared by its views; bumped by every in-place change)."""
     return tensor._version
+
+
+def dtensor_over(dtensor: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``dtensor``'s mesh, placements and global shape whose local tensor is ``local`` as it is.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device (a CPU staging buffer would go back to the
+    GPU); the constructor keeps it where it is. ``local`` must have the local tensor's shape and dtype.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+def sharded_tensor_over(sharded: Any, tensors: list[torch.Tensor]) -> Any:
+    """A ShardedTensor with ``sharded``'s global metadata whose local shards are ``tensors`` (CPU, in order).
+
+    The shards' placements say ``cpu`` (DCP reads only offsets and sizes from them); no communication.
+    """
+    import copy as _copy
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    metadata = _copy.deepcopy(sharded.metadata())
+    metadata.shards_metadata = [
+        ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{m.placement.rank()}/cpu")
+        for m in metadata.shards_metadata
+    ]
+    pinned = bool(tensors) and tensors[0].is_pinned()
+    metadata.tensor_properties.pin_memory = pinned
+    metadata.tensor_properties.requires_grad = False
+    local = []
+    for tensor, shard in zip(tensors, sharded.local_shards(), strict=True):
+        meta = shard.metadata
+        placement = f"rank:{meta.placement.rank()}/cpu"
+        local.append(Shard(tensor, ShardMetadata(list(meta.shard_offsets), list(meta.shard_sizes), placement)))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, metadata, process_group=sharded._process_group
+    )
 
 
 def unwrap_checkpoint_io(checkpoint_io: object) -> object:

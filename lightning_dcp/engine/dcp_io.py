@@ -89,6 +89,8 @@ class _ChecksummingWriter:
     """Write DCP records ourselves, checksumming each while it is written; then commit with ``.commit``.
 
     The records and files are :mod:`lightning_dcp.engine.datafiles`'s.
+    ``local_files``: write with :func:`~lightning_dcp.engine.datafiles.write_local` (a local disk) rather than
+    through an fsspec stream.
     """
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -115,7 +117,7 @@ class _ChecksummingWriter:
 
     def _write_file(self, planner: SavePlanner, job: FileJob) -> list[RecordResult]:
         path = self.fs.concat_path(self.path, job.name)
-        if isinstance(self, FileSystemWriter):
+        if self.local_files:
             return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files)
         with self.fs.create_stream(path, "wb") as stream:
             return write_stream(stream, job, planner.resolve_data)
@@ -142,11 +144,11 @@ class _ChecksummingWriter:
 
 
 class _LocalWriter(_ChecksummingWriter, FileSystemWriter):
-    pass
+    local_files = True
 
 
-class _FsspecWriter(_ChecksummingWriter, FsspecWriter):
-    pass
+class _FsspecWriter(_ChecksummingWriter, FsspecWriter):  # DCP's FsspecWriter is a FileSystemWriter too
+    local_files = False
 
 
 class _OptionsFileSystem(DCPFsspecFileSystem):

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_dcp._compat import tensor_version
+from lightning_dcp._compat import ShardedTensor, dtensor_over, sharded_tensor_over, tensor_version
 
 __all__ = ["Deferred", "Stager", "StagingRaceError"]
 
@@ -50,6 +50,9 @@ class Deferred:
 
 class Stager(AsyncStager):
     """Copy tensors into reused CPU buffers (pinned when CUDA is available); containers are rebuilt.
+
+    A DTensor is rebuilt around its staged local tensor, and a ShardedTensor (FSDP1's sharded state dict) around its
+    staged local shards, with the original's global metadata; neither is moved back to the accelerator.
 
     :meth:`stage_items` is what lightning_dcp's async saves call; :meth:`stage` makes it usable as DCP's
     ``async_stager`` too (``dcp.async_save`` calls it in the caller's thread before the background write).
@@ -134,11 +137,11 @@ class Stager(AsyncStager):
         return sum(b.nbytes for b in self._buffers.values())
 
     def _copy(self, obj: Any, path: tuple) -> Any:
-        if isinstance(obj, DTensor):
-            local = self._copy_tensor(obj.to_local(), path)
-            return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-            )
+        if isinstance(obj, DTensor):  # rebuilt around the CPU buffer, which stays on the CPU
+            return dtensor_over(obj, self._copy_tensor(obj.to_local(), path))
+        if isinstance(obj, ShardedTensor):  # FSDP1's sharded state dict: each local shard staged
+            shards = [self._copy_tensor(s.tensor, (*path, i)) for i, s in enumerate(obj.local_shards())]
+            return sharded_tensor_over(obj, shards)
         if isinstance(obj, torch.Tensor):
             return self._copy_tensor(obj, path)
         if isinstance(obj, dict):

@@ -189,6 +189,17 @@ class Location:
             out.append((path.rsplit("/", 1)[-1], kind))
         return out
 
+    def sizes(self) -> dict[str, int]:
+        """``{name: bytes}`` of each file directly inside this directory (one fresh listing); ``{}`` when absent."""
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listing if e["type"] == "file"
+        }
+
     def parent(self) -> Location:
         """The directory holding this path (same protocol and options)."""
         url = self.url.rstrip("/")
@@ -312,6 +323,28 @@ class Location:
                     self.fs.rm_file(self.path.rstrip("/"))
             self.fs.invalidate_cache(self.path)
 
+    def put(self, files: dict[str, str]) -> None:
+        """Upload local files into this directory: ``{name inside it: local path}``. Rank 0 only.
+
+        Transfers run concurrently where the storage library does (``fs.put`` of a list: s3fs, gcsfs and adlfs run a
+        batch at once; s3fs also uploads the parts of a large file concurrently).
+        """
+        names = sorted(files)
+        if self.local:
+            os.makedirs(self.path, exist_ok=True)
+        with self._translated():
+            self.fs.put([files[n] for n in names], [self.join(n) for n in names])
+
+    def remove_file(self, name: str) -> None:
+        """Delete the file ``name`` inside this directory; nothing happens when it does not exist."""
+        path = self.join(name)
+        if self.local:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(path)
+            return
+        with self._translated(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
         return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
@@ -358,7 +391,19 @@ class Location:
     # ------------------------------------------------------------------------------------------------ errors
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
-        """Turn the storage library's refusals into errors that name the bucket and the fix."""
+        """Forget cached listings of this path; turn the storage library's refusals into errors naming the fix.
+
+        Listings: s3fs, gcsfs and adlfs cache directory listings per filesystem instance (shared by every Location
+        with the same options) and answer ``info``/``exists`` of a file from its parent's cached listing. adlfs does
+        not drop the parent's listing when it writes a file (a pointer written after a listing of its directory was
+        "not found"), and no library sees objects written by other processes (other ranks, a previous run). A
+        checkpoint decision must see the store as it is: every call here starts from fresh listings.
+
+        Refusals: s3fs raises ``PermissionError``; adlfs raises azure-core's ``HttpResponseError`` (``status_code``
+        403 for a wrong account key) and gcsfs its ``HttpError`` (``code`` 401/403), neither an ``OSError``.
+        """
+        if not self.local:
+            _forget_listings(self.fs, self.path)
         try:
             yield
         except CheckpointError:
@@ -368,6 +413,10 @@ class Location:
         except FileNotFoundError as err:
             if self.bucket is not None and "bucket" in str(err).lower():
                 raise BucketNotFoundError(self._bucket_message()) from err
+            raise
+        except Exception as err:
+            if _http_status(err) in (401, 403):
+                raise StorageAccessError(self._access_message(err)) from err
             raise
 
     def _check_bucket(self) -> None:
@@ -379,15 +428,12 @@ class Location:
         _KNOWN_BUCKETS.add((id(self.fs), bucket))
 
     def _protocol(self) -> str:
+        if "://" in self.url:  # as the user wrote it ("az", not adlfs' first name "abfs")
+            return self.url.split("://", 1)[0]
         return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def _access_message(self, err: Exception) -> str:
-        hint = (
-            " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
-            " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
-            if self._protocol() in ("s3", "s3a")
-            else " Check the credentials in `storage_options` or in the environment"
-        )
+        hint = _ACCESS_HINTS.get(self._protocol(), " Check the credentials in `storage_options` or in the environment")
         return (
             f"The storage server refused access to {self.url!r} (bucket {self.bucket!r}): {err}.{hint}, and that"
             " they may read, write and list this bucket."
@@ -402,6 +448,36 @@ class Location:
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
+
+_S3_HINT = (
+    " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
+    " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
+)
+_GCS_HINT = " Check `storage_options` (gcsfs: `token`, `project`) or GOOGLE_APPLICATION_CREDENTIALS"
+_AZURE_HINT = (
+    " Check `storage_options` (adlfs: `connection_string`, or `account_name` with `account_key`, `sas_token` or"
+    " `credential`) or the AZURE_STORAGE_* environment variables"
+)
+_ACCESS_HINTS = {"s3": _S3_HINT, "s3a": _S3_HINT, "gs": _GCS_HINT, "gcs": _GCS_HINT}
+_ACCESS_HINTS.update(dict.fromkeys(("az", "abfs", "abfss", "adl"), _AZURE_HINT))
+
+
+def _forget_listings(fs: Any, path: str) -> None:
+    """Drop ``fs``'s cached listings of ``path`` and of every directory above it (adlfs drops only the path)."""
+    path = path.rstrip("/")
+    while path:
+        fs.invalidate_cache(path)
+        path = path.rsplit("/", 1)[0] if "/" in path else ""
+    fs.invalidate_cache("")
+
+
+def _http_status(err: BaseException) -> int | None:
+    """The HTTP status of an object store client's error (azure-core: ``status_code``; gcsfs: ``code``)."""
+    for attribute in ("status_code", "code"):
+        status = getattr(err, attribute, None)
+        if isinstance(status, int) and not isinstance(status, bool):
+            return status
+    return None
 
 
 _AT_FDCWD = -100

@@ -182,7 +182,7 @@ class Checkpointer:
 
         def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
             if remote is not None:
-                self.tiers.abandoned()
+                self.tiers.abandoned(remote)
             if not (direct and location.local and self._async is not None):
                 target.remove()
                 return

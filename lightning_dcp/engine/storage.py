@@ -40,6 +40,7 @@ from lightning_dcp.engine.marker import (
     is_plain_name,
     parse_commit,
 )
+from lightning_dcp.engine.stores import access_hint, forget_listings, is_refusal
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -391,31 +392,22 @@ class Location:
     # ------------------------------------------------------------------------------------------------ errors
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
-        """Forget cached listings of this path; turn the storage library's refusals into errors naming the fix.
+        """Start from fresh listings; turn the storage library's refusals into errors naming the fix.
 
-        Listings: s3fs, gcsfs and adlfs cache directory listings per filesystem instance (shared by every Location
-        with the same options) and answer ``info``/``exists`` of a file from its parent's cached listing. adlfs does
-        not drop the parent's listing when it writes a file (a pointer written after a listing of its directory was
-        "not found"), and no library sees objects written by other processes (other ranks, a previous run). A
-        checkpoint decision must see the store as it is: every call here starts from fresh listings.
-
-        Refusals: s3fs raises ``PermissionError``; adlfs raises azure-core's ``HttpResponseError`` (``status_code``
-        403 for a wrong account key) and gcsfs its ``HttpError`` (``code`` 401/403), neither an ``OSError``.
+        Both differ between object stores: see the notes of :mod:`lightning_dcp.engine.stores`.
         """
         if not self.local:
-            _forget_listings(self.fs, self.path)
+            forget_listings(self.fs, self.path)
         try:
             yield
         except CheckpointError:
             raise
-        except PermissionError as err:
-            raise StorageAccessError(self._access_message(err)) from err
         except FileNotFoundError as err:
             if self.bucket is not None and "bucket" in str(err).lower():
                 raise BucketNotFoundError(self._bucket_message()) from err
             raise
         except Exception as err:
-            if _http_status(err) in (401, 403):
+            if is_refusal(err):
                 raise StorageAccessError(self._access_message(err)) from err
             raise
 
@@ -433,7 +425,7 @@ class Location:
         return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def _access_message(self, err: Exception) -> str:
-        hint = _ACCESS_HINTS.get(self._protocol(), " Check the credentials in `storage_options` or in the environment")
+        hint = access_hint(self._protocol())
         return (
             f"The storage server refused access to {self.url!r} (bucket {self.bucket!r}): {err}.{hint}, and that"
             " they may read, write and list this bucket."
@@ -448,36 +440,6 @@ class Location:
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
-
-_S3_HINT = (
-    " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
-    " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
-)
-_GCS_HINT = " Check `storage_options` (gcsfs: `token`, `project`) or GOOGLE_APPLICATION_CREDENTIALS"
-_AZURE_HINT = (
-    " Check `storage_options` (adlfs: `connection_string`, or `account_name` with `account_key`, `sas_token` or"
-    " `credential`) or the AZURE_STORAGE_* environment variables"
-)
-_ACCESS_HINTS = {"s3": _S3_HINT, "s3a": _S3_HINT, "gs": _GCS_HINT, "gcs": _GCS_HINT}
-_ACCESS_HINTS.update(dict.fromkeys(("az", "abfs", "abfss", "adl"), _AZURE_HINT))
-
-
-def _forget_listings(fs: Any, path: str) -> None:
-    """Drop ``fs``'s cached listings of ``path`` and of every directory above it (adlfs drops only the path)."""
-    path = path.rstrip("/")
-    while path:
-        fs.invalidate_cache(path)
-        path = path.rsplit("/", 1)[0] if "/" in path else ""
-    fs.invalidate_cache("")
-
-
-def _http_status(err: BaseException) -> int | None:
-    """The HTTP status of an object store client's error (azure-core: ``status_code``; gcsfs: ``code``)."""
-    for attribute in ("status_code", "code"):
-        status = getattr(err, attribute, None)
-        if isinstance(status, int) and not isinstance(status, bool):
-            return status
-    return None
 
 
 _AT_FDCWD = -100

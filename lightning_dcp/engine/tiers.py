@@ -34,6 +34,9 @@ import logging
 import os
 import shutil
 import threading
+import time
+import warnings
+from collections.abc import Callable
 from typing import Any, Literal
 
 from lightning_dcp.engine.integrity import committed_checkpoints
@@ -57,6 +60,7 @@ class _Task:
     kind: Literal["upload", "remove", "evict"]
     name: str = ""
     remote: Location | None = None
+    marker: dict[str, Any] | None = None  # removals: the local copy's marker when the removal was asked for
 
 
 class Tiers:
@@ -74,9 +78,9 @@ class Tiers:
     def __init__(self, local_dir: str | os.PathLike, *, keep: int = 2, storage_options: dict | None = None) -> None:
         if not isinstance(keep, int) or isinstance(keep, bool) or keep < 1:
             raise ValueError(f"`local_keep` must be a positive integer, got {keep!r}.")
-        self.local = Location(os.path.abspath(os.fspath(local_dir)))
-        if not self.local.local:
+        if not Location(os.fspath(local_dir)).local:
             raise ValueError(f"`local_dir` must be a directory on a local disk, got {os.fspath(local_dir)!r}.")
+        self.local = Location(os.path.abspath(Location(os.fspath(local_dir)).path))  # "file://" and "~" resolved
         self.keep = keep
         self.storage_options = dict(storage_options or {})
         self._cond = threading.Condition()
@@ -84,10 +88,15 @@ class Tiers:
         self._active: _Task | None = None
         self._failed: dict[str, tuple[Location, BaseException]] = {}
         self._held: list[_Task] = []  # removals waiting for the save in flight to commit
+        self._saving: set[str] = set()  # names being saved locally: never evicted or removed meanwhile
         self._deferred: list[_Task] = []  # removals waiting for failed uploads to succeed
         self._thread: threading.Thread | None = None
         self._remote: Location | None = None
         self._resumed = False
+        self.last_upload_seconds: float | None = None
+        """Seconds the last upload took, from its snapshot to its remote commit (rank 0)."""
+        self.last_upload_bytes: int | None = None
+        """Bytes the last upload sent (every file of the checkpoint)."""
 
     # --------------------------------------------------------------------------------------------- mapping
     @staticmethod
@@ -147,6 +156,8 @@ class Tiers:
                 json.dump({"remote": directory.url.rstrip("/")}, f)
             os.replace(tmp, os.path.join(self.local.path, MANIFEST_FILE))
         self._remote = directory  # with this call's storage options
+        with self._cond:
+            self._saving.add(remote.name)
         self.resume()
 
     def committed(self, remote: Location) -> None:
@@ -155,15 +166,17 @@ class Tiers:
         Rank 0 only (called in the background thread of an async save).
         """
         with self._cond:
+            self._saving.discard(remote.name)
             self._requeue_failed()
             self._enqueue(_Task("upload", remote.name, remote))
             self._queue.extend(self._held)
             self._held.clear()
             self._cond.notify_all()
 
-    def abandoned(self) -> None:
-        """The save in flight failed: the removals requested behind it are dropped (nothing succeeded it). Rank 0."""
+    def abandoned(self, remote: Location) -> None:
+        """The save to ``remote`` failed: the removals requested behind it are dropped (nothing succeeds). Rank 0."""
         with self._cond:
+            self._saving.discard(remote.name)
             self._held.clear()
 
     def remove(self, remote: Location, *, after_save: bool) -> None:
@@ -175,7 +188,7 @@ class Tiers:
 
         Rank 0 only.
         """
-        task = _Task("remove", remote.name, remote)
+        task = _Task("remove", remote.name, remote, _marker(self.local_twin(remote)))
         with self._cond:
             if after_save:
                 self._held.append(task)
@@ -193,11 +206,9 @@ class Tiers:
             if kind == "directory" and name.startswith(SNAPSHOT_PREFIX):
                 shutil.rmtree(self.local.child(name).path, ignore_errors=True)
         remote_dir = self.remote_dir()
-        with self._cond:
+        with self._cond:  # the uploader skips those already committed remotely: the caller never waits for the remote
             for _, local in reversed(committed_checkpoints(self.local)):  # oldest first
-                remote = remote_dir.child(local.name)
-                if not same_checkpoint(_marker(local), _marker(remote)):
-                    self._enqueue(_Task("upload", local.name, remote))
+                self._enqueue(_Task("upload", local.name, remote_dir.child(local.name)))
             self._enqueue(_Task("evict"))
             self._cond.notify_all()
 
@@ -207,9 +218,10 @@ class Tiers:
 
         The same checkpoint on both tiers (same ``committed_at``) appears twice, its local copy first. Rank 0 only.
         """
-        found = [(t, 1, loc) for t, loc in committed_checkpoints(remote_dir)]
+        found = []
         if self.mirrors(remote_dir) and os.path.isdir(self.local.path):
-            found += [(t, 0, loc) for t, loc in committed_checkpoints(self.local)]
+            found = [(t, 0, loc) for t, loc in committed_checkpoints(self.local)]
+        found += [(t, 1, loc) for t, loc in _reachable(remote_dir, committed_checkpoints, [], bool(found))]
         found.sort(key=lambda entry: (-entry[0], entry[1], entry[2].name))
         return [(t, loc) for t, _, loc in found]
 
@@ -231,7 +243,8 @@ class Tiers:
         twins = self._twins(resolved)
         if twins is None:
             return one_tier_candidates(location)
-        copies = [(_marker(copy), rank, copy) for rank, copy in enumerate(twins)]
+        local_marker = _marker(twins[0])
+        copies = [(local_marker, 0, twins[0]), (_reachable(twins[1], _marker, None, local_marker), 1, twins[1])]
         committed = sorted((-m["committed_at"], rank, c.url) for m, rank, c in copies if m is not None)
         return [url for *_, url in committed] or one_tier_candidates(location)
 
@@ -290,7 +303,8 @@ class Tiers:
 
     def _requeue_failed(self) -> None:  # under the lock
         for name, (remote, _) in list(self._failed.items()):
-            self._enqueue(_Task("upload", name, remote))
+            if self._active is None or self._active.name != name:  # a retry under way needs no second one
+                self._enqueue(_Task("upload", name, remote))
 
     def _work(self) -> None:
         while True:
@@ -323,11 +337,14 @@ class Tiers:
                 self._failed.pop(task.name, None)
             return  # removed meanwhile, or being replaced (its commit queues it again)
         frozen = self.local.child(f"{SNAPSHOT_PREFIX}{task.name}-{new_token()}").path
+        started = time.perf_counter()
         try:
             data, marker = snapshot(local, frozen)
             upload(frozen, data, marker, task.remote)
+            sent = sum(os.path.getsize(os.path.join(frozen, name)) for name in os.listdir(frozen))
         finally:
             shutil.rmtree(frozen, ignore_errors=True)
+        self.last_upload_seconds, self.last_upload_bytes = time.perf_counter() - started, sent
         with self._cond:
             self._failed.pop(task.name, None)
             if not self._failed:
@@ -337,11 +354,14 @@ class Tiers:
         self._evict()
 
     def _remove(self, task: _Task) -> None:
+        local = self.local_twin(task.remote)
         with self._cond:
             if self._failed:  # the successor may not be remote yet: keep every copy until uploads succeed
                 self._deferred.append(task)
                 return
-        remove_committed(self.local_twin(task.remote))
+            # Only the local version that was asked to go: not one saved under the same name since.
+            if task.name not in self._saving and same_checkpoint(_marker(local), task.marker):
+                remove_committed(local)
         remove_committed(task.remote)
         task.remote.remove_stale_staging()
 
@@ -349,10 +369,31 @@ class Tiers:
         remote_dir = self.remote_dir()
         if remote_dir is None or not os.path.isdir(self.local.path):
             return
-        busy = self.pending()
-        for _, local in committed_checkpoints(self.local)[self.keep :]:
-            if local.name not in busy and same_checkpoint(_marker(local), _marker(remote_dir.child(local.name))):
-                remove_committed(local)
+        for _, local in committed_checkpoints(self.local)[self.keep :]:  # a copy committed remotely is redundant
+            seen = _marker(local)
+            if not same_checkpoint(seen, _marker(remote_dir.child(local.name))):
+                continue
+            with self._cond:  # unless that name is being saved again meanwhile
+                if local.name not in self._saving and same_checkpoint(_marker(local), seen):
+                    remove_committed(local)
+
+
+def _reachable(remote: Location, read: Callable[[Location], Any], default: Any, fallback: Any) -> Any:
+    """``read(remote)``, or ``default`` with a warning where the remote store fails and the local tier has a fallback.
+
+    Loads go on from the local tier while the remote store cannot be reached; without a local fallback the remote
+    store's error (a clear ``CheckpointError`` for refused credentials or a missing bucket) is raised.
+    """
+    try:
+        return read(remote)
+    except Exception as err:
+        if not fallback:
+            raise
+        warnings.warn(
+            f"lightning_dcp: the remote tier {remote.url!r} cannot be read ({err}); loading from the local tier only.",
+            stacklevel=3,
+        )
+        return default
 
 
 def _marker(location: Location) -> dict[str, Any] | None:

@@ -3,9 +3,10 @@
 A 2-rank DDP run (``tests/integration/_tier_kill_train.py``: an async save every epoch, ``save_top_k=-1``, a local
 tier keeping 1 checkpoint) is started again and again and SIGKILLed (the whole process group) in one of three phases,
 taken in turn: ``local_save`` (a local save under way), ``upload`` (an upload snapshot exists) or ``remote_commit``
-(the upload's files are on S3 but its ``.commit`` is not). The phase a kill actually hit is read back right after it.
-After each kill every checkpoint committed on either tier is verified byte for byte, and remembered. A last run then
-trains to the end (every run resumes from "last") and waits for its uploads.
+(every file of the upload is on S3 with its full size, its ``.commit`` is not: verifying and committing). The phase
+a kill actually hit is read back right after it. After each kill every checkpoint committed on either tier is
+verified byte for byte, and remembered. A last run then trains to the end (every run resumes from "last") and waits
+for its uploads.
 
 Counts reported: ``unresumable`` (a restarted run that exited on its own with an error, or a final run that failed
 or ended with weights other than an uninterrupted run's, bit for bit), ``lost`` (a checkpoint once committed on some
@@ -65,14 +66,18 @@ class _Watch:
     def phase(self) -> str | None:
         names = self._local()
         uploads = [n for n in names if n.startswith(".upload-")]
-        for name in uploads:
+        for name in uploads:  # every file on the remote store with its size, no .commit yet: verifying, committing
             ckpt = name[len(".upload-") : -13]  # ".upload-<name>-<12 hex token>"
-            remote = self.remote.child(ckpt)
             try:
-                files = remote.sizes()
-            except Exception:  # the listing of a prefix being written may fail: not the phase we look for
-                files = {}
-            if ".metadata" in files and ".commit" not in files:
+                frozen = {
+                    n: os.path.getsize(os.path.join(self.local_dir, name, n))
+                    for n in os.listdir(os.path.join(self.local_dir, name))
+                }
+                files = self.remote.child(ckpt).sizes()
+            except Exception:  # a snapshot removed or a prefix being written meanwhile: not the phase we look for
+                continue
+            frozen.pop(".commit", None)
+            if frozen and ".commit" not in files and all(files.get(n) == size for n, size in frozen.items()):
                 return "remote_commit"
         if uploads:
             return "upload"

@@ -407,7 +407,8 @@ class Checkpointer:
         """Delete the checkpoint at ``path`` (and any staging left by an interrupted save to it) once.
 
         A removal of another checkpoint while a background save is in flight runs after that save commits, so a
-        checkpoint is never deleted before its successor exists.
+        checkpoint is never deleted before its successor exists. With ``tiers``, a remote path is removed from both
+        tiers by the uploader, after the uploads queued before it (:meth:`Tiers.remove`).
 
         Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
         """

@@ -57,10 +57,11 @@ MANIFEST_FILE = ".lightning_dcp-tier.json"
 
 @dataclasses.dataclass(eq=False)
 class _Task:
-    kind: Literal["upload", "remove", "evict"]
+    kind: Literal["upload", "remove", "evict", "link"]
     name: str = ""
     remote: Location | None = None
     marker: dict[str, Any] | None = None  # removals: the local copy's marker when the removal was asked for
+    target: Location | None = None  # links: the checkpoint the pointer ``remote`` designates
 
 
 class Tiers:
@@ -197,6 +198,21 @@ class Tiers:
             self._enqueue(task)
             self._cond.notify_all()
 
+    def link(self, pointer: Location, target: Location) -> None:
+        """Make the remote ``pointer`` (``save_last="link"``) designate ``target`` once ``target`` is uploaded.
+
+        The uploader writes it behind that upload: the training loop never waits for the remote store, and the remote
+        pointer never names a checkpoint the remote store does not have yet. Rank 0 only.
+        """
+        task = _Task("link", pointer.name, pointer, target=target)
+        with self._cond:
+            self._queue = collections.deque(t for t in self._queue if not (t.kind == "link" and t.name == task.name))
+            if target.name in self._saving:  # its save is still in flight: after its commit queues the upload
+                self._held = [t for t in self._held if not (t.kind == "link" and t.name == task.name)] + [task]
+                return
+            self._enqueue(task)
+            self._cond.notify_all()
+
     def resume(self) -> None:
         """Queue the uploads that a previous run left unfinished (once per process). Rank 0 only."""
         if self._resumed or self.remote_dir() is None:
@@ -239,7 +255,10 @@ class Tiers:
                 directory = self.remote_dir() or directory
             found = self.checkpoints(directory) if not directory.local else []
             return [loc.url for _, loc in found] or one_tier_candidates(location)
-        resolved = location if location.local else location.resolve()
+        resolved = location
+        if not location.local:  # follow pointers; while the remote cannot be read, a local copy of the name serves
+            local = self.local_twin(location) if self.mirrors(location.parent()) else None
+            resolved = _reachable(location, Location.resolve, location, local is not None and _marker(local))
         twins = self._twins(resolved)
         if twins is None:
             return one_tier_candidates(location)
@@ -318,6 +337,8 @@ class Tiers:
                     self._upload(task)
                 elif task.kind == "remove":
                     self._remove(task)
+                elif task.kind == "link":
+                    task.remote.write_pointer(task.target)
                 else:
                     self._evict()
             except Exception as err:  # a failed upload is retried; the loop never dies

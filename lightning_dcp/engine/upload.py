@@ -170,6 +170,7 @@ def upload(source: str, marker_bytes: bytes, marker: dict[str, Any], remote: Loc
             f.write(marker_bytes)
         if staged:
             remote.commit_from(target)
+        remote.remove_stale_staging()  # of earlier attempts cut short
     except BaseException:
         if staged:
             with contextlib.suppress(Exception):

@@ -84,7 +84,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 dirpath = os.path.realpath(os.path.expanduser(dirpath))
         self.dirpath = dirpath
         self._storage_options = None if storage_options is None else dict(storage_options)
-        self._stat_defaults = _StatDefaults()
+        self._stat_defaults = _STAT_DEFAULTS
 
     # ----------------------------------------------------------------------------------------------- storage
     def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -229,7 +229,10 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and filepath != linkpath:
             options = self._options(trainer)
             link, target = Location(linkpath, storage_options=options), Location(filepath, storage_options=options)
-            if not (link.local and _symlink(target.path, link.path)):
+            tiers = self._tiers(trainer)
+            if tiers is not None and tiers.covers(link) and tiers.mirrors(link.parent()):
+                tiers.link(link, target)  # written remotely behind the target's upload, off the training loop
+            elif not (link.local and _symlink(target.path, link.path)):
                 link.write_pointer(target)
         trainer.strategy.barrier("DCPModelCheckpoint.link")
 
@@ -269,7 +272,8 @@ class _StatDefaults:
     a filesystem built from the URL alone, which fsspec completes with ``fsspec.config.conf[protocol]`` before it
     looks up its instance cache. The instance so built is cached under the completed options, so filesystems that
     users build later without options are not affected. While the defaults are set, any filesystem of that protocol
-    built without these options in this process gets them.
+    built without these options in this process gets them. One instance serves every callback of the process, so the
+    user's own configuration is what the first ``set`` found, whatever the number of callbacks.
     """
 
     _MISSING = object()
@@ -296,6 +300,9 @@ class _StatDefaults:
             else:
                 fsspec.config.conf[protocol] = value
         self._saved.clear()
+
+
+_STAT_DEFAULTS = _StatDefaults()
 
 
 def _symlink(target: str, link: str) -> bool:

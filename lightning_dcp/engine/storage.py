@@ -40,6 +40,7 @@ from lightning_dcp.engine.marker import (
     is_plain_name,
     parse_commit,
 )
+from lightning_dcp.engine.stores import access_hint, forget_listings, is_refusal
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -223,6 +224,17 @@ class Location:
             out.append((path.rsplit("/", 1)[-1], kind))
         return out
 
+    def sizes(self) -> dict[str, int]:
+        """``{name: bytes}`` of each file directly inside this directory (one fresh listing); ``{}`` when absent."""
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listing if e["type"] == "file"
+        }
+
     def parent(self) -> Location:
         """The directory holding this path (same protocol and options)."""
         url = self.url.rstrip("/")
@@ -352,6 +364,28 @@ class Location:
                     self.fs.rm_file(self.path.rstrip("/"))
             self.fs.invalidate_cache(self.path)
 
+    def put(self, files: dict[str, str]) -> None:
+        """Upload local files into this directory: ``{name inside it: local path}``. Rank 0 only.
+
+        Transfers run concurrently where the storage library does (``fs.put`` of a list: s3fs, gcsfs and adlfs run a
+        batch at once; s3fs also uploads the parts of a large file concurrently).
+        """
+        names = sorted(files)
+        if self.local:
+            os.makedirs(self.path, exist_ok=True)
+        with self._translated():
+            self.fs.put([files[n] for n in names], [self.join(n) for n in names])
+
+    def remove_file(self, name: str) -> None:
+        """Delete the file ``name`` inside this directory; nothing happens when it does not exist."""
+        path = self.join(name)
+        if self.local:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(path)
+            return
+        with self._translated(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
         return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
@@ -398,13 +432,16 @@ class Location:
     # ------------------------------------------------------------------------------------------------ errors
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
-        """Turn the storage library's refusals into errors that name the bucket and the fix."""
+        """Start from fresh listings; turn the storage library's refusals into errors naming the fix.
+
+        Both differ between object stores: see the notes of :mod:`lightning_dcp.engine.stores`.
+        """
+        if not self.local:
+            forget_listings(self.fs, self.path)
         try:
             yield
         except CheckpointError:
             raise
-        except PermissionError as err:
-            raise StorageAccessError(self._access_message(err)) from err
         except FileNotFoundError as err:
             if self.bucket is not None and "bucket" in str(err).lower():
                 raise BucketNotFoundError(self._bucket_message()) from err
@@ -412,6 +449,8 @@ class Location:
         except Exception as err:
             if is_missing_credentials(err):
                 raise StorageAccessError(self._credentials_message(err)) from err
+            if is_refusal(err):
+                raise StorageAccessError(self._access_message(err)) from err
             raise
 
     def _check_bucket(self) -> None:
@@ -423,15 +462,12 @@ class Location:
         _KNOWN_BUCKETS.add((id(self.fs), bucket))
 
     def _protocol(self) -> str:
+        if "://" in self.url:  # as the user wrote it ("az", not adlfs' first name "abfs")
+            return self.url.split("://", 1)[0]
         return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
 
     def _access_message(self, err: Exception) -> str:
-        hint = (
-            " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
-            " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
-            if self._protocol() in ("s3", "s3a")
-            else " Check the credentials in `storage_options` or in the environment"
-        )
+        hint = access_hint(self._protocol())
         return (
             f"The storage server refused access to {self.url!r} (bucket {self.bucket!r}): {err}.{hint}, and that"
             " they may read, write and list this bucket."

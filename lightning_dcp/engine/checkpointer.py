@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.async_save import AsyncSaves
+from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
 from lightning_dcp.engine.integrity import committed_checkpoints
@@ -392,11 +393,11 @@ class Checkpointer:
             state = _from_lightning_layout(state, model_key)
         elif layout.EXTRA_KEY in state:
             blob = state.pop(layout.EXTRA_KEY)
-            loaded.objects = layout.decode_extra(blob, path=location.url, weights_only=weights_only)
+            loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
         blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
         if blobs:
-            loaded.rank_objects = layout.decode_extra(
-                next(iter(blobs.values())), path=location.url, weights_only=weights_only
+            loaded.rank_objects = decode_extra(
+                next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
             )
             loaded.rank_objects_exact = loaded.saved_world_size == world_size
         loaded.tree = state

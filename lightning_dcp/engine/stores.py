@@ -36,9 +36,19 @@ NOTES (object store quirks):
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["access_hint", "forget_listings", "is_refusal"]
+__all__ = [
+    "access_hint",
+    "access_message",
+    "bucket_message",
+    "check_storage_options",
+    "credentials_message",
+    "forget_listings",
+    "is_missing_credentials",
+    "is_refusal",
+]
 
 _S3_HINT = (
     " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
@@ -76,3 +86,60 @@ def is_refusal(err: BaseException) -> bool:
         if isinstance(status, int) and not isinstance(status, bool) and status in (401, 403):
             return True
     return False
+
+
+def check_storage_options(storage_options: Any, *, name: str = "storage_options") -> None:
+    """Raise ``TypeError`` unless ``storage_options`` is ``None`` or a mapping of option names (``str``) to values.
+
+    fsspec takes the options as keyword arguments (``fsspec.filesystem(protocol, **storage_options)``): anything else
+    fails deep inside a save or a load, far from where it was passed.
+    """
+    if storage_options is None:
+        return
+    if not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options):
+        raise TypeError(
+            f"`{name}` must be a dict of fsspec filesystem options (e.g. {{'key': ..., 'secret': ...,"
+            f" 'client_kwargs': {{'endpoint_url': ...}}}} for s3fs), got {type(storage_options).__name__}:"
+            f" {storage_options!r:.80}."
+        )
+
+
+def access_message(url: str, bucket: str | None, protocol: str, err: BaseException) -> str:
+    """The message of a ``StorageAccessError`` for a server that refused the credentials."""
+    return (
+        f"The storage server refused access to {url!r} (bucket {bucket!r}): {err}.{access_hint(protocol)}, and that"
+        " they may read, write and list this bucket."
+    )
+
+
+def credentials_message(url: str, protocol: str, err: BaseException) -> str:
+    """The message of a ``StorageAccessError`` for a storage library that found no credentials at all."""
+    hint = (
+        "pass `storage_options={'key': ..., 'secret': ...}` (CLI: --storage-options '{\"key\": ..., \"secret\":"
+        " ...}'), set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or an AWS profile), or `{'anon': True}` for a"
+        " public bucket"
+        if protocol in ("s3", "s3a")
+        else "pass credentials in `storage_options` or set them up in the environment"
+    )
+    return f"No credentials were found to access {url!r} ({type(err).__name__}: {err}): {hint}."
+
+
+def bucket_message(url: str, bucket: str | None, protocol: str) -> str:
+    """The message of a ``BucketNotFoundError``: how to create the bucket, or fix the URL."""
+    return (
+        f"The bucket {bucket!r} of {url!r} does not exist. Create it first (for example"
+        f" `fsspec.filesystem({protocol!r}, **storage_options).mkdir({bucket!r})`), or fix the URL"
+        " (and the endpoint in `storage_options`)."
+    )
+
+
+_CREDENTIAL_ERRORS = {
+    ("botocore", "NoCredentialsError"),  # s3fs: no key anywhere (storage_options, environment, profile)
+    ("botocore", "PartialCredentialsError"),
+    ("google", "DefaultCredentialsError"),  # gcsfs
+}
+
+
+def is_missing_credentials(err: BaseException) -> bool:
+    """Whether ``err`` is a storage library's "no credentials found" (matched by name: those libraries are optional)."""
+    return any((c.__module__.split(".", 1)[0], c.__name__) in _CREDENTIAL_ERRORS for c in type(err).__mro__)

@@ -11,7 +11,7 @@ from typing_extensions import override
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import check_storage_options
+from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.engine.tiers import Tiers
 
 __all__ = ["DCPCheckpointIO"]

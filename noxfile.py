@@ -27,8 +27,10 @@ def _install(session: nox.Session, extras: str) -> None:
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
-    """Unit, distributed (gloo, 2-4 ranks) and integration tests."""
+    """Unit, distributed (gloo, 2-4 ranks) and integration tests. Azurite (the Azure Blob emulator, npm ``azurite``)
+    is installed into ``.azurite/`` first where Node.js and npm exist; without them the Azure tests skip, saying why."""
     _install(session, "test")
+    session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
 
@@ -102,7 +104,16 @@ def chaos(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def bench(session: nox.Session) -> None:
-    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png; ``-- --gpu`` for the GPU one."""
+    """Benchmarks (benchmarks/README.md): writes benchmarks/results/*.md and *.png; ``-- --gpu`` for the GPU one,
+    ``-- --tiered`` for tiered saves to S3."""
     _install(session, "test")
     session.install("matplotlib")
     session.run("python", "-m", "benchmarks.run", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def kill_tiered(session: nox.Session) -> None:
+    """kill -9 campaign over tiered saves to S3 (benchmarks/kill_tiered.py; ``-- --kills 30 --seed 1``): prints the
+    counts of unresumable runs and lost, corrupt or re-saved checkpoints (all must be 0)."""
+    _install(session, "test")
+    session.run("python", "benchmarks/kill_tiered.py", *session.posargs)

@@ -5,9 +5,10 @@
     python -m benchmarks.run --quick              # 0.1 GB saves only, 1 repeat (smoke test, ~1 min)
     python -m benchmarks.run --gpu                # one CUDA GPU: 2, 8 and 20 GB + a training run -> GPU.md
     python -m benchmarks.run --gpu --smoke        # the GPU benchmark's code paths on CPU, tiny sizes, no files
+    python -m benchmarks.run --tiered             # tiered saves to S3 (SeaweedFS): 0.25 GB, 5 repeats -> TIERED.md
 
 Also available one by one: ``benchmarks/bench_save.py``, ``bench_reshard.py``, ``bench_consolidate.py``,
-``bench_integrity.py``, ``bench_storage.py``, ``bench_gpu.py`` (each has ``--help``).
+``bench_integrity.py``, ``bench_storage.py``, ``bench_gpu.py``, ``bench_tiered.py`` (each has ``--help``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import time
 import lightning
 import torch
 
-from benchmarks import bench_consolidate, bench_gpu, bench_integrity, bench_reshard, bench_save
+from benchmarks import bench_consolidate, bench_gpu, bench_integrity, bench_reshard, bench_save, bench_tiered
 
 LABELS = {
     "lightning_dcp": "lightning_dcp (sync)",
@@ -214,23 +215,56 @@ def gpu_main(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
+def tiered_main(args: argparse.Namespace, command: str) -> int:
+    """``--tiered``: bench_tiered at each size (default 0.25 GB); TIERED.md and tiered.json in ``--out``."""
+    sizes = [float(s) for s in (args.sizes or "0.25").split(",")]
+    repeats = args.repeats if args.repeats_given else 5
+    out = args.out or "benchmarks/results"
+    lines: list[str] = []
+    results = []
+    for size in sizes:
+        workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_tiered_", dir=os.path.abspath("."))
+        try:
+            _log(f"tiered: {size} GB, {repeats} repeats")
+            result = bench_tiered.run(size, workdir, repeats=repeats)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        results.append(result)
+        lines += [*bench_tiered.markdown(result, command), ""]
+    lines.insert(2, f"Machine: {machine()}.")
+    lines.insert(3, "")
+    print("\n".join(lines), flush=True)
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "tiered.json"), "w") as f:
+        json.dump({"machine": machine(), "command": command, "results": results}, f, indent=2)
+    with open(os.path.join(out, "TIERED.md"), "w") as f:
+        f.write("\n".join(lines))
+    _log(f"wrote {out}/TIERED.md and tiered.json")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default=None, help="checkpoint sizes in GB, comma separated (0.1,1; GPU: 2,8,20)")
     parser.add_argument("--world-sizes", default="1,2")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=None, help="default 3 (--tiered: 5)")
     parser.add_argument("--quick", action="store_true", help="0.1 GB saves only, 1 repeat")
     parser.add_argument("--gpu", action="store_true", help="bench_gpu.py instead; skips without CUDA")
+    parser.add_argument("--tiered", action="store_true", help="bench_tiered.py instead (S3 on SeaweedFS)")
     parser.add_argument("--smoke", action="store_true", help="with --gpu: tiny sizes on CPU, files only with --out")
     parser.add_argument("--train-steps", type=int, default=200, help="with --gpu: timed training steps (0: none)")
     parser.add_argument("--save-every", type=int, default=50, help="with --gpu: steps between saves")
     parser.add_argument("--out", default=None, help="default: benchmarks/results")
     args = parser.parse_args(argv)
+    args.repeats_given = args.repeats is not None
+    args.repeats = 3 if args.repeats is None else args.repeats
     if args.smoke and not args.gpu:
         parser.error("--smoke goes with --gpu")
     command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.gpu:
         return gpu_main(args, command)
+    if args.tiered:
+        return tiered_main(args, command)
     args.out = args.out or "benchmarks/results"
     sizes = [0.1] if args.quick else [float(s) for s in (args.sizes or "0.1,1").split(",")]
     world_sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -29,6 +29,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_dcp.engine import layout, saving
 from lightning_dcp.engine.async_save import DEFER_FROM, AsyncSaves
+from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_io import save_planner, storage_reader, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
 from lightning_dcp.engine.integrity import committed_checkpoints
@@ -42,6 +43,7 @@ from lightning_dcp.engine.loading import (
     read_lightning_meta,
 )
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
+from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError, checkpoint_failure
 
 __all__ = ["Checkpointer", "Loaded"]
@@ -95,6 +97,8 @@ class Checkpointer:
             done, and a tensor changed in place by anything else before its copy is made fails that save (reported
             at the next call; never a checkpoint mixing two steps). Leave off when parameters are changed outside
             optimizer steps right after a save (weight clipping, manual updates).
+        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.Tiers`): a save to a remote
+            path is committed in the local tier, then uploaded in the background; loads and removals cover both.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -108,6 +112,7 @@ class Checkpointer:
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = False,
+        tiers: Tiers | None = None,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
@@ -119,6 +124,7 @@ class Checkpointer:
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
+        self.tiers = tiers
 
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
         """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
@@ -156,9 +162,17 @@ class Checkpointer:
         self._await_pending(collective)
         started = time.perf_counter()
         location = self.location(path, storage_options)
+        remote = location if self.tiers is not None and self.tiers.covers(location) else None
+        if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
+            location = self.tiers.local_twin(remote)
         rank, world_size = rank_and_world(collective)
-        # Rank 0 decides where this save writes; all ranks must agree.
-        token, direct = on_rank0(collective, lambda: (new_token(), self._writes_in_place(location)))
+
+        def decide() -> tuple[str, bool]:  # rank 0 decides where this save writes; all ranks must agree
+            if remote is not None:
+                self.tiers.prepare(remote)
+            return new_token(), self._writes_in_place(location)
+
+        token, direct = on_rank0(collective, decide)
         target = location if direct else location.staging(token)
         info = {**(info or {}), "world_size": world_size, **_versions()}
 
@@ -170,8 +184,12 @@ class Checkpointer:
                 fsync_dir(location.parent().path)
             self._committed_in.add(location.parent().url)
             location.remove_stale_staging(keep=None if direct else token)
+            if remote is not None:
+                self.tiers.committed(remote)
 
         def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
+            if remote is not None:
+                self.tiers.abandoned(remote)
             if not (direct and location.local and self._async is not None):
                 target.remove()
                 return
@@ -296,7 +314,7 @@ class Checkpointer:
             map_location=map_location,
             model_key=model_key,
         )
-        urls = on_rank0(collective, lambda: candidates(self.location(path)))
+        urls = on_rank0(collective, lambda: self._candidates(self.location(path)))
         failures: list[tuple[str, CheckpointError]] = []
         for url in urls:
             loaded, failure = None, None
@@ -322,6 +340,9 @@ class Checkpointer:
             f"No checkpoint designated by {os.fspath(path)!r} can be loaded; tried, newest first: "
             + "; ".join(f"{u!r}: {err}" for u, err in failures)
         )
+
+    def _candidates(self, location: Location) -> list[str]:
+        return candidates(location) if self.tiers is None else self.tiers.candidates(location)
 
     def _load_one(
         self,
@@ -379,11 +400,11 @@ class Checkpointer:
             state = _from_lightning_layout(state, model_key)
         elif layout.EXTRA_KEY in state:
             blob = state.pop(layout.EXTRA_KEY)
-            loaded.objects = layout.decode_extra(blob, path=location.url, weights_only=weights_only)
+            loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
         blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
         if blobs:
-            loaded.rank_objects = layout.decode_extra(
-                next(iter(blobs.values())), path=location.url, weights_only=weights_only
+            loaded.rank_objects = decode_extra(
+                next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
             )
             loaded.rank_objects_exact = loaded.saved_world_size == world_size
         loaded.tree = state
@@ -394,12 +415,19 @@ class Checkpointer:
         """Delete the checkpoint at ``path`` (and any staging left by an interrupted save to it) once.
 
         A removal of another checkpoint while a background save is in flight runs after that save commits, so a
-        checkpoint is never deleted before its successor exists.
+        checkpoint is never deleted before its successor exists. With ``tiers``, a remote path is removed from both
+        tiers by the uploader, after the uploads queued before it (:meth:`Tiers.remove`).
 
         Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
         """
         location = self.location(path)
         in_flight = self._async.in_flight if self._async is not None else None
+        if self.tiers is not None and self.tiers.covers(location):  # both tiers, behind the uploads queued before
+            if in_flight is not None and in_flight.url == self.tiers.local_twin(location).url:
+                self._await_pending(collective)
+                in_flight = None
+            on_rank0(collective, lambda: self.tiers.remove(location, after_save=in_flight is not None))
+            return
         if in_flight is not None and in_flight.url == location.url:
             self._await_pending(collective)  # removing the checkpoint being written: let it finish first
         elif in_flight is not None:
@@ -425,13 +453,18 @@ class Checkpointer:
         self._await_pending(collective)
 
     def close(self) -> None:
-        """Wait for the background save in flight (if any) and release the staging buffers.
+        """Wait for the background save in flight (if any), release the staging buffers, then wait for the uploads.
 
         Raises:
-            CheckpointError: The background save failed; it was not committed.
+            CheckpointError: The background save failed (it was not committed), or uploads of the local tier failed
+                (those checkpoints stay committed locally).
         """
-        if self._async is not None:
-            self._async.close()
+        try:
+            if self._async is not None:
+                self._async.close()
+        finally:
+            if self.tiers is not None:
+                self.tiers.wait()
 
     def _await_pending(self, collective: bool) -> None:
         if self._async is None or self._async.in_flight is None:

@@ -72,7 +72,7 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     except NotACheckpointError as err:  # checksum-consistent yet invalid: a crafted or buggy writer
         raise CorruptCheckpointError(str(err), file=METADATA_FILE) from None
     _check_records(location, marker, metadata)
-    sizes = _file_sizes(location)
+    sizes = location.sizes()
     for name, entry in marker["files"].items():
         if name not in sizes:
             raise CorruptCheckpointError(f"{location.url!r}: data file {name} is missing.", file=name)
@@ -99,14 +99,6 @@ def _check_records(location: Location, marker: dict[str, Any], metadata: Metadat
                 " files and its commit marker disagree.",
                 file=COMMIT_FILE,
             )
-
-
-def _file_sizes(location: Location) -> dict[str, int]:
-    try:
-        entries = location.fs.ls(location.path, detail=True)
-    except (FileNotFoundError, NotADirectoryError):
-        return {}
-    return {e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in entries if e["type"] == "file"}
 
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:

@@ -29,6 +29,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_io import storage_reader
 from lightning_dcp.engine.integrity import not_one_checkpoint
 from lightning_dcp.engine.marker import METADATA_FILE
@@ -151,7 +152,7 @@ class Source:
             if weights_only and self._extra is not None:
                 return dict(self._extra)
             blob = self.read_values([layout.EXTRA_KEY], weights_only=weights_only)[layout.EXTRA_KEY]
-            extra = layout.decode_extra(blob, path=self.location.url, weights_only=weights_only)
+            extra = decode_extra(blob, path=self.location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
             if weights_only:
                 self._extra = extra
             return dict(extra)

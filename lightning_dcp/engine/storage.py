@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from typing import Any
 
 import fsspec
@@ -40,6 +40,15 @@ from lightning_dcp.engine.marker import (
     is_plain_name,
     parse_commit,
 )
+from lightning_dcp.engine.stores import (
+    access_message,
+    bucket_message,
+    check_storage_options,
+    credentials_message,
+    forget_listings,
+    is_missing_credentials,
+    is_refusal,
+)
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -54,9 +63,7 @@ __all__ = [
     "POINTER_HEADER",
     "STAGING_INFIX",
     "Location",
-    "check_storage_options",
     "fsync_dir",
-    "is_missing_credentials",
     "new_token",
     "read_commit",
     "unreadable",
@@ -92,22 +99,6 @@ def read_commit(location: Location) -> dict[str, Any] | None:
             " checkpoint, or restore this directory.",
             file=COMMIT_FILE,
         ) from None
-
-
-def check_storage_options(storage_options: Any, *, name: str = "storage_options") -> None:
-    """Raise ``TypeError`` unless ``storage_options`` is ``None`` or a mapping of option names (``str``) to values.
-
-    fsspec takes the options as keyword arguments (``fsspec.filesystem(protocol, **storage_options)``): anything else
-    fails deep inside a save or a load, far from where it was passed.
-    """
-    if storage_options is None:
-        return
-    if not isinstance(storage_options, Mapping) or not all(isinstance(k, str) for k in storage_options):
-        raise TypeError(
-            f"`{name}` must be a dict of fsspec filesystem options (e.g. {{'key': ..., 'secret': ...,"
-            f" 'client_kwargs': {{'endpoint_url': ...}}}} for s3fs), got {type(storage_options).__name__}:"
-            f" {storage_options!r:.80}."
-        )
 
 
 def unreadable(location: Location, name: str, err: OSError) -> CorruptCheckpointError:
@@ -222,6 +213,17 @@ class Location:
                 kind = "link"
             out.append((path.rsplit("/", 1)[-1], kind))
         return out
+
+    def sizes(self) -> dict[str, int]:
+        """``{name: bytes}`` of each file directly inside this directory (one fresh listing); ``{}`` when absent."""
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listing if e["type"] == "file"
+        }
 
     def parent(self) -> Location:
         """The directory holding this path (same protocol and options)."""
@@ -352,6 +354,28 @@ class Location:
                     self.fs.rm_file(self.path.rstrip("/"))
             self.fs.invalidate_cache(self.path)
 
+    def put(self, files: dict[str, str]) -> None:
+        """Upload local files into this directory: ``{name inside it: local path}``. Rank 0 only.
+
+        Transfers run concurrently where the storage library does (``fs.put`` of a list: s3fs, gcsfs and adlfs run a
+        batch at once; s3fs also uploads the parts of a large file concurrently).
+        """
+        names = sorted(files)
+        if self.local:
+            os.makedirs(self.path, exist_ok=True)
+        with self._translated():
+            self.fs.put([files[n] for n in names], [self.join(n) for n in names])
+
+    def remove_file(self, name: str) -> None:
+        """Delete the file ``name`` inside this directory; nothing happens when it does not exist."""
+        path = self.join(name)
+        if self.local:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(path)
+            return
+        with self._translated(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
         return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
@@ -398,20 +422,25 @@ class Location:
     # ------------------------------------------------------------------------------------------------ errors
     @contextlib.contextmanager
     def _translated(self) -> Iterator[None]:
-        """Turn the storage library's refusals into errors that name the bucket and the fix."""
+        """Start from fresh listings; turn the storage library's refusals into errors naming the fix.
+
+        Both differ between object stores: see the notes of :mod:`lightning_dcp.engine.stores`.
+        """
+        if not self.local:
+            forget_listings(self.fs, self.path)
         try:
             yield
         except CheckpointError:
             raise
-        except PermissionError as err:
-            raise StorageAccessError(self._access_message(err)) from err
         except FileNotFoundError as err:
             if self.bucket is not None and "bucket" in str(err).lower():
-                raise BucketNotFoundError(self._bucket_message()) from err
+                raise BucketNotFoundError(bucket_message(self.url, self.bucket, self._protocol())) from err
             raise
         except Exception as err:
             if is_missing_credentials(err):
-                raise StorageAccessError(self._credentials_message(err)) from err
+                raise StorageAccessError(credentials_message(self.url, self._protocol(), err)) from err
+            if is_refusal(err):
+                raise StorageAccessError(access_message(self.url, self.bucket, self._protocol(), err)) from err
             raise
 
     def _check_bucket(self) -> None:
@@ -419,51 +448,13 @@ class Location:
         if bucket is None or (id(self.fs), bucket) in _KNOWN_BUCKETS:
             return
         if not self.fs.exists(bucket):
-            raise BucketNotFoundError(self._bucket_message())
+            raise BucketNotFoundError(bucket_message(self.url, self.bucket, self._protocol()))
         _KNOWN_BUCKETS.add((id(self.fs), bucket))
 
     def _protocol(self) -> str:
+        if "://" in self.url:  # as the user wrote it ("az", not adlfs' first name "abfs")
+            return self.url.split("://", 1)[0]
         return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
-
-    def _access_message(self, err: Exception) -> str:
-        hint = (
-            " Check `storage_options` (s3fs: `key`, `secret`, and `client_kwargs={'endpoint_url': ...}` for an"
-            " S3-compatible server) or the AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY environment variables"
-            if self._protocol() in ("s3", "s3a")
-            else " Check the credentials in `storage_options` or in the environment"
-        )
-        return (
-            f"The storage server refused access to {self.url!r} (bucket {self.bucket!r}): {err}.{hint}, and that"
-            " they may read, write and list this bucket."
-        )
-
-    def _credentials_message(self, err: Exception) -> str:
-        hint = (
-            "pass `storage_options={'key': ..., 'secret': ...}` (CLI: --storage-options '{\"key\": ..., \"secret\":"
-            " ...}'), set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (or an AWS profile), or `{'anon': True}` for a"
-            " public bucket"
-            if self._protocol() in ("s3", "s3a")
-            else "pass credentials in `storage_options` or set them up in the environment"
-        )
-        return f"No credentials were found to access {self.url!r} ({type(err).__name__}: {err}): {hint}."
-
-    def _bucket_message(self) -> str:
-        return (
-            f"The bucket {self.bucket!r} of {self.url!r} does not exist. Create it first (for example"
-            f" `fsspec.filesystem({self._protocol()!r}, **storage_options).mkdir({self.bucket!r})`), or fix the URL"
-            " (and the endpoint in `storage_options`)."
-        )
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
-
-_CREDENTIAL_ERRORS = {
-    ("botocore", "NoCredentialsError"),  # s3fs: no key anywhere (storage_options, environment, profile)
-    ("botocore", "PartialCredentialsError"),
-    ("google", "DefaultCredentialsError"),  # gcsfs
-}
-
-
-def is_missing_credentials(err: BaseException) -> bool:
-    """Whether ``err`` is a storage library's "no credentials found" (matched by name: those libraries are optional)."""
-    return any((c.__module__.split(".", 1)[0], c.__name__) in _CREDENTIAL_ERRORS for c in type(err).__mro__)

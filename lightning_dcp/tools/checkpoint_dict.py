@@ -21,7 +21,8 @@ import torch
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.loading import probe
 from lightning_dcp.engine.source import Source
-from lightning_dcp.engine.storage import Location, check_storage_options
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["DEFAULT_BATCH_BYTES", "is_checkpoint_directory", "load_checkpoint"]

@@ -11,7 +11,8 @@ from typing_extensions import override
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import check_storage_options
+from lightning_dcp.engine.stores import check_storage_options
+from lightning_dcp.engine.tiers import Tiers
 
 __all__ = ["DCPCheckpointIO"]
 
@@ -42,9 +43,23 @@ class DCPCheckpointIO(CheckpointIO):
             (``save_checkpoint`` then returns in milliseconds); optimizer steps wait for them, and a tensor changed
             in place otherwise before it is copied fails that save instead of tearing it. See
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
+        local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
+            ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
+            disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
+            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back
+            intact, and commits it remotely (``.commit`` written last). ``ckpt_path="last"`` and remote paths load
+            the newest checkpoint committed on either tier, the local copy first; on a machine with an empty
+            ``local_dir`` they load from the remote. Removals (top-k pruning) apply to both tiers after the uploads
+            before them; uploads a killed run left unfinished are redone by the next run with the same ``local_dir``
+            (at its first save or load, or when ``DCPModelCheckpoint`` sets up); ``teardown`` waits for the uploads.
+            One ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
+            filesystem). Named ``local_dir`` rather than ``cache_dir`` or ``staging_dir``: it holds real, committed
+            checkpoints (for a while the only copy), not a disposable cache or a temporary area.
+        local_keep: Committed checkpoints ``local_dir`` keeps (the newest); older ones leave it once they are
+            committed remotely (never before, so it holds more while uploads fall behind).
 
     Raises:
-        ValueError: ``thread_count`` is not a positive integer.
+        ValueError: ``thread_count`` or ``local_keep`` is not a positive integer, or ``local_dir`` is not local.
         TypeError: ``storage_options`` is not a dict of fsspec options.
     """
 
@@ -56,14 +71,20 @@ class DCPCheckpointIO(CheckpointIO):
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = False,
+        local_dir: str | os.PathLike | None = None,
+        local_keep: int = 2,
     ) -> None:
         check_storage_options(storage_options)
+        tiers = None
+        if local_dir is not None:
+            tiers = Tiers(local_dir, keep=local_keep, storage_options=storage_options)
         self.checkpointer = Checkpointer(
             storage_options=storage_options,
             thread_count=thread_count,
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
+            tiers=tiers,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
 
@@ -76,6 +97,11 @@ class DCPCheckpointIO(CheckpointIO):
     def async_save(self) -> bool:
         """Whether saves run in the background."""
         return self.checkpointer.async_save
+
+    @property
+    def tiers(self) -> Tiers | None:
+        """The local tier and its uploader (``local_dir``), or ``None``."""
+        return self.checkpointer.tiers
 
     @property
     def last_save_seconds(self) -> float | None:
@@ -200,10 +226,13 @@ class DCPCheckpointIO(CheckpointIO):
 
     @override
     def teardown(self) -> None:
-        """Wait for the background save in flight (if any) and release the staging buffers.
+        """Finish the background save in flight (if any); with ``local_dir``, wait until every upload is done.
+
+        The staging buffers of async saves are released.
 
         Raises:
-            CheckpointError: The background save failed; it was not committed.
+            CheckpointError: The background save failed (it was not committed), or uploads failed (those
+                checkpoints stay committed in ``local_dir``).
         """
         self.checkpointer.close()
 

@@ -9,26 +9,34 @@ What it changes, each checked against Lightning 2.6.6:
   ``s3://b/k`` gives ``s3:/b/k``) and the Trainer then calls ``fs.modified()`` on each candidate, which fails for
   S3 "directories". Here candidates are full URLs of objects that can be stat-ed (the pointer, or a checkpoint's
   ``.commit`` marker), and only committed checkpoints count: a save interrupted by a crash is never "last".
-- Every storage call uses the ``storage_options`` of the Trainer's ``DCPCheckpointIO`` (or the ones given here).
+- Every storage call uses the ``storage_options`` of the Trainer's ``DCPCheckpointIO`` (or the ones given here),
+  also Lightning's own check of the "last" candidate (see :class:`_StatDefaults`).
+- With ``DCPCheckpointIO(local_dir=...)`` (tiered checkpoints) "last", ``file_exists`` and the clean-up cover both
+  tiers, and fitting starts by resuming the uploads a previous run left unfinished.
 - Checkpoints half written by a crash (no ``.commit`` marker) and stale staging prefixes in ``dirpath`` are removed
   when fitting starts; an overwrite interrupted mid-commit is completed first.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 from typing import Any
 
+import fsspec.config
+import fsspec.utils
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.integrity import committed_checkpoints, newest_valid
+from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import STAGING_INFIX, Location
+from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
 __all__ = ["DCPModelCheckpoint"]
@@ -54,21 +62,29 @@ class DCPModelCheckpoint(ModelCheckpoint):
         **kwargs: Passed to ``ModelCheckpoint``.
 
     Note:
-        ``Trainer.fit(ckpt_path="last")`` stats the chosen candidate with a plain ``fsspec`` filesystem (Lightning's
-        checkpoint connector passes no options). On S3 that works with credentials and endpoint in the environment
-        (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL``, ...); with ``storage_options`` only,
-        resume from ``ckpt_path=callback.last_checkpoint(trainer)`` instead.
+        ``Trainer.fit(ckpt_path="last")`` stats the chosen candidate with a bare ``fsspec`` filesystem (Lightning's
+        checkpoint connector passes no options). So that ``storage_options`` alone are enough, this callback makes
+        them fsspec's defaults for the candidate's protocol (``fsspec.config.conf``) from the moment it hands the
+        candidate over until its ``setup`` runs (the next step of ``fit``; also undone on an exception), merged over
+        and then restoring whatever the user configured there. With a local tier the candidate is a local path
+        whenever the newest checkpoint is there, and nothing is changed.
     """
 
     def __init__(
         self, dirpath: str | os.PathLike | None = None, *, storage_options: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
+        # Lightning builds a bare filesystem for `dirpath` here, which fails without credentials for some stores
+        # (adlfs raises at once); `setup` builds ours with the storage options. Lightning resolves local paths only.
+        super().__init__(dirpath=None, **kwargs)
         if dirpath is not None:
             dirpath = os.fspath(dirpath)
             if dirpath.startswith("file://"):
-                dirpath = dirpath[len("file://") :]  # Lightning would realpath() the URL into a relative name
-        super().__init__(dirpath=dirpath, **kwargs)
+                dirpath = dirpath[len("file://") :]
+            if fsspec.utils.get_protocol(dirpath) == "file":
+                dirpath = os.path.realpath(os.path.expanduser(dirpath))
+        self.dirpath = dirpath
         self._storage_options = None if storage_options is None else dict(storage_options)
+        self._stat_defaults = _STAT_DEFAULTS
 
     # ----------------------------------------------------------------------------------------------- storage
     def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -76,6 +92,15 @@ class DCPModelCheckpoint(ModelCheckpoint):
             return self._storage_options
         io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
         return dict(io.storage_options) if isinstance(io, DCPCheckpointIO) else {}
+
+    def _tiers(self, trainer: pl.Trainer) -> Tiers | None:
+        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        return io.tiers if isinstance(io, DCPCheckpointIO) else None
+
+    def _committed(self, trainer: pl.Trainer, directory: Location) -> list[tuple[float, Location]]:
+        """Committed checkpoints of ``directory``, newest first; with a local tier, of both tiers (local first)."""
+        tiers = self._tiers(trainer)
+        return committed_checkpoints(directory) if tiers is None else tiers.checkpoints(directory)
 
     def _directory(self, trainer: pl.Trainer) -> Location:
         dirpath = getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
@@ -90,34 +115,45 @@ class DCPModelCheckpoint(ModelCheckpoint):
         """URL of the checkpoint ``ckpt_path="last"`` resumes from, or ``None`` when nothing is committed.
 
         The newest committed checkpoint in ``dirpath`` that passes the fast checks, whatever a ``last*.ckpt`` link
-        or pointer says (a link can dangle after a kill, lag behind, or lead elsewhere). Loading falls back further
-        if that checkpoint's data turns out to be damaged. Rank 0 only.
+        or pointer says (a link can dangle after a kill, lag behind, or lead elsewhere); with a local tier, the
+        newest on either tier (the local copy first). Loading falls back further if that checkpoint's data turns out
+        to be damaged. Rank 0 only.
         """
-        found = newest_valid(self._directory(trainer))
-        return found[0].url if found else None
+        for _, candidate in self._committed(trainer, self._directory(trainer)):
+            try:
+                check_checkpoint(candidate)
+            except NotACheckpointError:
+                continue
+            return candidate.url
+        return None
 
     def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """URL of the most recently committed checkpoint in ``dirpath`` (by its commit time), or ``None``.
 
         Rank 0 only.
         """
-        found = committed_checkpoints(self._directory(trainer))
+        found = self._committed(trainer, self._directory(trainer))
         return found[0][1].url if found else None
 
     def remove_incomplete(self, trainer: pl.Trainer) -> list[str]:
         """Delete checkpoints in ``dirpath`` whose save did not finish, and stale staging prefixes.
 
         An overwrite interrupted mid-commit (target uncommitted, its staging prefix committed) is completed instead.
+        With a local tier, its uncommitted directories go too, and remote prefixes still being uploaded stay.
         Call when no save to ``dirpath`` is in flight. Rank 0 only.
 
         Returns:
             The URLs removed.
         """
         directory = self._directory(trainer)
+        tiers = self._tiers(trainer)
+        uploading = tiers.pending() if tiers is not None else set()
         entries = dict(directory.entries())
-        removed = []
+        removed = tiers.remove_incomplete() if tiers is not None else []
         for name, kind in sorted(entries.items()):
             if kind != "directory" or not name.endswith(self.FILE_EXTENSION) or name.startswith("."):
+                continue
+            if name in uploading:
                 continue
             location = directory.child(name)
             if location.is_committed():
@@ -130,6 +166,8 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 removed.append(location.url)
         for name, kind in sorted(directory.entries()):
             if kind == "directory" and name.startswith(".") and STAGING_INFIX in name:
+                if any(name.startswith(f".{busy}{STAGING_INFIX}") for busy in uploading):
+                    continue
                 directory.child(name).remove()
                 removed.append(directory.child(name).url)
         return removed
@@ -139,8 +177,11 @@ class DCPModelCheckpoint(ModelCheckpoint):
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         """Resolve ``dirpath`` (broadcast from rank 0) and, when fitting, clean up after crashed saves.
 
+        With a local tier, rank 0 then resumes the uploads a previous run left unfinished.
+
         Collective: call on all ranks (Lightning does).
         """
+        self._stat_defaults.restore()
         self.dirpath = trainer.strategy.broadcast(getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
         directory = self._directory(trainer)
         self._fs = directory.fs
@@ -150,7 +191,22 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 rank_zero_info(f"Removed {len(removed)} incomplete checkpoint(s) from {self.dirpath}: {removed}")
             if self.save_top_k != 0 and committed_checkpoints(directory):
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+            tiers = self._tiers(trainer)
+            if tiers is not None:
+                tiers.resume()
         trainer.strategy.barrier("DCPModelCheckpoint.setup")
+
+    @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """Undo the fsspec defaults of :meth:`_find_last` if ``fit`` failed before ``setup``."""
+        self._stat_defaults.restore()
+        super().on_exception(trainer, pl_module, exception)
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        """Undo the fsspec defaults of :meth:`_find_last` (when ``setup`` did not run)."""
+        self._stat_defaults.restore()
+        super().teardown(trainer, pl_module, stage)
 
     @override
     def file_exists(self, filepath: str | os.PathLike, trainer: pl.Trainer) -> bool:
@@ -163,6 +219,9 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero:
             location = Location(os.fspath(filepath), storage_options=self._options(trainer))
             exists = location.exists() and (not location.isdir() or location.is_committed())
+            tiers = self._tiers(trainer)
+            if not exists and tiers is not None and tiers.covers(location):  # committed locally, not uploaded yet
+                exists = tiers.local_twin(location).is_committed()
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 
     def _link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
@@ -170,7 +229,10 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if trainer.is_global_zero and filepath != linkpath:
             options = self._options(trainer)
             link, target = Location(linkpath, storage_options=options), Location(filepath, storage_options=options)
-            if not (link.local and _symlink(target.path, link.path)):
+            tiers = self._tiers(trainer)
+            if tiers is not None and tiers.covers(link) and tiers.mirrors(link.parent()):
+                tiers.link(link, target)  # written remotely behind the target's upload, off the training loop
+            elif not (link.local and _symlink(target.path, link.path)):
                 link.write_pointer(target)
         trainer.strategy.barrier("DCPModelCheckpoint.link")
 
@@ -182,10 +244,14 @@ class DCPModelCheckpoint(ModelCheckpoint):
         (:func:`lightning_dcp.engine.loading.candidates`). So the candidate is a local ``last*.ckpt`` entry when one
         resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
         object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
-        resumes: a run never starts from scratch while a committed checkpoint exists.
+        resumes: a run never starts from scratch while a committed checkpoint exists. With a local tier, the newest
+        checkpoint of both tiers (a local ``.commit`` when the local tier holds it).
+
+        Lightning stats a remote candidate with a bare filesystem: the options of this callback become fsspec's
+        defaults for its protocol until ``setup`` (see the class note).
         """
         directory = self._directory(trainer)
-        found = committed_checkpoints(directory)
+        found = self._committed(trainer, directory)
         if not found:
             return set()
         if directory.local:
@@ -193,7 +259,50 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 entry = directory.child(name)
                 if self._is_last_name(name) and os.path.exists(entry.path):  # not dangling
                     return {entry.url}
-        return {found[0][1].url.rstrip("/") + "/" + COMMIT_FILE}
+        newest = found[0][1]
+        if not newest.local:
+            self._stat_defaults.set(newest.url, self._options(trainer))
+        return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+
+
+class _StatDefaults:
+    """fsspec defaults (``fsspec.config.conf[protocol]``) for a protocol, set for a while and then restored exactly.
+
+    Lightning's checkpoint connector resolves ``ckpt_path="last"`` with ``get_filesystem(path).exists/.modified``:
+    a filesystem built from the URL alone, which fsspec completes with ``fsspec.config.conf[protocol]`` before it
+    looks up its instance cache. The instance so built is cached under the completed options, so filesystems that
+    users build later without options are not affected. While the defaults are set, any filesystem of that protocol
+    built without these options in this process gets them. One instance serves every callback of the process, so the
+    user's own configuration is what the first ``set`` found, whatever the number of callbacks.
+    """
+
+    _MISSING = object()
+
+    def __init__(self) -> None:
+        self._saved: dict[str, Any] = {}
+
+    def set(self, url: str, options: dict[str, Any]) -> None:
+        """Make ``options`` the defaults of ``url``'s protocol (merged over the user's own) until :meth:`restore`."""
+        if not options or "://" not in url:
+            return
+        protocol = url.split("://", 1)[0]
+        if protocol not in self._saved:
+            user = fsspec.config.conf.get(protocol, self._MISSING)
+            self._saved[protocol] = user if user is self._MISSING else copy.deepcopy(user)
+        user = self._saved[protocol]
+        fsspec.config.conf[protocol] = {**({} if user is self._MISSING else user), **options}
+
+    def restore(self) -> None:
+        """Put back exactly what ``fsspec.config.conf`` held before :meth:`set`."""
+        for protocol, value in self._saved.items():
+            if value is self._MISSING:
+                fsspec.config.conf.pop(protocol, None)
+            else:
+                fsspec.config.conf[protocol] = value
+        self._saved.clear()
+
+
+_STAT_DEFAULTS = _StatDefaults()
 
 
 def _symlink(target: str, link: str) -> bool:

@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp import DCPCheckpointIO, consolidate, inspect_checkpoint, verify_checkpoint
+from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.layout import decode_extra
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
 from lightning_dcp.engine.metadata import load_metadata
 from lightning_dcp.engine.storage import POINTER_HEADER, Location, read_commit
@@ -314,7 +314,7 @@ class BlobReader(Reader):
         )
 
     def check(self, data: bytes) -> str:
-        outcome, value = call(lambda: decode_extra(data, path="fuzzed-blob"), self.stats)
+        outcome, value = call(lambda: decode_extra(data, path="fuzzed-blob", entry="lightning"), self.stats)
         if outcome == "ok" and not isinstance(value, dict):
             raise Finding("wrong-load", f"decode_extra returned a {type(value).__name__}")
         return "loaded" if outcome == "ok" else f"refused:{type(value).__name__}"

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 
 from lightning_dcp import CheckpointError, CorruptCheckpointError, DCPCheckpointIO, verify_checkpoint
 from lightning_dcp.engine.archive import UnsafeArchiveError, check_archive
-from lightning_dcp.engine.layout import decode_extra, encode_extra
+from lightning_dcp.engine.blob import decode_extra, encode_extra
 from tests._crafting import replace_record, rewrite_metadata, torch_bytes, write_committed
 from tests.chaos._inputs import NUMPY_TAG, archive, code_pickle
 
@@ -116,7 +116,7 @@ SIZED = {
 @pytest.mark.parametrize("blob", SIZED.values(), ids=SIZED.keys())
 def test_blob_that_would_allocate_what_it_claims_is_refused(blob):
     with pytest.raises(CorruptCheckpointError, match="would allocate|compressed") as err:
-        decode_extra(blob, path="ckpt")
+        decode_extra(blob, path="ckpt", entry="lightning")
     assert err.value.file == "lightning"
 
 
@@ -154,7 +154,7 @@ def test_legitimate_archives_pass_the_check():
 def test_crafted_numpy_entries_are_corrupt_state(tag):
     """Raw TypeError/ValueError/AttributeError escaped decode_extra; ``U100000000`` allocated 3.2 GB."""
     with pytest.raises(CorruptCheckpointError, match="numpy") as err:
-        decode_extra(torch_bytes({"x": {NUMPY_TAG: tag}}), path="ckpt")
+        decode_extra(torch_bytes({"x": {NUMPY_TAG: tag}}), path="ckpt", entry="lightning")
     assert err.value.file == "lightning"
 
 
@@ -162,7 +162,7 @@ def test_payload_in_blob_runs_nothing(tmp_path):
     marker = str(tmp_path / "pwned")
     for kind in ("open", "system", "payload"):
         with pytest.raises(CheckpointError):
-            decode_extra(archive(code_pickle(kind, marker)), path="ckpt")
+            decode_extra(archive(code_pickle(kind, marker)), path="ckpt", entry="lightning")
     assert not os.path.exists(marker)
 
 

@@ -1,4 +1,4 @@
-"""One storage contract, run on a local disk, fsspec ``memory://`` and a real S3 server (SeaweedFS).
+"""One storage contract, run on a local disk, fsspec ``memory://`` and real S3, GCS and Azure Blob servers on loopback.
 
 Every test takes the ``root`` fixture, ``(url, storage_options)`` of an empty directory on one backend, and uses only
 the public surface (``Location``, ``DCPCheckpointIO``), so each backend must behave the same.
@@ -11,18 +11,19 @@ import uuid
 import pytest
 import torch
 
-from lightning_dcp import DCPCheckpointIO, NotACheckpointError
+from lightning_dcp import BucketNotFoundError, DCPCheckpointIO, NotACheckpointError, StorageAccessError
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import Location
+from tests._stores import REMOTE_STORES, remote_bucket
 
 
-@pytest.fixture(params=["local", "memory", "s3"])
+@pytest.fixture(params=["local", "memory", *REMOTE_STORES])
 def root(request, tmp_path):
     if request.param == "local":
         return str(tmp_path / "store"), {}
     if request.param == "memory":
         return f"memory://contract-{uuid.uuid4().hex[:8]}", {}
-    url, options = request.getfixturevalue("s3_bucket")
+    url, options, _ = remote_bucket(request, request.param)
     return url + "/run", options
 
 
@@ -112,7 +113,7 @@ def test_pointers_resolve_to_their_target(root):
 
 def test_interrupted_overwrite_rolls_forward(root):
     url, options = root
-    if Location(url).local:
+    if Location(url, storage_options=options).local:
         pytest.skip("local commits are one atomic rename: there is no window to roll forward from")
     io = _io(options)
     target = Location(url + "/m.ckpt", storage_options=options)
@@ -125,3 +126,35 @@ def test_interrupted_overwrite_rolls_forward(root):
     target.commit_from(staging)
     assert target.resolve().url == target.url and io.load_checkpoint(target.url)["epoch"] == 2
     assert not staging.exists()
+
+
+def test_missing_bucket_fails_clearly(root):
+    url, options = root
+    location = Location(url, storage_options=options)
+    if location.bucket is None:
+        pytest.skip("local disks and memory:// have no buckets")
+    protocol = url.split("://", 1)[0]
+    missing = f"{protocol}://no-such-bucket-{uuid.uuid4().hex[:6]}/run/a.ckpt"
+    io = _io(options)
+    with pytest.raises(BucketNotFoundError, match=r"no-such-bucket-\w+' .* does not exist. Create it"):
+        io.save_checkpoint(_checkpoint(1.0), missing)
+    with pytest.raises(BucketNotFoundError):
+        io.load_checkpoint(missing)
+    with pytest.raises(BucketNotFoundError):  # nothing created it on the way
+        Location(missing, storage_options=options).parent().entries()
+
+
+@pytest.mark.parametrize("store", ["s3", "az"])  # fake-gcs-server accepts any credentials: nothing to refuse
+def test_wrong_credentials_fail_clearly(request, store):
+    url, options, server = remote_bucket(request, store)
+    bad = server.storage_options(**({"secret": "not-the-secret"} if store == "s3" else {"key": "bm90LXRoZS1rZXk="}))
+    io = _io(bad)
+    with pytest.raises(StorageAccessError) as err:
+        io.save_checkpoint(_checkpoint(1.0), url + "/a.ckpt")
+    message = str(err.value)
+    hint = {"s3": "AWS_SECRET_ACCESS_KEY", "az": "connection_string"}[store]  # names the options that fix it
+    assert url.split("://", 1)[1] in message and hint in message and isinstance(err.value, PermissionError)
+    assert "not-the-secret" not in message and "bm90LXRoZS1rZXk=" not in message
+    with pytest.raises(StorageAccessError):
+        io.load_checkpoint(url + "/a.ckpt")
+    assert not Location(url, storage_options=options).entries()  # nothing was written with the refused key

@@ -41,8 +41,10 @@ import torch
 import torch.distributed as dist
 
 try:
+    from benchmarks.bench_save import disk_write
     from benchmarks.mixes import MIXES, make_module
 except ImportError:  # run as a script
+    from bench_save import disk_write
     from mixes import MIXES, make_module
 
 TASKS = ("save", "stock", "fit", "load")
@@ -85,17 +87,6 @@ def dir_bytes(path: str) -> int:
     if os.path.isfile(path):
         return os.path.getsize(path)
     return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-
-
-def write_limit(path: str, nbytes: int) -> None:
-    """Write ``nbytes`` sequentially into a new file in 64 MiB blocks, then ``fsync``: the disk's limit."""
-    block = torch.ones(BLOCK, dtype=torch.uint8).numpy()
-    with open(path, "wb") as f:
-        left = nbytes
-        while left > 0:
-            left -= f.write(block[: min(left, BLOCK)])
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def read_files(path: str) -> int:
@@ -183,7 +174,7 @@ def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, 
         for method in (*ios, "limit"):
             path = os.path.join(workdir, f"{method}-{round_}.ckpt")
             if method == "limit":
-                stall, seconds = _timed(lambda p=path, n=nbytes: write_limit(p, n) if rank == 0 else None)
+                stall, seconds = _timed(lambda p=path, n=nbytes: disk_write(p, n) if rank == 0 else None)
             else:
                 io = ios[method]
                 trainer.strategy.checkpoint_io = io
@@ -219,7 +210,7 @@ def task_stock(rank: int, world_size: int, workdir: str, mix: str, scale: float,
                 if round_ == 0:
                     nbytes = int(_max_over_ranks(dir_bytes(path) if rank == 0 else 0))
             else:
-                stall, seconds = _timed(lambda p=path, n=nbytes: write_limit(p, n) if rank == 0 else None)
+                stall, seconds = _timed(lambda p=path, n=nbytes: disk_write(p, n) if rank == 0 else None)
             if round_ > 0:
                 runs[method]["seconds"].append(seconds)
                 runs[method]["stall"].append(stall)

@@ -1,4 +1,4 @@
-"""Staging DTensors and ShardedTensors (FSDP1's sharded state dict) into CPU buffers, then saving what was staged."""
+"""DTensors and ShardedTensors (FSDP1's sharded state dict) staged into CPU buffers; async saves of both load back."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_dcp._compat import ShardedTensor
+from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.staging import Stager
 from tests._spawn import spawn
 
@@ -60,6 +61,19 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
     again = stager.stage(live)
     assert {b.data_ptr() for b in stager._buffers.values()} == buffers
     assert torch.equal(again["s"].local_shards()[0].tensor, live["s"].local_shards()[0].tensor)
+    # lightning_dcp's own async save (it stages write items, not the state dict) of the same kinds of tensors
+    checkpointer = Checkpointer(async_save=True)
+    async_path = os.path.join(tmp, "async.ckpt")
+    checkpointer.save({"model": live}, async_path, objects={"step": 1}, collective=True)
+    saved_d, saved_s = live["d"].full_tensor().clone(), live["s"].local_shards()[0].tensor.clone()
+    live["d"].to_local().zero_()  # after staging: the background write must not see it
+    live["s"].local_shards()[0].tensor.zero_()
+    checkpointer.close()
+    target = {"d": distribute_tensor(torch.zeros(8, 6), mesh, [Shard(0)]), "s": _sharded(rank, world_size)}
+    target["s"].local_shards()[0].tensor.zero_()
+    dcp.load({"model": target}, checkpoint_id=async_path)
+    assert torch.equal(target["d"].full_tensor(), saved_d)
+    assert torch.equal(target["s"].local_shards()[0].tensor, saved_s)
     dist.destroy_process_group()
 
 

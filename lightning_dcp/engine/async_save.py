@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -242,23 +241,6 @@ class AsyncSaves:
             self.wait()
         finally:
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
-
-
-def _expect_single_process_save() -> None:
-    """Silence DCP's "assuming the intent is to save in a single process" warning for our single-process saves.
-
-    Under a stock strategy (rank 0 alone calls the CheckpointIO) a background save runs without a process group on
-    purpose. DCP warns from its executor thread (attributed to ``torch.distributed.checkpoint.utils``), where a
-    ``warnings.catch_warnings`` around ``dcp.async_save`` no longer applies, so a filter for exactly that message is
-    added to the process's filters (idempotent: ``filterwarnings`` replaces an identical entry). Synchronous saves
-    and loads are silenced locally instead (``single_process_ok``).
-    """
-    warnings.filterwarnings(
-        "ignore",
-        message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a"
-        r" single process",
-        module=r"torch\.distributed\.checkpoint\.utils",
-    )
 
 
 def _quietly(fn: Callable[[], None]) -> None:

@@ -27,6 +27,7 @@ import lightning
 import torch
 
 from benchmarks import bench_consolidate, bench_gpu, bench_integrity, bench_reshard, bench_save, bench_tiered
+from benchmarks.trainer_report import trainer_main
 
 LABELS = {
     "lightning_dcp": "lightning_dcp (sync)",
@@ -254,6 +255,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="with --gpu: tiny sizes on CPU, files only with --out")
     parser.add_argument("--train-steps", type=int, default=200, help="with --gpu: timed training steps (0: none)")
     parser.add_argument("--save-every", type=int, default=50, help="with --gpu: steps between saves")
+    parser.add_argument("--trainer", action="store_true", help="bench_trainer.py on every mix instead -> TRAINER.md")
+    parser.add_argument("--mixes", default=None, help="with --trainer: huge,gpt2,small (default all)")
+    parser.add_argument("--scale", type=float, default=1.0, help="with --trainer: width scale of the mixes")
     parser.add_argument("--out", default=None, help="default: benchmarks/results")
     args = parser.parse_args(argv)
     args.repeats_given = args.repeats is not None
@@ -265,6 +269,8 @@ def main(argv: list[str] | None = None) -> int:
         return gpu_main(args, command)
     if args.tiered:
         return tiered_main(args, command)
+    if args.trainer:
+        return trainer_main(args, command, log=_log)
     args.out = args.out or "benchmarks/results"
     sizes = [0.1] if args.quick else [float(s) for s in (args.sizes or "0.1,1").split(",")]
     world_sizes = [int(w) for w in args.world_sizes.split(",")]

@@ -23,9 +23,15 @@ from lightning_utilities.core.imports import compare_version
 # class): the streaming ``.ckpt`` writer emits exactly these references so ``torch.load(weights_only=True)`` reads them.
 from torch._utils import _rebuild_tensor_v2 as rebuild_tensor
 
+# ... and dtypes without a legacy storage class (float8, uint16, ...): ``_rebuild_tensor_v3`` over an untyped storage.
+from torch._utils import _rebuild_tensor_v3 as rebuild_tensor_v3
+
 # DCP's per-entry storage record and tensor-narrowing helper: our storage writer/reader produce and consume exactly
 # what DCP's FileSystemWriter/FileSystemReader do, so checkpoints stay readable by any DCP reader.
 from torch.distributed._shard._utils import narrow_tensor_by_index
+
+# FSDP1's sharded state dict holds ShardedTensors: async staging rebuilds them around CPU buffers.
+from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 # DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
 # without the storage options; lightning_dcp.engine.dcp_io subclasses it to keep them.
@@ -47,9 +53,11 @@ __all__ = [
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
+    "ShardedTensor",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
     "check_private_api",
+    "dtensor_over",
     "flatten_state_dict",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
@@ -60,11 +68,14 @@ __all__ = [
     "lightning_upgrade",
     "narrow_tensor_by_index",
     "rebuild_tensor",
+    "rebuild_tensor_v3",
     "restart_train_iterator",
     "restore_modules_and_callbacks",
     "set_element",
+    "sharded_tensor_over",
     "shift_epoch_batches",
     "storage_type_name",
+    "tensor_version",
     "train_epoch_in_progress",
     "trainer_run_arguments",
     "unflatten_state_dict",
@@ -74,6 +85,50 @@ __all__ = [
 
 TORCH_GREATER_EQUAL_2_9 = compare_version("torch", lambda a, b: a >= b, "2.9.0")
 """``DefaultStager`` / ``StagingOptions`` and ``async_stager=`` exist from torch 2.9 on."""
+
+
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The in-place version counter of ``tensor`` (shared by its views; bumped by every in-place change)."""
+    return tensor._version
+
+
+def dtensor_over(dtensor: Any, local: torch.Tensor) -> Any:
+    """A DTensor with ``dtensor``'s mesh, placements and global shape whose local tensor is ``local`` as it is.
+
+    ``DTensor.from_local`` moves a local tensor to the mesh's device (a CPU staging buffer would go back to the
+    GPU); the constructor keeps it where it is. ``local`` must have the local tensor's shape and dtype.
+    """
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, dtensor._spec, requires_grad=False)
+
+
+def sharded_tensor_over(sharded: Any, tensors: list[torch.Tensor]) -> Any:
+    """A ShardedTensor with ``sharded``'s global metadata whose local shards are ``tensors`` (CPU, in order).
+
+    The shards' placements say ``cpu`` (DCP reads only offsets and sizes from them); no communication.
+    """
+    import copy as _copy
+
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor import Shard
+
+    metadata = _copy.deepcopy(sharded.metadata())
+    metadata.shards_metadata = [
+        ShardMetadata(list(m.shard_offsets), list(m.shard_sizes), f"rank:{m.placement.rank()}/cpu")
+        for m in metadata.shards_metadata
+    ]
+    pinned = bool(tensors) and tensors[0].is_pinned()
+    metadata.tensor_properties.pin_memory = pinned
+    metadata.tensor_properties.requires_grad = False
+    local = []
+    for tensor, shard in zip(tensors, sharded.local_shards(), strict=True):
+        meta = shard.metadata
+        placement = f"rank:{meta.placement.rank()}/cpu"
+        local.append(Shard(tensor, ShardMetadata(list(meta.shard_offsets), list(meta.shard_sizes), placement)))
+    return ShardedTensor._init_from_local_shards_and_global_metadata(
+        local, metadata, process_group=sharded._process_group
+    )
 
 
 def unwrap_checkpoint_io(checkpoint_io: object) -> object:

@@ -1,9 +1,13 @@
 """Background saves: at most one in flight; its commit and the removals queued behind it run when it completes.
 
-The training loop pays only for staging (:mod:`lightning_dcp.engine.staging`). ``dcp.async_save`` then plans and
-writes in a background thread over a dedicated gloo process group (created once per run; DCP requires a CPU backend
-and the training collectives must not share a group with a background thread). When the save completes on rank 0
-(DCP's coordinator finishes only after every rank wrote), rank 0 commits it in that thread, then deletes the
+The training loop pays for planning and staging only. In the caller's thread, over a dedicated gloo process group
+(created once per run: the training collectives must not share a group with a background thread), the save is
+planned (:func:`lightning_dcp.engine.saving.prepare`: after the first save of a run, a 16-byte exchange) and the
+items *this rank writes* are copied into reused buffers (:mod:`lightning_dcp.engine.staging`): under DDP a rank
+stages its share of the replicated state, not all of it. With ``defer_from``, the copies of large CPU tensors are
+made by the background thread instead, while every optimizer step waits for them. A background thread then writes
+(direct I/O and checksums, both outside the GIL, so the training loop keeps the interpreter) and finishes the
+checkpoint over the same group. When the save completes, rank 0 commits it in that thread, then deletes the
 checkpoints whose removal was requested while it was in flight: a checkpoint is never removed before its successor
 is saved.
 """
@@ -12,26 +16,29 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import StorageWriter
+from torch.distributed.checkpoint import SavePlanner, StorageWriter
+from torch.distributed.checkpoint.planner import WriteItem
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from lightning_dcp.engine.staging import Stager
+from lightning_dcp.engine import saving
+from lightning_dcp.engine.staging import Deferred, Stager
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import checkpoint_failure
 
-__all__ = ["AsyncSaves"]
+__all__ = ["DEFER_FROM", "AsyncSaves"]
+
+DEFER_FROM = 1 << 20
+"""CPU tensors from this size on are staged in the background (parameters and optimizer state, in practice)."""
 
 log = logging.getLogger(__name__)
 
 
 class _InFlight:
-    """One background save: its future, what to do once it is done, and what went wrong."""
+    """One background save: its thread, what to do once it is done, and what went wrong."""
 
     def __init__(self, location: Location, rank: int, commit: Callable[[], None], abandon: Callable[[], None]) -> None:
         self.location = location
@@ -41,13 +48,30 @@ class _InFlight:
         self.removals: list[Location] = []
         self.error: BaseException | None = None
         self.finished = threading.Event()
+        self.staged = threading.Event()
         self.lock = threading.Lock()
 
-    def done(self, future: Future) -> None:
-        """Runs in DCP's background thread when this rank's part of the save ends."""
+    def fail(self, error: BaseException) -> None:
+        """Record a failure before the background part started: abandon the save (rank 0), report it later."""
+        self.error = error
+        if self.rank == 0:
+            _quietly(self.abandon)
+        self.staged.set()
+        self.finished.set()
+
+    def run(self, prepared: saving.PreparedSave, deferred: list[Deferred]) -> None:
+        """The background thread: the deferred staging copies, write, finish, commit (rank 0), deferred removals."""
+        staging_error = None
         try:
-            future.result()
-        except BaseException as err:  # DCP's CheckpointException derives from BaseException
+            Stager.finish(deferred)
+        except Exception as err:
+            staging_error = err
+        finally:
+            self.staged.set()
+            _GATE.done(self.staged)
+        try:
+            saving.write(prepared, error=staging_error)
+        except BaseException as err:
             self.error = err
             if self.rank == 0:
                 _quietly(self.abandon)
@@ -73,14 +97,65 @@ class _InFlight:
             return True
 
 
+class _Staged:
+    """What the background writer reads: the staged copy of each of this rank's write items."""
+
+    def __init__(self, staged: dict[Any, Any]) -> None:
+        self.staged = staged
+
+    def resolve_data(self, item: WriteItem) -> Any:
+        return self.staged[item.index]
+
+
+class _StepGate:
+    """Makes every optimizer step wait for the deferred staging copies in flight.
+
+    A global optimizer pre-step hook, installed on first use; while nothing is pending it returns at once.
+    """
+
+    def __init__(self) -> None:
+        self._pending: set[threading.Event] = set()
+        self._lock = threading.Lock()
+        self._hook: Any = None
+
+    def hold(self, staged: threading.Event) -> None:
+        with self._lock:
+            self._pending.add(staged)
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._wait)
+
+    def done(self, staged: threading.Event) -> None:
+        with self._lock:
+            self._pending.discard(staged)
+
+    def _wait(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if not self._pending:
+            return
+        with self._lock:
+            pending = list(self._pending)
+        for staged in pending:
+            staged.wait()
+
+
+_GATE = _StepGate()
+
+
 class AsyncSaves:
-    """Run saves with ``dcp.async_save`` one at a time and surface their errors at the next call.
+    """Run saves in the background one at a time and surface their errors at the next call.
+
+    Staging copies of CPU tensors of at least ``defer_from`` bytes are made in the background too, after the call
+    returned: an optimizer step (anywhere in the process) waits until they are done, and a tensor changed in place
+    before its copy was made fails that save (``StagingRaceError``, reported at the next call) instead of writing a
+    checkpoint that mixes two steps. Smaller tensors (buffers a forward pass may update) are copied before returning.
 
     Args:
         pin_memory: Pinned staging buffers (default: whether CUDA is available).
+        defer_from: Bytes from which a CPU tensor's staging copy is deferred (``None``: copy everything before
+            returning).
     """
 
-    def __init__(self, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, *, pin_memory: bool | None = None, defer_from: int | None = None) -> None:
+        self.defer_from = defer_from
         self.stager = Stager(pin_memory=pin_memory)
         self._group: dist.ProcessGroup | None = None
         self._inflight: _InFlight | None = None
@@ -95,15 +170,19 @@ class AsyncSaves:
         state_dict: dict[str, Any],
         *,
         writer: StorageWriter,
+        planner: SavePlanner,
         location: Location,
         rank: int,
         distributed: bool,
         commit: Callable[[], None],
         abandon: Callable[[], None],
     ) -> None:
-        """Stage ``state_dict`` (blocking) and write it in the background; call :meth:`wait` first.
+        """Plan and stage ``state_dict`` (blocking), then write it in the background; call :meth:`wait` first.
 
         Collective: call on all ranks when ``distributed`` (the first call creates the gloo group).
+
+        A failure while planning or staging (on any rank) is reported like one of the background write: by the next
+        :meth:`wait` on every rank.
         """
         if self._inflight is not None:
             raise RuntimeError("A background save is still in flight: call wait() before starting another.")
@@ -113,13 +192,27 @@ class AsyncSaves:
                 self._group = dist.new_group(backend="gloo")
             group = self._group
         inflight = _InFlight(location, rank, commit, abandon)
-        if not distributed:
-            _expect_single_process_save()
-        future = dcp.async_save(
-            state_dict, storage_writer=writer, process_group=group, async_stager=self.stager, no_dist=not distributed
-        )
         self._inflight = inflight
-        future.add_done_callback(inflight.done)
+        try:
+            prepared = saving.prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed)
+            error: BaseException | None = None
+            deferred: list[Deferred] = []
+            try:
+                staged, deferred = self.stager.stage_items(
+                    prepared.plan.items, planner.resolve_data, defer_from=self.defer_from
+                )
+                prepared.planner = _Staged(staged)
+            except Exception as err:  # e.g. out of memory: no rank may start writing, or the others would wait
+                error = err
+            saving.agree(error, group=group, distributed=distributed)
+        except saving.RankFailure as failure:  # raised on every rank alike: reported at the next call, as a write's
+            inflight.fail(failure)
+            return
+        if deferred:
+            _GATE.hold(inflight.staged)
+        thread = threading.Thread(target=inflight.run, args=(prepared, deferred), name="lightning_dcp-save")
+        thread.daemon = True
+        thread.start()
 
     def defer_removal(self, location: Location) -> bool:
         """Delete ``location`` once the save in flight has committed (rank 0). False when nothing is in flight."""
@@ -148,23 +241,6 @@ class AsyncSaves:
             self.wait()
         finally:
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
-
-
-def _expect_single_process_save() -> None:
-    """Silence DCP's "assuming the intent is to save in a single process" warning for our single-process saves.
-
-    Under a stock strategy (rank 0 alone calls the CheckpointIO) a background save runs without a process group on
-    purpose. DCP warns from its executor thread (attributed to ``torch.distributed.checkpoint.utils``), where a
-    ``warnings.catch_warnings`` around ``dcp.async_save`` no longer applies, so a filter for exactly that message is
-    added to the process's filters (idempotent: ``filterwarnings`` replaces an identical entry). Synchronous saves
-    and loads are silenced locally instead (``single_process_ok``).
-    """
-    warnings.filterwarnings(
-        "ignore",
-        message=r"torch\.distributed is disabled, unavailable or uninitialized, assuming the intent is to save in a"
-        r" single process",
-        module=r"torch\.distributed\.checkpoint\.utils",
-    )
 
 
 def _quietly(fn: Callable[[], None]) -> None:

@@ -27,10 +27,10 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.async_save import AsyncSaves
+from lightning_dcp.engine import layout, saving
+from lightning_dcp.engine.async_save import DEFER_FROM, AsyncSaves
 from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
+from lightning_dcp.engine.dcp_io import save_planner, storage_reader, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import (
@@ -89,9 +89,14 @@ class Checkpointer:
             and delete; per-call ``storage_options`` are merged on top.
         thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
         sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
-        async_save: Write in the background (``dcp.async_save`` over a dedicated gloo group): :meth:`save` returns
-            once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight; the
+        async_save: Write in the background (over a dedicated gloo group): :meth:`save` returns once this rank's
+            part of the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight; the
             next save, a load, a removal of that checkpoint and :meth:`close` wait for it and raise its error.
+        defer_staging: With ``async_save``, copy CPU tensors of 1 MiB and more into the staging buffers in the
+            background too, so :meth:`save` returns in milliseconds: every optimizer step waits until the copies are
+            done, and a tensor changed in place by anything else before its copy is made fails that save (reported
+            at the next call; never a checkpoint mixing two steps). Leave off when parameters are changed outside
+            optimizer steps right after a save (weight clipping, manual updates).
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
 
@@ -106,6 +111,7 @@ class Checkpointer:
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
+        defer_staging: bool = False,
         tiers: Tiers | None = None,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
@@ -114,7 +120,7 @@ class Checkpointer:
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.async_save = async_save
-        self._async = AsyncSaves() if async_save else None
+        self._async = AsyncSaves(defer_from=DEFER_FROM if defer_staging else None) if async_save else None
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
@@ -193,6 +199,7 @@ class Checkpointer:
                 target.child(name).remove()
 
         writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
+        planner = save_planner(writers=world_size * self.thread_count)
         try:
             state = layout.build_state(
                 tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
@@ -201,6 +208,7 @@ class Checkpointer:
                 self._async.start(
                     state,
                     writer=writer,
+                    planner=planner,
                     location=location,
                     rank=rank,
                     distributed=distributed(collective),
@@ -209,8 +217,7 @@ class Checkpointer:
                 )
                 self._record(started, location, "staged (writing in the background)")
                 return
-            with single_process_ok():
-                dcp.save(state, storage_writer=writer, no_dist=not distributed(collective))
+            saving.save(state, writer=writer, planner=planner, distributed=distributed(collective))
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0:
                 abandon()

@@ -13,32 +13,28 @@ reader loads them. On top of that:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
 import os
-import threading
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
     LoadPlanner,
     SavePlan,
     SavePlanner,
-    WriteItem,
-    WriteItemType,
 )
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_dcp._compat import DCPFsspecFileSystem, FsspecReader, FsspecWriter, StorageInfo, narrow_tensor_by_index
+from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.engine.datafiles import FileJob, RecordResult, assign_files, write_local, write_stream
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,
@@ -50,10 +46,13 @@ from lightning_dcp.engine.marker import (
     parse_commit,
 )
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
+from lightning_dcp.engine.planning import BalancedSavePlanner
+from lightning_dcp.engine.reading import Source, read_raw
+from lightning_dcp.engine.records import tensor_record
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
 
-__all__ = ["storage_reader", "storage_writer"]
+__all__ = ["save_planner", "storage_reader", "storage_writer"]
 
 
 def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -> StorageWriter:
@@ -69,6 +68,15 @@ def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -
     return _keep_options(writer, location.storage_options)
 
 
+def save_planner(*, writers: int) -> SavePlanner:
+    """The save planner for a save with ``writers`` writers in all (ranks x threads per rank).
+
+    With more than one, large replicated tensors are split into row chunks so that every writer gets an equal share
+    (:mod:`lightning_dcp.engine.planning`).
+    """
+    return BalancedSavePlanner(split=writers > 1)
+
+
 def storage_reader(location: Location) -> StorageReader:
     """A DCP storage reader for ``location`` that verifies record checksums and reads metadata safely."""
     if location.local:
@@ -77,132 +85,42 @@ def storage_reader(location: Location) -> StorageReader:
 
 
 # ------------------------------------------------------------------------------------------------------ writing
-class _HashingStream:
-    """A write-only stream that forwards to ``raw`` and keeps a running checksum and byte count."""
-
-    def __init__(self, raw: IO[bytes]) -> None:
-        self.raw = raw
-        self.position = 0
-        self.hasher = xxhash.xxh3_64()
-        self.error: OSError | None = None  # torch.save's zip writer hides OSErrors behind a RuntimeError
-
-    def begin_record(self) -> int:
-        """Start a new record: reset the running checksum; returns the record's offset."""
-        self.hasher.reset()
-        return self.position
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        try:
-            self.raw.write(view)
-        except OSError as err:
-            self.error = err
-            raise
-        self.hasher.update(view)
-        self.position += view.nbytes
-        return view.nbytes
-
-    def flush(self) -> None:
-        self.raw.flush()
-
-    def writable(self) -> bool:
-        return True
-
-
-_ZIP_CRC_LOCK = threading.Lock()
-_ZIP_CRC_USERS = 0
-_ZIP_CRC_BEFORE = True
-
-
-@contextlib.contextmanager
-def _without_zip_crc32() -> Iterator[None]:
-    """Skip the CRC32 ``torch.save`` computes for its zip records while we write ours.
-
-    That CRC is never verified by ``torch.load`` and costs a full pass over every byte at ~1.5 GB/s (here it was
-    most of the serialization time); each record already gets our own, faster checksum. The setting is process-wide
-    (``torch.serialization.set_crc32_options``), so it is switched off while any of our saves runs and restored after
-    the last one; a ``torch.save`` elsewhere in the meantime writes a zip without CRCs, which torch loads the same.
-    """
-    global _ZIP_CRC_USERS, _ZIP_CRC_BEFORE
-    with _ZIP_CRC_LOCK:
-        if _ZIP_CRC_USERS == 0:
-            _ZIP_CRC_BEFORE = torch.serialization.get_crc32_options()
-            torch.serialization.set_crc32_options(False)
-        _ZIP_CRC_USERS += 1
-    try:
-        yield
-    finally:
-        with _ZIP_CRC_LOCK:
-            _ZIP_CRC_USERS -= 1
-            if _ZIP_CRC_USERS == 0:
-                torch.serialization.set_crc32_options(_ZIP_CRC_BEFORE)
-
-
-def _balance(items: Sequence[WriteItem], bins: int) -> list[list[WriteItem]]:
-    """Split write items into ``bins`` files of similar byte size (largest tensors first)."""
-    buckets: list[list[WriteItem]] = [[] for _ in range(bins)]
-    sizes = [0] * bins
-
-    def size(item: WriteItem) -> int:
-        if item.tensor_data is None:
-            return 0
-        return item.tensor_data.size.numel() * torch.empty((), dtype=item.tensor_data.properties.dtype).element_size()
-
-    for item in sorted(items, key=size, reverse=True):
-        i = sizes.index(min(sizes))
-        buckets[i].append(item)
-        sizes[i] += size(item)
-    return [b for b in buckets if b]
-
-
 class _ChecksummingWriter:
-    """Write DCP records ourselves so each record's checksum is known exactly; then commit with ``.commit``."""
+    """Write DCP records ourselves, checksumming each while it is written; then commit with ``.commit``.
+
+    The records and files are :mod:`lightning_dcp.engine.datafiles`'s.
+    ``local_files``: write with :func:`~lightning_dcp.engine.datafiles.write_local` (a local disk) rather than
+    through an fsspec stream.
+    """
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        prefix = plan.storage_data.prefix
-        jobs = [
-            (f"{prefix}{i}{DATA_SUFFIX}", bucket) for i, bucket in enumerate(_balance(plan.items, self.thread_count))
-        ]
-        with _without_zip_crc32():
-            if len(jobs) > 1:
-                with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
-                    per_file = list(pool.map(lambda job: self._write_file(planner, *job), jobs))
-            else:
-                per_file = [self._write_file(planner, *job) for job in jobs]
+        jobs = assign_files(plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX)
+        if len(jobs) > 1:
+            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+                per_file = list(pool.map(lambda job: self._write_file(planner, job), jobs))
+        else:
+            per_file = [self._write_file(planner, job) for job in jobs]
         future: Future[list[WriteResult]] = Future()
-        future.set_result([result for results in per_file for result in results])
+        # The checksum rides along to the coordinator and is moved into .commit in finish().
+        future.set_result(
+            [
+                WriteResult(
+                    index=r.item.index,
+                    size_in_bytes=r.length,
+                    storage_data=(StorageInfo(r.file, r.offset, r.length), r.digest),
+                )
+                for results in per_file
+                for r in results
+            ]
+        )
         return future
 
-    def _write_file(self, planner: SavePlanner, file_name: str, items: list[WriteItem]) -> list[WriteResult]:
-        results = []
-        with self.fs.create_stream(self.fs.concat_path(self.path, file_name), "wb") as raw:
-            out = _HashingStream(raw)
-            for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
-                data = planner.resolve_data(item)
-                start = out.begin_record()
-                if item.type == WriteItemType.BYTE_IO:
-                    out.write(data.getbuffer())
-                else:
-                    tensor = data.detach().cpu()
-                    if tensor.untyped_storage().size() != tensor.nbytes:
-                        tensor = tensor.clone()  # a view: write only its own elements
-                    try:
-                        torch.save(tensor, out)
-                    except RuntimeError:
-                        if out.error is not None:
-                            raise out.error from None
-                        raise
-                info = StorageInfo(file_name, start, out.position - start)
-                # The checksum rides along to the coordinator and is moved into .commit in finish().
-                results.append(
-                    WriteResult(
-                        index=item.index, size_in_bytes=info.length, storage_data=(info, out.hasher.intdigest())
-                    )
-                )
-            raw.flush()
-            if self.sync_files:
-                os.fsync(raw.fileno())
-        return results
+    def _write_file(self, planner: SavePlanner, job: FileJob) -> list[RecordResult]:
+        path = self.fs.concat_path(self.path, job.name)
+        if self.local_files:
+            return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files)
+        with self.fs.create_stream(path, "wb") as stream:
+            return write_stream(stream, job, planner.resolve_data)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         files: dict[str, dict[str, Any]] = {}
@@ -226,11 +144,11 @@ class _ChecksummingWriter:
 
 
 class _LocalWriter(_ChecksummingWriter, FileSystemWriter):
-    pass
+    local_files = True
 
 
-class _FsspecWriter(_ChecksummingWriter, FsspecWriter):
-    pass
+class _FsspecWriter(_ChecksummingWriter, FsspecWriter):  # DCP's FsspecWriter is a FileSystemWriter too
+    local_files = False
 
 
 class _OptionsFileSystem(DCPFsspecFileSystem):
@@ -279,6 +197,9 @@ class _VerifyingReader:
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
         self.checksums: dict[tuple[str, int], tuple[int, int]] | None = None
+        self._tensor_meta = {
+            key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
+        }
         try:
             with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "rb") as f:
                 data = f.read(MAX_MARKER_BYTES + 1)
@@ -299,32 +220,81 @@ class _VerifyingReader:
             per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
         for name, items in per_file.items():
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
-                size = stream.seek(0, os.SEEK_END)
-                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-                    info = self.storage_data[item.storage_index]
-                    record = self._read_record(stream, name, size, info, item)
-                    try:
-                        self._apply(record, item, planner)
-                    except CheckpointError:
-                        raise
-                    except Exception as err:  # a record that is not what the metadata says it is
-                        raise CorruptCheckpointError(
-                            f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-                            f" describes it ({describe_load_error(err)}).",
-                            file=name,
-                        ) from None
+                source = Source(stream)
+                try:
+                    self._read_file(stream, source, name, items, planner)
+                finally:
+                    source.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _read_file(self, stream: IO[bytes], source: Source, name: str, items: list, planner: LoadPlanner) -> None:
+        size = stream.seek(0, os.SEEK_END)
+        for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+            info = self.storage_data[item.storage_index]
+            expected = self._expected(name, size, info, item)
+            try:
+                if not self._read_in_place(source, name, info, expected, item, planner):
+                    self._apply(self._read_record(stream, name, info, expected, item), item, planner)
+            except CheckpointError:
+                raise
+            except Exception as err:  # a record that is not what the metadata says it is
+                raise CorruptCheckpointError(
+                    f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
+                    f" describes it ({describe_load_error(err)}).",
+                    file=name,
+                ) from None
+
+    def _read_in_place(
+        self, source: Source, name: str, info: StorageInfo, expected: int | None, item: Any, planner: LoadPlanner
+    ) -> bool:
+        """Read a tensor record in our layout straight into its target (:mod:`lightning_dcp.engine.reading`).
+
+        Returns False when the record is not in that layout (the general path then reads it).
+        """
+        if item.type != LoadItemType.TENSOR:
+            return False
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index.offset)
+        if sizes is None:
+            return False
+        dtype = meta.properties.dtype
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
+            raise TypeError(
+                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
+            )
+        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+        direct = whole and target.device.type == "cpu" and target.is_contiguous()
+        into = target if direct else torch.empty(sizes, dtype=dtype)
+        digest = read_raw(source, info.offset, info.length, tensor_record(dtype, sizes), into)
+        if digest is None:
+            return False
+        if expected is not None and digest != expected:
+            raise self._corrupt(name, item)
+        if not direct:
+            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
+        return True
 
     def _apply(self, record: bytes, item: Any, planner: LoadPlanner) -> None:
         if item.type == LoadItemType.BYTE_IO:
             planner.load_bytes(item, io.BytesIO(record))
             return
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index.offset)
+        if sizes is None:
+            raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
+        check_archive(record)  # nothing the archive claims is allocated beyond what it holds
         tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         del record  # at most two copies of the largest record alive: decoded tensor and target
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.size()) != sizes or tensor.dtype != meta.properties.dtype:
+            raise TypeError(
+                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata's chunk is {meta.properties.dtype}{sizes}"
+            )
         tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
         target = planner.resolve_tensor(item).detach()
         if target.size() != tensor.size() or target.dtype != tensor.dtype:
@@ -334,7 +304,11 @@ class _VerifyingReader:
         target.copy_(tensor)
         planner.commit_tensor(item, target)
 
-    def _read_record(self, stream: IO[bytes], name: str, size: int, info: StorageInfo, item: Any) -> bytes:
+    def _expected(self, name: str, size: int, info: StorageInfo, item: Any) -> int | None:
+        """The checksum ``.commit`` records for this record (``None`` without a marker).
+
+        Raises ``CorruptCheckpointError`` when the record lies outside its file or the marker does not list it.
+        """
         fqn = item.storage_index.fqn
         if info.offset + info.length > size:
             raise CorruptCheckpointError(
@@ -342,28 +316,45 @@ class _VerifyingReader:
                 f" {info.offset}..{info.offset + info.length}, the file ends at {size}.",
                 file=name,
             )
-        expected = None if self.checksums is None else self.checksums.get((name, info.offset))
-        if self.checksums is not None and (expected is None or expected[0] != info.length):
+        if self.checksums is None:
+            return None
+        expected = self.checksums.get((name, info.offset))
+        if expected is None or expected[0] != info.length:
             raise CorruptCheckpointError(
                 f"{self.path}/{name}: record {fqn!r} (bytes {info.offset}..{info.offset + info.length}) is not listed"
                 f" in {COMMIT_FILE}; the checkpoint's files and its commit marker disagree.",
                 file=name,
             )
+        return expected[1]
+
+    def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, expected: int | None, item: Any) -> bytes:
         stream.seek(info.offset)
         record = stream.read(info.length)
         if len(record) != info.length:
             raise CorruptCheckpointError(
-                f"{self.path}/{name} is truncated: record {fqn!r} needs bytes"
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
                 f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
                 file=name,
             )
-        if expected is not None and checksum(record) != expected[1]:
-            raise CorruptCheckpointError(
-                f"{self.path}/{name} is corrupt: record {fqn!r} does not match the checksum recorded at save. Restore"
-                " the file or resume from another checkpoint.",
-                file=name,
-            )
+        if expected is not None and checksum(record) != expected:
+            raise self._corrupt(name, item)
         return record
+
+    def _corrupt(self, name: str, item: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded at"
+            " save. Restore the file or resume from another checkpoint.",
+            file=name,
+        )
+
+
+def _chunk_sizes(meta: TensorStorageMetadata, offsets: Any) -> tuple[int, ...] | None:
+    """The shape of the saved chunk of ``meta`` that starts at ``offsets``."""
+    key = tuple(offsets) if offsets is not None else (0,) * len(meta.size)
+    for chunk in meta.chunks:
+        if tuple(chunk.offsets) == key:
+            return tuple(chunk.sizes)
+    return None
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):

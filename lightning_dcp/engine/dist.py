@@ -21,8 +21,11 @@ _T = TypeVar("_T")
 
 
 def distributed(collective: bool) -> bool:
-    """Whether a call with this ``collective`` flag runs as a collective over the default process group."""
-    return collective and dist.is_available() and dist.is_initialized()
+    """Whether a call with this ``collective`` flag runs as a collective over the default process group.
+
+    A group of one process runs nothing collective: DCP then skips pickling its plans for an exchange with itself.
+    """
+    return collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def rank_and_world(collective: bool) -> tuple[int, int]:

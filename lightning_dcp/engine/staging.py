@@ -1,30 +1,61 @@
-"""Staging: copy a DCP state dict off the training tensors into reused CPU buffers before a background save.
+"""Staging: copy what a background save writes off the training tensors into reused CPU buffers.
 
-After :meth:`Stager.stage` returns, the model and optimizer may change freely: the background writer only sees the
-staged copy, so a checkpoint never mixes two steps. Buffers are allocated once and reused by every later save of
-the same shapes (``copy_`` into an existing buffer runs at memory bandwidth; a fresh allocation is ~3x slower).
-On CUDA the buffers are pinned, so the device-to-host copies run at full PCIe speed.
+After :meth:`Stager.stage_items` (or :meth:`Stager.stage`) returns, the model and optimizer may change freely: the
+background writer only sees the staged copies, so a checkpoint never mixes two steps. An async save stages only the
+write items of its own rank's plan (under DDP, its share of the replicated state), not the whole state dict.
+Buffers are allocated once and reused by every later save of the same shapes (``copy_`` into an existing buffer runs
+at memory bandwidth; a fresh allocation is ~3x slower). On CUDA the buffers are pinned, so the device-to-host copies
+run at full PCIe speed.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-__all__ = ["Stager"]
+from lightning_dcp._compat import ShardedTensor, dtensor_over, sharded_tensor_over, tensor_version
+
+__all__ = ["Deferred", "Stager", "StagingRaceError"]
 
 _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None))
+
+
+class StagingRaceError(RuntimeError):
+    """A tensor changed while its deferred staging copy was being made; the save it belonged to is dropped."""
+
+
+@dataclasses.dataclass
+class Deferred:
+    """A staging copy made after the save call returned: ``buffer.copy_(source)``, valid if ``source`` is unchanged.
+
+    Attributes:
+        name: The tensor's key, for messages.
+        source: The live tensor (or the row range of it this rank writes).
+        buffer: The staging buffer it is copied into.
+        version: ``source``'s in-place version counter when the save was planned.
+    """
+
+    name: str
+    source: torch.Tensor
+    buffer: torch.Tensor
+    version: int
 
 
 class Stager(AsyncStager):
     """Copy tensors into reused CPU buffers (pinned when CUDA is available); containers are rebuilt.
 
-    Used as DCP's ``async_stager``: ``dcp.async_save`` calls :meth:`stage` in the caller's thread before it starts
-    the background write.
+    A DTensor is rebuilt around its staged local tensor, and a ShardedTensor (FSDP1's sharded state dict) around its
+    staged local shards, with the original's global metadata; neither is moved back to the accelerator.
+
+    :meth:`stage_items` is what lightning_dcp's async saves call; :meth:`stage` makes it usable as DCP's
+    ``async_stager`` too (``dcp.async_save`` calls it in the caller's thread before the background write).
 
     Args:
         pin_memory: Allocate pinned buffers (default: whether CUDA is available).
@@ -45,6 +76,54 @@ class Stager(AsyncStager):
             torch.cuda.synchronize()  # non-blocking device-to-host copies must land before the writer reads
         return staged
 
+    def stage_items(
+        self, items: Iterable[WriteItem], resolve: Callable[[WriteItem], Any], *, defer_from: int | None = None
+    ) -> tuple[dict[Any, Any], list[Deferred]]:
+        """Copies of the data of ``items`` (``resolve`` gives it: a tensor, or a blob already serialized).
+
+        Args:
+            items: The write items of this rank's plan.
+            resolve: The planner's ``resolve_data``.
+            defer_from: CPU tensors of at least this many bytes get their buffer now and their copy later
+                (:meth:`finish`); ``None`` copies everything now.
+
+        Returns:
+            ``({item.index: staged data}, deferred copies)``: tensors in this stager's buffers, blobs as they are.
+        """
+        self._cuda_copies = False
+        staged: dict[Any, Any] = {}
+        deferred: list[Deferred] = []
+        for item in items:
+            data = resolve(item)
+            if isinstance(data, torch.Tensor):
+                key = ("item", item.index.fqn, tuple(item.index.offset) if item.index.offset is not None else ())
+                source = data.detach()
+                if defer_from is not None and source.device.type == "cpu" and source.nbytes >= defer_from:
+                    data = self._buffer(source, key)
+                    deferred.append(Deferred(item.index.fqn, source, data, tensor_version(source)))
+                else:
+                    data = self._copy_tensor(source, key)
+            staged[item.index] = data
+        if self._cuda_copies:
+            torch.cuda.synchronize()
+        return staged, deferred
+
+    @staticmethod
+    def finish(deferred: Iterable[Deferred]) -> None:
+        """Make the deferred copies (any thread), checking that no source changed since it was planned.
+
+        Raises:
+            StagingRaceError: A source tensor was modified in place before its copy was complete.
+        """
+        for copy_ in deferred:
+            copy_.buffer.copy_(copy_.source)
+            if tensor_version(copy_.source) != copy_.version:
+                raise StagingRaceError(
+                    f"{copy_.name!r} was modified in place while an async save was staging it, outside an optimizer"
+                    " step (which waits for staging); the save was dropped rather than written torn. Save"
+                    " synchronously, or change the tensor after the save has been staged (`wait()`)."
+                )
+
     def synchronize_staging(self) -> None:
         """Staging is complete when :meth:`stage` returns: nothing to wait for."""
 
@@ -58,11 +137,11 @@ class Stager(AsyncStager):
         return sum(b.nbytes for b in self._buffers.values())
 
     def _copy(self, obj: Any, path: tuple) -> Any:
-        if isinstance(obj, DTensor):
-            local = self._copy_tensor(obj.to_local(), path)
-            return DTensor.from_local(
-                local, obj.device_mesh, obj.placements, run_check=False, shape=obj.shape, stride=obj.stride()
-            )
+        if isinstance(obj, DTensor):  # rebuilt around the CPU buffer, which stays on the CPU
+            return dtensor_over(obj, self._copy_tensor(obj.to_local(), path))
+        if isinstance(obj, ShardedTensor):  # FSDP1's sharded state dict: each local shard staged
+            shards = [self._copy_tensor(s.tensor, (*path, i)) for i, s in enumerate(obj.local_shards())]
+            return sharded_tensor_over(obj, shards)
         if isinstance(obj, torch.Tensor):
             return self._copy_tensor(obj, path)
         if isinstance(obj, dict):
@@ -73,12 +152,16 @@ class Stager(AsyncStager):
             return obj
         return copy.deepcopy(obj)
 
-    def _copy_tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
-        tensor = tensor.detach()
+    def _buffer(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
         buffer = self._buffers.get(path)
         if buffer is None or buffer.shape != tensor.shape or buffer.dtype != tensor.dtype:
             buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=self.pin_memory)
             self._buffers[path] = buffer
+        return buffer
+
+    def _copy_tensor(self, tensor: torch.Tensor, path: tuple) -> torch.Tensor:
+        tensor = tensor.detach()
+        buffer = self._buffer(tensor, path)
         non_blocking = self.pin_memory and tensor.is_cuda
         self._cuda_copies |= non_blocking
         buffer.copy_(tensor, non_blocking=non_blocking)

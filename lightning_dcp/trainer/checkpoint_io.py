@@ -39,6 +39,10 @@ class DCPCheckpointIO(CheckpointIO):
             returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
             flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
             is raised there. Removals requested while it is in flight run after it commits.
+        defer_staging: With ``async_save``, make the staging copies of large CPU tensors in the background as well
+            (``save_checkpoint`` then returns in milliseconds); optimizer steps wait for them, and a tensor changed
+            in place otherwise before it is copied fails that save instead of tearing it. See
+            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
@@ -66,6 +70,7 @@ class DCPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
+        defer_staging: bool = False,
         local_dir: str | os.PathLike | None = None,
         local_keep: int = 2,
     ) -> None:
@@ -78,6 +83,7 @@ class DCPCheckpointIO(CheckpointIO):
             thread_count=thread_count,
             sync_files=sync_files,
             async_save=async_save,
+            defer_staging=defer_staging,
             tiers=tiers,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""

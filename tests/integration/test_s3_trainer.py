@@ -14,6 +14,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
+from lightning_dcp.engine import planning
 from lightning_dcp.engine.dcp_io import storage_reader, storage_writer
 from lightning_dcp.engine.storage import Location
 from tests._models import RandomDataModule, TinyModel
@@ -75,6 +76,9 @@ def test_server_killed_mid_save_previous_checkpoint_resumes(s3_server_factory, m
     dirpath, options = f"s3://{bucket}/run", server.storage_options()
     options["config_kwargs"] = {"retries": {"max_attempts": 1}, "connect_timeout": 2}
     _use_env_credentials(monkeypatch, server)
+    # Keep the 64 MB buffer in one record (not split into 32 MB chunks over both files): one file then needs a
+    # multipart upload, which is when the server is killed.
+    monkeypatch.setattr(planning, "CHUNK_BYTES", 1 << 30)
 
     def trainer(max_epochs):
         callback = DCPModelCheckpoint(dirpath, every_n_epochs=1, save_top_k=-1, save_last="link")

@@ -79,6 +79,31 @@ def test_overwrite_replaces_and_leaves_no_staging(root):
     assert [name for name, _ in Location(url, storage_options=options).entries()] == ["m.ckpt"]
 
 
+def test_sync_and_async_saves_load_with_stock_dcp(root):
+    """Records written straight from tensor memory (local files or fsspec streams) are what stock DCP reads."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+    url, options = root
+    big = torch.randn(300, 1000)  # 1.2 MB: written from memory in pieces (direct I/O on a local disk)
+    for mode, io in (("sync", _io(options)), ("async", DCPCheckpointIO(storage_options=options, async_save=True))):
+        path = f"{url}/{mode}.ckpt"
+        io.save_checkpoint({"state_dict": {"w": torch.full((4, 3), 2.0), "big": big}, "epoch": 2}, path)
+        io.teardown()  # the async save completes and commits
+        location = Location(path, storage_options=options)
+        assert location.is_committed()
+        reader = FileSystemReader(location.path) if location.local else FsspecReader(path, **options)
+        target = {"state_dict": {"w": torch.zeros(4, 3), "big": torch.zeros(300, 1000)}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP's single-process notice
+            dcp.load(target, storage_reader=reader, no_dist=True)
+        assert torch.equal(target["state_dict"]["w"], torch.full((4, 3), 2.0)), mode
+        assert torch.equal(target["state_dict"]["big"], big), mode
+
+
 def test_stale_staging_is_removed_by_the_next_save(root):
     url, options = root
     target = Location(url + "/m.ckpt", storage_options=options)

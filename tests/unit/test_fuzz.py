@@ -24,12 +24,9 @@ EXAMPLES = {
 
 @pytest.mark.parametrize(("reader", "examples"), EXAMPLES.items(), ids=EXAMPLES.keys())
 def test_reader_refuses_hostile_input_cleanly(tmp_path, reader, examples):
-    # "lenient": a tensor record larger than its chunk loads part of it (engine/dcp_io.py; xfail test in
-    # tests/unit/test_fuzz_findings.py). Drop this tolerance once it is fixed.
-    tolerate = ("lenient",) if reader == "record" else ()
-    stats = fuzz_reader(reader, root=str(tmp_path), examples=examples, seed=SEED, keep_going=False, tolerate=tolerate)
+    stats = fuzz_reader(reader, root=str(tmp_path), examples=examples, seed=SEED, keep_going=False)
     assert stats.examples >= examples
-    assert [f for f in stats.findings if f["kind"] not in tolerate] == []
+    assert stats.findings == []
     refused = sum(n for outcome, n in stats.outcomes.items() if outcome.startswith("refused:"))
     assert refused > examples // 3, stats.outcomes  # the inputs reach the readers' checks
 

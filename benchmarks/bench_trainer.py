@@ -1,0 +1,396 @@
+"""What users run: saves, fits with ``ModelCheckpoint`` and resume loads through a real Lightning ``Trainer``.
+
+Each task spawns ``world_size`` real processes (gloo, ``strategy="dcp_ddp"`` on CPU) training one mix of
+:mod:`benchmarks.mixes` with AdamW, and times, ``repeats`` times after one untimed warm-up, methods interleaved in
+every round (A B C A B C ...) so that they see the same machine:
+
+- ``save``: ``trainer.save_checkpoint(path)`` with ``DCPCheckpointIO()`` (``sync``); the same with
+  ``DCPCheckpointIO(async_save=True)`` (``async``: ``stall`` is the time ``save_checkpoint`` blocks, ``seconds``
+  the time until the checkpoint is committed) and with ``defer_staging=True`` too (``deferred``); and ``limit``:
+  rank 0 writes the checkpoint's bytes (the sum of its files' sizes) into a fresh file sequentially in 64 MiB
+  blocks and ``fsync``s (the disk's limit for those bytes, through the page cache).
+- ``stock``: stock Lightning DDP (``strategy="ddp"``, ``TorchCheckpointIO``: rank 0 ``torch.save``s the whole
+  checkpoint, without ``fsync``) and ``limit`` again.
+- ``fit``: ``trainer.fit`` for ``fit_steps`` steps with no checkpointing (``none``) and with a ``ModelCheckpoint``
+  every ``every`` steps: sync (``sync``), async (``async``), async with deferred staging (``deferred``); reports
+  the fit's wall time and each save's stall (the time ``trainer.save_checkpoint`` blocked the loop inside
+  ``ModelCheckpoint``). Async fits include the wait for the last save at teardown.
+- ``load``: ``strategy.load_checkpoint`` of a checkpoint saved at world size ``save_world_size`` into the model
+  and AdamW state (what a resume does), with the checkpoint's files evicted from the page cache first (``cold``
+  says whether that worked); and ``read``: a sequential read of the same files, evicted the same way.
+
+Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
+
+    python -m benchmarks.bench_trainer --mix huge --world-size 2 --tasks save,stock,fit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+try:
+    from benchmarks.bench_save import disk_write
+    from benchmarks.mixes import MIXES, make_module
+except ImportError:  # run as a script
+    from bench_save import disk_write
+    from mixes import MIXES, make_module
+
+TASKS = ("save", "stock", "fit", "load")
+ASYNC = ("async", "deferred")
+BLOCK = 64 << 20
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _max_over_ranks(value: float) -> float:
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _timed(fn: Any) -> tuple[float, float]:
+    """``(this rank's seconds, slowest rank's seconds)`` of ``fn()``, from a barrier."""
+    _barrier()
+    start = time.perf_counter()
+    fn()
+    mine = time.perf_counter() - start
+    return mine, _max_over_ranks(mine)
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def dir_bytes(path: str) -> int:
+    """Bytes of every file in ``path`` (a file's own size when ``path`` is a file)."""
+    if os.path.isfile(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
+
+
+def read_files(path: str) -> int:
+    """Read every file under ``path`` sequentially in 64 MiB blocks into one reused buffer; returns the bytes."""
+    buffer = bytearray(BLOCK)
+    total = 0
+    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    for name in sorted(files):
+        with open(name, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                total += n
+    return total
+
+
+def evict(path: str) -> bool:
+    """Drop ``path``'s files (a file or a directory tree) from the page cache, after writing them back.
+
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file: the next read comes from the disk, like after
+    ``echo 3 > /proc/sys/vm/drop_caches``, without evicting other processes' pages (or the libraries this process
+    still has to page in). Returns False when the kernel kept some of the pages (checked with ``mincore``-free
+    means: a second call is harmless, so this only reports ``posix_fadvise`` failures).
+    """
+    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+    ok = True
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            ok = False
+        finally:
+            os.close(fd)
+    return ok
+
+
+def make_trainer(world_size: int, *, strategy: str = "dcp_ddp", **kwargs: Any):
+    """The tests' CPU Trainer (no logger, progress bar or validation)."""
+    from tests._trainer import make_trainer as trainer_for_tests
+
+    return trainer_for_tests(world_size, strategy=strategy, limit_val_batches=0, **kwargs)
+
+
+def _timed_checkpoint_class():
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_dcp import DCPModelCheckpoint
+
+    class TimedCheckpoint(DCPModelCheckpoint):
+        """``DCPModelCheckpoint`` that records how long each save blocked the training loop."""
+
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            self.stalls: list[float] = []
+
+        def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+            start = time.perf_counter()
+            ModelCheckpoint._save_checkpoint(self, trainer, filepath)
+            self.stalls.append(time.perf_counter() - start)
+
+    return TimedCheckpoint
+
+
+# ---------------------------------------------------------------------------------------------- tasks
+def _fitted(world_size: int, mix: str, scale: float, *, strategy: str = "dcp_ddp", plugins=()):
+    """A Trainer after one training step (AdamW state exists) and its module."""
+    module = make_module(mix, scale=scale)
+    trainer = make_trainer(world_size, strategy=strategy, max_steps=1, plugins=list(plugins))
+    trainer.fit(module)
+    return trainer, module
+
+
+def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int) -> dict:
+    from lightning_dcp import DCPCheckpointIO
+
+    ios = {
+        "sync": DCPCheckpointIO(),
+        "async": DCPCheckpointIO(async_save=True),
+        "deferred": DCPCheckpointIO(async_save=True, defer_staging=True),
+    }
+    trainer, _ = _fitted(world_size, mix, scale, plugins=[ios["sync"]])
+    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in (*ios, "limit")}
+    nbytes = 0
+    for round_ in range(repeats + 1):
+        for method in (*ios, "limit"):
+            path = os.path.join(workdir, f"{method}-{round_}.ckpt")
+            if method == "limit":
+                stall, seconds = _timed(lambda p=path, n=nbytes: disk_write(p, n) if rank == 0 else None)
+            else:
+                io = ios[method]
+                trainer.strategy.checkpoint_io = io
+                _barrier()
+                start = time.perf_counter()
+                trainer.save_checkpoint(path)
+                stall = _max_over_ranks(time.perf_counter() - start)
+                io.wait(collective=True)
+                seconds = _max_over_ranks(time.perf_counter() - start)
+            if method == "sync" and round_ == 0:
+                nbytes = dir_bytes(path) if rank == 0 else 0
+                nbytes = int(_max_over_ranks(nbytes))
+            if round_ > 0:  # round 0 is the warm-up
+                runs[method]["seconds"].append(seconds)
+                runs[method]["stall"].append(stall)
+            _barrier()
+            if rank == 0:
+                _remove(path)
+    for io in ios.values():
+        io.teardown()
+    return {"bytes": nbytes, "runs": runs}
+
+
+def task_stock(rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int) -> dict:
+    trainer, _ = _fitted(world_size, mix, scale, strategy="ddp")
+    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in ("stock", "limit")}
+    nbytes = 0
+    for round_ in range(repeats + 1):
+        for method in ("stock", "limit"):
+            path = os.path.join(workdir, f"stock-{method}-{round_}.ckpt")
+            if method == "stock":
+                stall, seconds = _timed(lambda p=path: trainer.save_checkpoint(p))
+                if round_ == 0:
+                    nbytes = int(_max_over_ranks(dir_bytes(path) if rank == 0 else 0))
+            else:
+                stall, seconds = _timed(lambda p=path, n=nbytes: disk_write(p, n) if rank == 0 else None)
+            if round_ > 0:
+                runs[method]["seconds"].append(seconds)
+                runs[method]["stall"].append(stall)
+            _barrier()
+            if rank == 0:
+                _remove(path)
+    return {"bytes": nbytes, "runs": runs}
+
+
+def task_fit(
+    rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, fit_steps: int, every: int
+) -> dict:
+    from lightning_dcp import DCPCheckpointIO
+
+    timed_checkpoint = _timed_checkpoint_class()
+    methods = ("none", "sync", "async", "deferred")
+    runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": []} for m in methods}
+    for round_ in range(repeats + 1):
+        for method in methods:
+            dirpath = os.path.join(workdir, f"fit-{method}-{round_}")
+            callbacks = [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
+            trainer = make_trainer(
+                world_size,
+                max_steps=fit_steps,
+                callbacks=callbacks,
+                enable_checkpointing=bool(callbacks),
+                plugins=[
+                    DCPCheckpointIO(async_save=method in ("async", "deferred"), defer_staging=method == "deferred")
+                ],
+            )
+            module = make_module(mix, scale=scale, steps=fit_steps)
+            _, seconds = _timed(lambda: trainer.fit(module))  # noqa: B023  (called right away)
+            stalls = [_max_over_ranks(s) for s in callbacks[0].stalls] if callbacks else []
+            if round_ > 0:
+                runs[method]["seconds"].append(seconds)
+                runs[method]["stalls"].append(stalls)
+            _barrier()
+            if rank == 0:
+                _remove(dirpath)
+    return {"runs": runs, "fit_steps": fit_steps, "every": every}
+
+
+def task_load(
+    rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
+) -> dict:
+    from lightning_dcp.engine.metadata import _PARSED
+
+    path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
+    trainer, _ = _fitted(world_size, mix, scale)
+    runs: dict[str, list[float]] = {"load": [], "read": []}
+    cold = True
+    for round_ in range(repeats + 1):
+        for method in ("load", "read"):
+            _barrier()
+            if rank == 0:
+                cold = evict(path) and cold
+            if method == "load":
+                _PARSED.clear()  # as in a fresh process: parse .metadata again
+                _, seconds = _timed(lambda: trainer.strategy.load_checkpoint(path))
+            else:
+                _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)
+            if round_ > 0:
+                runs[method].append(seconds)
+    return {"bytes": dir_bytes(path), "runs": runs, "cold": cold}
+
+
+def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
+    """Write the checkpoint the ``load`` task resumes from (saved at this world size)."""
+    trainer, _ = _fitted(world_size, mix, scale)
+    trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
+    return {}
+
+
+# ---------------------------------------------------------------------------------------------- runner
+def _entry(rank: int, world_size: int, task: str, workdir: str, kwargs: dict) -> None:
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    fn = {"save": task_save, "stock": task_stock, "fit": task_fit, "load": task_load, "prepare": task_prepare_load}
+    result = fn[task](rank, world_size, workdir, **kwargs)
+    if rank == 0:
+        with open(os.path.join(workdir, f"{task}.json"), "w") as f:
+            json.dump(result, f)
+
+
+def spawn(task: str, world_size: int, workdir: str, **kwargs: Any) -> dict:
+    """Run one task on ``world_size`` fresh processes (the tests' spawn helper); returns rank 0's result."""
+    from tests._spawn import spawn as spawn_ranks
+
+    os.makedirs(workdir, exist_ok=True)
+    spawn_ranks(_entry, world_size, task, workdir, kwargs, timeout=3600.0)
+    with open(os.path.join(workdir, f"{task}.json")) as f:
+        return json.load(f)
+
+
+def summary(values: list[float]) -> dict[str, float]:
+    """Median, min and max of ``values`` (seconds)."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def run(
+    mix: str,
+    workdir: str,
+    *,
+    world_size: int = 2,
+    repeats: int = 3,
+    scale: float = 1.0,
+    tasks: tuple[str, ...] = TASKS,
+    fit_steps: int = 12,
+    every: int = 3,
+    load_world_sizes: tuple[int, ...] = (2, 1),
+) -> dict:
+    """Run ``tasks`` for one mix at one world size; returns medians (min-max) and ratios (see module docstring)."""
+    common = {"mix": mix, "scale": scale}
+    out: dict[str, Any] = {"mix": mix, "world_size": world_size, "repeats": repeats, "scale": scale}
+    if "save" in tasks:
+        res = spawn("save", world_size, os.path.join(workdir, "save"), repeats=repeats, **common)
+        out["bytes"] = res["bytes"]
+        out["save"] = {m: {k: summary(v) for k, v in r.items()} for m, r in res["runs"].items()}
+    if "stock" in tasks:
+        res = spawn("stock", world_size, os.path.join(workdir, "stock"), repeats=repeats, **common)
+        out["stock_bytes"] = res["bytes"]
+        out["stock"] = {m: {k: summary(v) for k, v in r.items()} for m, r in res["runs"].items()}
+    if "fit" in tasks:
+        res = spawn(
+            "fit", world_size, os.path.join(workdir, "fit"), repeats=repeats, fit_steps=fit_steps, every=every, **common
+        )
+        out["fit"] = {
+            m: {
+                "seconds": summary(r["seconds"]),
+                "stall": summary([s for run in r["stalls"] for s in run]) if r["stalls"][0] else None,
+                "stall_total": summary([sum(run) for run in r["stalls"]]) if r["stalls"][0] else None,
+                "saves": len(r["stalls"][0]),
+            }
+            for m, r in res["runs"].items()
+        }
+        out["fit_steps"], out["every"] = fit_steps, every
+    if "load" in tasks:
+        out["load"] = {}
+        loaddir = os.path.join(workdir, "load")
+        for saved in sorted(set(load_world_sizes)):
+            spawn("prepare", saved, loaddir, **common)
+        for saved in load_world_sizes:
+            res = spawn("load", world_size, loaddir, repeats=repeats, save_world_size=saved, **common)
+            out["load"][f"saved_ws{saved}"] = {
+                "bytes": res["bytes"],
+                "cold": res["cold"],
+                **{m: summary(v) for m, v in res["runs"].items()},
+            }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mix", choices=MIXES, default="huge")
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scale", type=float, default=1.0)
+    parser.add_argument("--tasks", default=",".join(TASKS))
+    parser.add_argument("--fit-steps", type=int, default=12)
+    parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
+    args = parser.parse_args(argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_", dir=os.path.abspath("."))
+    try:
+        result = run(
+            args.mix,
+            workdir,
+            world_size=args.world_size,
+            repeats=args.repeats,
+            scale=args.scale,
+            tasks=tuple(args.tasks.split(",")),
+            fit_steps=args.fit_steps,
+            every=args.every,
+        )
+        print(json.dumps(result, indent=2))
+    finally:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,151 @@
+"""``python -m benchmarks.run --trainer``: the Trainer-path benchmark on every mix and world size, side by side.
+
+Runs :func:`benchmarks.bench_trainer.run` for each mix of :mod:`benchmarks.mixes` at each world size (saves sync and
+async, stock Lightning DDP, fits with no / sync / async / deferred saves, resume loads vs a cold read) and writes
+``TRAINER.md`` (one table row per mix and world size, medians with min-max) and ``trainer.json`` (every figure).
+
+The ratios are the issue's goals, each as a speed ratio (>= 1 is better than the yardstick):
+
+- ``sync/limit``: the sequential write + ``fsync`` of the same bytes over the sync save's time (goal >= 0.8);
+- ``vs stock``: stock Lightning DDP's save time over ours (goal >= 3 at >= 1 GB);
+- ``stall/sync``: the async save's stall over the sync save's time (goal <= 0.05);
+- ``fit async/sync``: the fit with async saves over the fit with sync saves (goal <= 1.0), and
+  ``fit async/(none+stalls)``: over the fit with no saves plus the async stalls (goal <= 1.1);
+- ``load/read``: a cold sequential read of the same bytes over the resume load (goal >= 0.8), and ``reshard``: the
+  load of a checkpoint saved at the other world size over the same-size load (goal <= 1.2).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+try:
+    from benchmarks import bench_trainer
+    from benchmarks.mixes import MIXES
+except ImportError:  # run as a script
+    import bench_trainer
+    from mixes import MIXES
+
+__all__ = ["trainer_main", "trainer_table"]
+
+
+def _med(entry: dict | None) -> float | None:
+    return None if entry is None else entry["median"]
+
+
+def _cell(entry: dict | None) -> str:
+    if entry is None:
+        return "-"
+    return f"{entry['median']:.3f} ({entry['min']:.3f}-{entry['max']:.3f})"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "-" if a is None or b is None or b == 0 else f"{a / b:.2f}"
+
+
+def _row(res: dict[str, Any]) -> list[str]:
+    save, stock, fit, load = res.get("save", {}), res.get("stock", {}), res.get("fit", {}), res.get("load", {})
+    sync = _med(save.get("sync", {}).get("seconds"))
+    limit = _med(save.get("limit", {}).get("seconds"))
+    stall = _med(save.get("async", {}).get("stall"))
+    stock_s = _med(stock.get("stock", {}).get("seconds"))
+    fit_none = _med(fit.get("none", {}).get("seconds"))
+    fit_sync = _med(fit.get("sync", {}).get("seconds"))
+    fit_async = _med(fit.get("async", {}).get("seconds"))
+    async_stalls = _med((fit.get("async") or {}).get("stall_total"))
+    same = load.get(f"saved_ws{res['world_size']}") or {}
+    other = next((v for k, v in load.items() if k != f"saved_ws{res['world_size']}"), {})
+    base = None if fit_none is None or async_stalls is None else fit_none + async_stalls
+    return [
+        res["mix"],
+        str(res["world_size"]),
+        f"{res.get('bytes', 0) / 1e9:.2f}",
+        _cell(save.get("sync", {}).get("seconds")),
+        _cell(save.get("limit", {}).get("seconds")),
+        _ratio(limit, sync),
+        _cell(stock.get("stock", {}).get("seconds")),
+        _ratio(stock_s, sync),
+        _cell(save.get("async", {}).get("stall")),
+        _ratio(stall, sync),
+        " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "deferred")),
+        _ratio(fit_async, fit_sync),
+        _ratio(fit_async, base),
+        _cell(same.get("load")),
+        _cell(same.get("read")),
+        _ratio(_med(same.get("read")), _med(same.get("load"))),
+        _ratio(_med(other.get("load")), _med(same.get("load"))),
+    ]
+
+
+HEADER = [
+    "mix",
+    "ws",
+    "GB",
+    "sync save s",
+    "write+fsync s",
+    "sync/limit",
+    "stock DDP s",
+    "vs stock",
+    "async stall s",
+    "stall/sync",
+    "fit s: none / sync / async / deferred",
+    "fit async/sync",
+    "fit async/(none+stalls)",
+    "load s",
+    "cold read s",
+    "load/read",
+    "reshard",
+]
+
+
+def trainer_table(results: list[dict[str, Any]]) -> list[str]:
+    """Markdown table lines, one row per result of :func:`benchmarks.bench_trainer.run`."""
+    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    return lines
+
+
+def trainer_main(args: Any, command: str, *, log: Any = print) -> int:
+    """Run every mix (``args.mixes``) at every world size (``args.world_sizes``); write TRAINER.md, trainer.json."""
+    out = args.out or "benchmarks/results"
+    os.makedirs(out, exist_ok=True)
+    mixes = (args.mixes or ",".join(MIXES)).split(",")
+    world_sizes = [int(w) for w in args.world_sizes.split(",")]
+    results = []
+    workdir = tempfile.mkdtemp(prefix="lightning_dcp_trainer_", dir=os.path.abspath("."))
+    try:
+        for mix in mixes:
+            for ws in world_sizes:
+                log(f"trainer: {mix} at world size {ws} ({args.repeats} repeats)")
+                others = tuple(w for w in (2, 1) if w != ws)[:1]
+                results.append(
+                    bench_trainer.run(
+                        mix,
+                        os.path.join(workdir, f"{mix}-{ws}"),
+                        world_size=ws,
+                        repeats=args.repeats,
+                        scale=args.scale,
+                        load_world_sizes=(ws, *others),
+                    )
+                )
+                shutil.rmtree(os.path.join(workdir, f"{mix}-{ws}"), ignore_errors=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    with open(os.path.join(out, "trainer.json"), "w") as f:
+        json.dump({"command": command, "results": results}, f, indent=2)
+    lines = [
+        "# Trainer-path benchmark",
+        "",
+        f"Command: `{command.strip()}` (medians of {args.repeats} runs; min-max in parentheses; seconds).",
+        "Ratios are speed ratios against the yardstick named in benchmarks/trainer_report.py.",
+        "",
+        *trainer_table(results),
+    ]
+    with open(os.path.join(out, "TRAINER.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    log(f"wrote {out}/TRAINER.md and trainer.json")
+    return 0

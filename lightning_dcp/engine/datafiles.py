@@ -1,0 +1,167 @@
+"""Writing DCP data files: which records go to which file, and each record's bytes straight from tensor memory.
+
+A rank's write items become records in ``__{rank}_{n}.distcp`` files. :func:`assign_files` is the one place that
+decides which record goes to which file (so a later save can tell which files are unchanged). Each record is
+``prefix + raw bytes + suffix`` (:mod:`lightning_dcp.engine.records`) or a ``BYTE_IO`` blob, never serialized
+through ``torch.save`` or copied in Python. The writer checksums every record (xxHash3, GIL released) piece by piece,
+each piece right before it is written, and hands the pieces to an output of :mod:`lightning_dcp.engine.fileout`:
+direct I/O from the tensors' memory for synced local files, the page cache otherwise, an fsspec stream elsewhere.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+import xxhash
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, StreamOut, open_local
+from lightning_dcp.engine.records import raw_bytes, tensor_record
+
+__all__ = [
+    "FileJob",
+    "Record",
+    "RecordResult",
+    "assign_files",
+    "item_nbytes",
+    "make_record",
+    "write_local",
+    "write_stream",
+]
+
+
+@dataclasses.dataclass
+class FileJob:
+    """One data file of a rank: its name inside the checkpoint directory and its write items, in write order."""
+
+    name: str
+    items: list[WriteItem]
+
+
+@dataclasses.dataclass
+class RecordResult:
+    """Where one record landed: ``offset`` and ``length`` in bytes inside ``file``, and its xxHash3-64."""
+
+    item: WriteItem
+    file: str
+    offset: int
+    length: int
+    digest: int
+
+
+def item_nbytes(item: WriteItem) -> int:
+    """Tensor bytes of a write item (0 for ``BYTE_IO``)."""
+    if item.tensor_data is None:
+        return 0
+    return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
+
+
+def assign_files(items: Sequence[WriteItem], *, prefix: str, files: int, suffix: str) -> list[FileJob]:
+    """Which record goes to which file: ``items`` spread over at most ``files`` files of similar byte size.
+
+    Largest items first, each into the lightest file so far; blobs (``BYTE_IO``) first within a file, then tensors
+    in a stable order (by key and offset), so the same state always lands in the same files.
+    """
+    jobs = [FileJob(f"{prefix}{i}{suffix}", []) for i in range(max(1, files))]
+    sizes = [0] * len(jobs)
+    for item in sorted(items, key=lambda i: (-item_nbytes(i), _order(i))):
+        i = sizes.index(min(sizes))
+        jobs[i].items.append(item)
+        sizes[i] += item_nbytes(item)
+    for job in jobs:
+        job.items.sort(key=_order)
+    return [job for job in jobs if job.items]
+
+
+def _order(item: WriteItem) -> tuple:
+    offsets = tuple(item.index.offset) if item.index.offset is not None else ()
+    return (item.type != WriteItemType.BYTE_IO, item.index.fqn, offsets)
+
+
+@dataclasses.dataclass
+class Record:
+    """One record's bytes as views (no copy of tensor data) and what owns their memory.
+
+    Attributes:
+        parts: ``(view, address)`` in order; ``address`` is the memory address of a tensor's bytes (``None`` for
+            headers and blobs), which lets direct I/O send them from where they are.
+        keep: The object owning the tensor memory (alive until the record is written).
+        data_offset: Offset of the tensor bytes inside the record.
+    """
+
+    parts: list[tuple[memoryview, int | None]]
+    keep: Any
+    data_offset: int = 0
+
+    @property
+    def address(self) -> int | None:
+        """Memory address of the tensor bytes (``None`` for a blob or an empty tensor)."""
+        return next((address for _, address in self.parts if address is not None), None)
+
+
+def make_record(item: WriteItem, data: Any) -> Record:
+    """The record of ``item`` from what the planner resolved: an ``io.BytesIO`` blob or a tensor.
+
+    A tensor is moved to the CPU and made contiguous first if it is not; a contiguous view is written as is (only
+    its own elements).
+    """
+    if item.type == WriteItemType.BYTE_IO:
+        return Record([(data.getbuffer(), None)], data)
+    tensor = data.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    layout = tensor_record(tensor.dtype, tuple(tensor.shape))
+    raw = raw_bytes(tensor)
+    parts = [(memoryview(layout.prefix), None), (raw, tensor.data_ptr() if raw.nbytes else None)]
+    return Record([*parts, (memoryview(layout.suffix), None)], tensor, layout.data_offset)
+
+
+def write_local(path: str, job: FileJob, resolve: Callable[[WriteItem], Any], *, sync: bool) -> list[RecordResult]:
+    """Write ``job``'s records into a new local file at ``path`` (direct I/O and ``fsync`` when ``sync``).
+
+    Raises:
+        OSError: The file cannot be created or written (e.g. ``ENOSPC``); the partial file is left for the caller.
+    """
+    out = open_local(path, sync=sync)
+    try:
+        results = _write_records(job, resolve, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.close(out.fd)
+        raise
+    out.close()
+    return results
+
+
+def write_stream(stream: IO[bytes], job: FileJob, resolve: Callable[[WriteItem], Any]) -> list[RecordResult]:
+    """Write ``job``'s records into an open binary stream (an fsspec file), piece by piece."""
+    return _write_records(job, resolve, StreamOut(stream))
+
+
+def _write_records(job: FileJob, resolve: Callable[[WriteItem], Any], out: Any) -> list[RecordResult]:
+    """Each record hashed piece by piece right before the piece is written (it is read from RAM once)."""
+    results = []
+    hasher = xxhash.xxh3_64()
+    for item in job.items:
+        record = make_record(item, resolve(item))
+        address = record.address
+        if address is not None and record.parts[1][0].nbytes >= DIRECT_MIN:  # large enough to go direct
+            out.align(address, record.data_offset)
+        start = out.position
+        hasher.reset()
+        for view, address in record.parts:
+            # Pieces after the first start on an aligned address: each goes to the disk whole.
+            begin, end = 0, PIECE - (address % ALIGN if address is not None else 0)
+            while begin < view.nbytes:
+                piece = view[begin:end]
+                hasher.update(piece)
+                out.write(piece, record.keep, None if address is None else address + begin)
+                begin, end = end, end + PIECE
+        results.append(RecordResult(item, job.name, start, out.position - start, hasher.intdigest()))
+    return results

@@ -1,0 +1,167 @@
+"""The save planner: large replicated tensors split into row chunks, and every rank given an equal share of bytes.
+
+Under DDP every rank holds the same (replicated) tensors; DCP writes each one once, choosing a rank per tensor. With
+a few huge tensors (embeddings, LM heads, their optimizer moments) whole-tensor granularity leaves ranks unevenly
+loaded: 9 tensors of 128 MiB over 2 ranks is 5 against 4. :class:`BalancedSavePlanner` splits every plain tensor
+larger than ``chunk_bytes`` into row ranges (DCP ``SHARD`` write items: a tensor saved as several chunks, exactly
+like an FSDP checkpoint, which every DCP reader loads and reshards) and then deduplicates with a balanced assignment:
+the largest items first, each to the least-loaded rank that holds it. A row range of a contiguous tensor is itself
+contiguous, so the writer sends it from the tensor's memory without a copy.
+
+A tensor is split only when the save has more than one writer (ranks x threads); the rest is DCP's default planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from lightning_dcp.engine.datafiles import item_nbytes
+
+__all__ = ["CHUNK_BYTES", "BalancedSavePlanner", "balanced_dedup", "plan_signature"]
+
+CHUNK_BYTES = 32 << 20
+"""Plain tensors larger than this are written as row chunks of about this size (when there are several writers)."""
+
+
+class BalancedSavePlanner(DefaultSavePlanner):
+    """DCP's default save planner with large plain tensors split into row chunks and a balanced deduplication.
+
+    Args:
+        split: Split plain tensors larger than ``chunk_bytes`` (use when ranks x writer threads > 1).
+        chunk_bytes: Target bytes per chunk (default :data:`CHUNK_BYTES`).
+    """
+
+    def __init__(self, *, split: bool, chunk_bytes: int | None = None) -> None:
+        super().__init__()
+        self.split = split
+        self.chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+        self._chunked: set[str] = set()
+
+    def create_local_plan(self) -> SavePlan:
+        """DCP's local plan, with plain tensors larger than ``chunk_bytes`` split into row chunks.
+
+        Plans of state dicts made only of plain tensors and objects are remembered by structure (keys, dtypes,
+        shapes): a training run saves the same structure every time, and building thousands of write items anew
+        costs more than writing small tensors. ``plan_signature`` is set to the plan's digest.
+        """
+        key = _structure(self.state_dict, self.split, self.chunk_bytes)
+        cached = _LOCAL_PLANS.get(key) if key is not None else None
+        if cached is None:
+            plan = super().create_local_plan()
+            if self.split:
+                plan = dataclasses.replace(plan, items=[chunk for item in plan.items for chunk in self._split(item)])
+            cached = (plan, plan_signature(plan), frozenset(self._chunked))
+            if key is not None:
+                _LOCAL_PLANS[key] = cached
+                while len(_LOCAL_PLANS) > _MAX_CACHED_PLANS:
+                    _LOCAL_PLANS.pop(next(iter(_LOCAL_PLANS)))
+        plan, self.plan_signature, chunked = cached
+        self._chunked = set(chunked)
+        self.plan = dataclasses.replace(plan, planner_data=self.mappings) if self.flatten_state_dict else plan
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
+        """DCP's global plan after :func:`balanced_dedup` (coordinator only)."""
+        # Deduplicated here, DCP's own deduplication then finds nothing left to remove.
+        return super().create_global_plan(balanced_dedup(all_plans))
+
+    def resolve_data(self, write_item: WriteItem) -> Any:
+        """The tensor (a row range of it for a chunk: a view, no copy) or blob of ``write_item``."""
+        if write_item.index.fqn in self._chunked:
+            chunk = write_item.tensor_data.chunk
+            tensor = self.state_dict[write_item.index.fqn].detach()
+            return tensor.narrow(0, chunk.offsets[0], chunk.sizes[0])
+        return super().resolve_data(write_item)
+
+    def _split(self, item: WriteItem) -> list[WriteItem]:
+        if item.type != WriteItemType.TENSOR:
+            return [item]
+        size = item.tensor_data.size
+        nbytes = item_nbytes(item)
+        if len(size) == 0 or size[0] < 2 or nbytes <= self.chunk_bytes:
+            return [item]
+        pieces = min(size[0], math.ceil(nbytes / self.chunk_bytes))
+        rows = math.ceil(size[0] / pieces)
+        self._chunked.add(item.index.fqn)
+        out = []
+        for start in range(0, size[0], rows):
+            offsets = torch.Size([start] + [0] * (len(size) - 1))
+            sizes = torch.Size([min(rows, size[0] - start), *size[1:]])
+            out.append(
+                WriteItem(
+                    index=MetadataIndex(item.index.fqn, offsets),
+                    type=WriteItemType.SHARD,
+                    tensor_data=TensorWriteData(
+                        chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                        properties=item.tensor_data.properties,
+                        size=size,
+                    ),
+                )
+            )
+        return out
+
+
+def plan_signature(plan: SavePlan) -> bytes:
+    """A digest of everything in a local plan that the global plan depends on (stable across processes)."""
+    hasher = xxhash.xxh3_128()
+    for item in plan.items:
+        hasher.update(repr((item.index.fqn, item.index.offset, item.type.value)).encode())
+        data = item.tensor_data
+        if data is not None:
+            hasher.update(repr((data.chunk.offsets, data.chunk.sizes, data.size, data.properties)).encode())
+    hasher.update(repr(sorted((plan.planner_data or {}).items())).encode())
+    return hasher.digest()
+
+
+_LOCAL_PLANS: dict[tuple, tuple[SavePlan, bytes, frozenset[str]]] = {}
+_MAX_CACHED_PLANS = 8
+
+
+def _structure(state_dict: dict[str, Any], *args: Any) -> tuple | None:
+    """What a local plan of the flat ``state_dict`` depends on (keys, dtypes, shapes), or ``None``.
+
+    ``None`` when it holds anything but plain CPU tensors and objects: DTensors and other tensor subclasses are
+    planned anew at every call.
+    """
+    key: list[Any] = [args]
+    for fqn, value in state_dict.items():
+        if isinstance(value, torch.Tensor):
+            if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter or value.device.type != "cpu":
+                return None
+            key.append((fqn, value.dtype, value.shape, value.requires_grad, value.layout))
+        else:
+            key.append((fqn,))
+    return tuple(key)
+
+
+def balanced_dedup(plans: list[SavePlan]) -> list[SavePlan]:
+    """Keep each write item on one of the ranks that planned it, the least-loaded one when it is planned.
+
+    Deterministic (ties go to the lowest rank); items planned by one rank only stay where they are.
+    """
+    holders: dict[MetadataIndex, list[int]] = {}
+    items: dict[MetadataIndex, WriteItem] = {}
+    for rank, plan in enumerate(plans):
+        for item in plan.items:
+            holders.setdefault(item.index, []).append(rank)
+            items.setdefault(item.index, item)
+    load = [0] * len(plans)
+    owner: dict[MetadataIndex, int] = {}
+    # Items fewer ranks hold first (they have less choice), then the largest first.
+    order = sorted(holders, key=lambda i: (len(holders[i]), -item_nbytes(items[i]), i.fqn, tuple(i.offset or ())))
+    for index in order:
+        rank = min(holders[index], key=lambda r: (load[r], r))
+        owner[index] = rank
+        load[rank] += item_nbytes(items[index]) or 1
+    return [
+        dataclasses.replace(plan, items=[item for item in plan.items if owner[item.index] == rank])
+        for rank, plan in enumerate(plans)
+    ]

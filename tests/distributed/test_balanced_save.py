@@ -1,0 +1,64 @@
+"""Replicated tensors split into chunks spread over ranks; read back at any world size, by any DCP reader."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+
+from lightning_dcp.engine import planning
+from lightning_dcp.engine.checkpointer import Checkpointer
+from tests._spawn import spawn
+from tests._trainer import load_result, save_result
+
+
+def _state() -> dict:
+    g = torch.Generator().manual_seed(3)
+    return {"big": torch.randn(256, 512, generator=g), "small": torch.randn(10, generator=g)}
+
+
+def _worker(rank: int, world_size: int, tmp: str) -> None:
+    dist.init_process_group("gloo")
+    planning.CHUNK_BYTES = 1 << 16  # 512 KiB tensor: 8 chunks of 64 KiB
+    state = _state()
+    checkpointer = Checkpointer()
+    for name in ("a.ckpt", "b.ckpt"):  # the second save reuses the first one's plan
+        checkpointer.save({"state_dict": state}, os.path.join(tmp, name), objects={"step": 1}, collective=True)
+    target = {"state_dict": {k: torch.zeros_like(v) for k, v in state.items()}}
+    checkpointer.load(os.path.join(tmp, "b.ckpt"), target=target, collective=True)
+    save_result(tmp, "ws2", rank, target["state_dict"])
+    dist.barrier()
+    if rank == 0:
+        alone = Checkpointer().load(os.path.join(tmp, "b.ckpt"))  # world size 1, no target: full tensors
+        save_result(tmp, "ws1", 0, alone.tree["state_dict"])
+        stock = {"state_dict": {k: torch.zeros_like(v) for k, v in state.items()}}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dcp.load(stock, storage_reader=FileSystemReader(os.path.join(tmp, "b.ckpt")), no_dist=True)
+        save_result(tmp, "stock", 0, stock["state_dict"])
+        for name in ("a.ckpt", "b.ckpt"):
+            metadata = FileSystemReader(os.path.join(tmp, name)).read_metadata()
+            files = {
+                info.relative_path for index, info in metadata.storage_data.items() if index.fqn == "state_dict.big"
+            }
+            sizes = {f: os.path.getsize(os.path.join(tmp, name, f)) for f in files}
+            save_result(tmp, f"files-{name}", 0, (len(metadata.state_dict_metadata["state_dict.big"].chunks), sizes))
+
+
+def test_replicated_tensors_are_split_over_ranks_and_read_anywhere(tmp_path):
+    tmp = str(tmp_path)
+    spawn(_worker, 2, tmp)
+    expected = _state()
+    for name, rank in (("ws2", 0), ("ws2", 1), ("ws1", 0), ("stock", 0)):
+        loaded = load_result(tmp, name, rank)
+        for key, value in expected.items():
+            assert torch.equal(loaded[key], value), (name, rank, key)
+    for name in ("a.ckpt", "b.ckpt"):
+        chunks, sizes = load_result(tmp, f"files-{name}")
+        assert chunks == 8
+        assert sorted(sizes) == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote a share of the big tensor
+        assert max(sizes.values()) < 0.7 * sum(sizes.values())

@@ -90,10 +90,16 @@ class _ChecksummingWriter:
     The records and files are :mod:`lightning_dcp.engine.datafiles`'s.
     """
 
+    incremental: Any = None
+    """Set by ``Incremental.attach``: large records in files of their own, unchanged ones linked."""
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        jobs = assign_files(plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX)
+        own = getattr(self.incremental, "own_file", None)
+        jobs = assign_files(
+            plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX, own_file=own
+        )
         if len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            with ThreadPoolExecutor(max_workers=min(len(jobs), self.thread_count)) as pool:
                 per_file = list(pool.map(lambda job: self._write_file(planner, job), jobs))
         else:
             per_file = [self._write_file(planner, job) for job in jobs]
@@ -114,6 +120,10 @@ class _ChecksummingWriter:
 
     def _write_file(self, planner: SavePlanner, job: FileJob) -> list[RecordResult]:
         path = self.fs.concat_path(self.path, job.name)
+        if self.incremental is not None and isinstance(self, FileSystemWriter):
+            linked = self.incremental.reuse(os.fspath(path), job, planner.resolve_data)
+            if linked is not None:
+                return linked
         if isinstance(self, FileSystemWriter):
             return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files)
         with self.fs.create_stream(path, "wb") as stream:

@@ -41,6 +41,9 @@ class DCPCheckpointIO(CheckpointIO):
             (``save_checkpoint`` then returns in milliseconds); optimizer steps wait for them, and a tensor changed
             in place otherwise before it is copied fails that save instead of tearing it. See
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
+        incremental: Write a tensor (or chunk) of 1 MiB and more only when its bytes differ from the newest
+            committed checkpoint in the same directory; an unchanged one is hard-linked from it (local disks), so
+            frozen parameters cost no writes. Every checkpoint stays complete and loads alone.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -54,6 +57,7 @@ class DCPCheckpointIO(CheckpointIO):
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = False,
+        incremental: bool = False,
     ) -> None:
         self.checkpointer = Checkpointer(
             storage_options=storage_options,
@@ -61,6 +65,7 @@ class DCPCheckpointIO(CheckpointIO):
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
+            incremental=incremental,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
 

@@ -1,0 +1,286 @@
+"""Incremental saves: a large record whose bytes equal the previous checkpoint's is hard-linked, not written again.
+
+With ``incremental=True`` every tensor record of at least :data:`MIN_OWN_BYTES` gets a data file of its own, named
+from the record alone (FQN, chunk offsets and sizes: :func:`own_file_name`), so the same record lands in a file of
+the same name at every save; smaller records and blobs share the usual ``__{rank}_{n}.distcp`` files. Before writing
+such a file the writer looks for the same record in the *previous* checkpoint: the newest committed checkpoint in the
+same directory, chosen by rank 0 (:meth:`Incremental.previous`). When that checkpoint's file holds only this record
+and its bytes equal the live record byte for byte (an exact ``memcmp`` against the mapped file, never a checksum
+alone), the file is hard-linked into the new checkpoint and the previous offset, length and checksum are reused.
+
+Each checkpoint stays complete on its own: a hard link is a second name of the same immutable file, so deleting any
+other checkpoint (top-k pruning, ``save_last`` replacement, ``rm -r``) leaves it whole, and stock ``dcp.load`` reads
+it as any DCP checkpoint. Files are never written in place: the writer unlinks a name before it creates a file there,
+so a shared file is never truncated.
+
+Comparing costs a read of the previous file. A record found changed is not compared again for the next
+``probe_every - 1`` saves (it is written directly), so a run where everything changes pays one comparison per record
+every ``probe_every`` saves, and a comparison stops at the first differing byte.
+
+Object stores, and local saves whose link fails (another filesystem: ``EXDEV``), write every file as usual.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import mmap
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import xxhash
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+from lightning_dcp.engine.datafiles import FileJob, RecordResult, item_nbytes, make_record
+from lightning_dcp.engine.fileout import PIECE
+from lightning_dcp.engine.integrity import committed_checkpoints
+from lightning_dcp.engine.marker import DATA_SUFFIX
+from lightning_dcp.engine.metadata import read_metadata
+from lightning_dcp.engine.storage import Location, read_commit
+from lightning_dcp.errors import CheckpointError
+
+__all__ = ["MIN_OWN_BYTES", "OWN_PREFIX", "PROBE_EVERY", "Incremental", "SaveStats", "own_file_name"]
+
+MIN_OWN_BYTES = 1 << 20
+"""Tensor records of at least this many bytes get their own data file (and may be linked instead of written)."""
+PROBE_EVERY = 8
+"""A record found changed is compared again only at every this many saves (written directly in between)."""
+OWN_PREFIX = "__r_"
+"""Name prefix of a record's own data file: ``__r_<24 hex digits>.distcp``."""
+
+_Key = tuple[str, tuple[int, ...]]
+
+_libc = ctypes.CDLL(None)
+_memcmp = _libc.memcmp
+_memcmp.restype = ctypes.c_int
+_memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+
+
+def own_file_name(item: WriteItem) -> str:
+    """The stable data file name of ``item``'s record: ``__r_<hex>.distcp``, from its FQN, offsets and sizes.
+
+    A plain file name (no separator); the same record (same key, same chunk) gets the same name at every save, and
+    no two records of one checkpoint share a name (DCP keys are unique per ``(fqn, offsets)``).
+    """
+    chunk = item.tensor_data.chunk if item.tensor_data is not None else None
+    sizes = tuple(chunk.sizes) if chunk is not None else ()
+    text = f"{item.index.fqn}\0{_offsets(item)}\0{sizes}"
+    return f"{OWN_PREFIX}{hashlib.blake2b(text.encode(), digest_size=12).hexdigest()}{DATA_SUFFIX}"
+
+
+@dataclasses.dataclass
+class SaveStats:
+    """What the last incremental save of this process did with the records large enough for a file of their own.
+
+    Attributes:
+        linked_files: Files hard-linked from the previous checkpoint (not written).
+        linked_bytes: Bytes of the linked records.
+        written_files: Own files written (new or changed records, or a link that failed).
+        written_bytes: Tensor bytes of the written own files.
+        compared_bytes: Bytes compared with the previous checkpoint (read from it), equal or not.
+        skipped: Records written without a comparison because they changed at an earlier probe.
+    """
+
+    linked_files: int = 0
+    linked_bytes: int = 0
+    written_files: int = 0
+    written_bytes: int = 0
+    compared_bytes: int = 0
+    skipped: int = 0
+
+
+class Incremental:
+    """The incremental state of one process across saves (held by a ``Checkpointer`` with ``incremental=True``).
+
+    Args:
+        min_bytes: Tensor records of at least this many bytes get their own file and may be linked.
+        probe_every: A record found changed is compared again only every this many saves (>= 1; 1 compares always).
+
+    Raises:
+        ValueError: ``min_bytes`` or ``probe_every`` is not a positive integer.
+    """
+
+    def __init__(self, *, min_bytes: int = MIN_OWN_BYTES, probe_every: int = PROBE_EVERY) -> None:
+        for name, value in (("min_bytes", min_bytes), ("probe_every", probe_every)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"`{name}` must be a positive integer, got {value!r}.")
+        self.min_bytes = min_bytes
+        self.probe_every = probe_every
+        self.stats = SaveStats()
+        """This process's :class:`SaveStats` of the last save."""
+        self._skip: dict[_Key, int] = {}  # saves left before a changed record is compared again
+        self._lock = threading.Lock()
+
+    def previous(self, location: Location) -> str | None:
+        """The checkpoint a save to ``location`` links from: the newest committed one beside it (local only).
+
+        Rank 0 only: the caller broadcasts the result. ``None`` for object stores or when there is none.
+        """
+        if not location.local:
+            return None
+        try:
+            found = committed_checkpoints(location.parent())
+        except (OSError, CheckpointError):
+            return None
+        return found[0][1].path if found else None
+
+    def attach(self, writer: Any, *, previous: str | None, local: bool) -> None:
+        """Make ``writer`` (a lightning_dcp storage writer) save incrementally against ``previous``.
+
+        Every rank calls this with the same ``previous`` (rank 0's :meth:`previous`). Own files are used on any
+        storage; links only when the save is ``local``.
+        """
+        self.stats = SaveStats()
+        writer.incremental = _Save(self, previous if local else None)
+
+
+class _Save:
+    """One save's view: where each large record goes, and whether its previous file can be linked."""
+
+    def __init__(self, owner: Incremental, previous: str | None) -> None:
+        self.owner = owner
+        self.previous = previous
+        self._records: dict[_Key, tuple[str, int, int, int]] | None = None  # key -> (file, offset, length, digest)
+        self._lock = threading.Lock()
+
+    def own_file(self, item: WriteItem) -> str | None:
+        """The own file name of ``item``'s record, or ``None`` when it shares a file (a blob or a small tensor)."""
+        if item.type == WriteItemType.BYTE_IO or item_nbytes(item) < self.owner.min_bytes:
+            return None
+        return own_file_name(item)
+
+    def reuse(self, path: str, job: FileJob, resolve: Callable[[WriteItem], Any]) -> list[RecordResult] | None:
+        """Link ``job``'s file from the previous checkpoint when its record is unchanged, else prepare ``path``.
+
+        Runs in a writer thread. Returns the record's result (previous offset, length and checksum) when linked;
+        ``None`` when the caller must write the file (then nothing exists at ``path``).
+        """
+        owner = self.owner
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)  # never write through a name that may share its file with another checkpoint
+        if self.previous is None or len(job.items) != 1 or not job.name.startswith(OWN_PREFIX):
+            return self._written(job)
+        item = job.items[0]
+        key = (item.index.fqn, _offsets(item))
+        with owner._lock:
+            left = owner._skip.get(key, 0)
+            if left > 0:
+                owner._skip[key] = left - 1
+                owner.stats.skipped += 1
+        if left > 0:
+            return self._written(job)
+        found = self._previous_records().get(key)
+        if found is None or found[0] != job.name:
+            return self._written(job)
+        linked = self._link_if_same(path, item, resolve(item), found)
+        with owner._lock:
+            if linked is None:
+                owner._skip[key] = owner.probe_every - 1
+            else:
+                owner._skip.pop(key, None)
+                owner.stats.linked_files += 1
+                owner.stats.linked_bytes += found[2]
+        return linked if linked is not None else self._written(job)
+
+    def _written(self, job: FileJob) -> None:
+        with self.owner._lock:
+            self.owner.stats.written_files += 1
+            self.owner.stats.written_bytes += sum(item_nbytes(i) for i in job.items)
+
+    def _link_if_same(
+        self, path: str, item: WriteItem, data: Any, found: tuple[str, int, int, int]
+    ) -> list[RecordResult] | None:
+        name, offset, length, digest = found
+        source = os.path.join(self.previous, name)
+        record = make_record(item, data)
+        if sum(view.nbytes for view, _ in record.parts) != length:
+            return None
+        try:
+            fd = os.open(source, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        except OSError:
+            return None
+        try:
+            info = os.fstat(fd)
+            if info.st_size < offset + length:
+                return None
+            with self.owner._lock:
+                self.owner.stats.compared_bytes += length
+            if _same_bytes(fd, info.st_size, offset, record) != digest:
+                return None
+            try:
+                os.link(source, path)
+            except OSError:
+                return None  # another filesystem (EXDEV), too many links, source gone: write it
+            linked = os.stat(path)
+            if (linked.st_ino, linked.st_dev) != (info.st_ino, info.st_dev):
+                os.unlink(path)  # the source name was replaced meanwhile: not the bytes compared
+                return None
+        finally:
+            os.close(fd)
+        return [RecordResult(item, name, offset, length, digest)]
+
+    def _previous_records(self) -> dict[_Key, tuple[str, int, int, int]]:
+        """``(fqn, offsets) -> (file, offset, length, checksum)`` of the previous checkpoint's single-record files."""
+        with self._lock:
+            if self._records is None:
+                self._records = _single_records(self.previous)
+            return self._records
+
+
+def _single_records(previous: str) -> dict[_Key, tuple[str, int, int, int]]:
+    location = Location(previous)
+    try:
+        marker = read_commit(location)
+        metadata = read_metadata(location)
+    except (OSError, CheckpointError):
+        return {}
+    if marker is None:
+        return {}
+    single = {
+        name: entry["records"][0]
+        for name, entry in marker["files"].items()
+        if name.startswith(OWN_PREFIX) and len(entry["records"]) == 1
+    }
+    records = {}
+    for index, info in metadata.storage_data.items():
+        record = single.get(info.relative_path)
+        if record is not None and record[0] == info.offset and record[1] == info.length:
+            offsets = tuple(index.offset) if index.offset is not None else ()
+            records[(index.fqn, offsets)] = (info.relative_path, info.offset, info.length, record[2])
+    return records
+
+
+def _same_bytes(fd: int, size: int, offset: int, record: Any) -> int | None:
+    """The checksum of ``record`` when its bytes equal the file's from ``offset`` on, else ``None``."""
+    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private and writable: ctypes can take its address
+    holder = None
+    try:
+        with contextlib.suppress(OSError, AttributeError):
+            mapped.madvise(mmap.MADV_SEQUENTIAL)
+        holder = (ctypes.c_char * size).from_buffer(mapped)
+        base = ctypes.addressof(holder) + offset
+        hasher = xxhash.xxh3_64()
+        position = 0
+        for view, address in record.parts:
+            for begin in range(0, view.nbytes, PIECE):
+                piece = view[begin : begin + PIECE]
+                if address is not None:
+                    same = _memcmp(base + position, address + begin, piece.nbytes) == 0
+                else:
+                    same = bytes(piece) == ctypes.string_at(base + position, piece.nbytes)
+                if not same:
+                    return None
+                hasher.update(piece)
+                position += piece.nbytes
+        return hasher.intdigest()
+    finally:
+        del holder
+        mapped.close()
+
+
+def _offsets(item: WriteItem) -> tuple[int, ...]:
+    return tuple(item.index.offset) if item.index.offset is not None else ()

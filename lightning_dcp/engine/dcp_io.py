@@ -99,7 +99,8 @@ class _ChecksummingWriter:
             plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX, own_file=own
         )
         if len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=min(len(jobs), self.thread_count)) as pool:
+            workers = self.thread_count + (self.incremental is not None)  # comparing overlaps writing
+            with ThreadPoolExecutor(max_workers=min(len(jobs), workers)) as pool:
                 per_file = list(pool.map(lambda job: self._write_file(planner, job), jobs))
         else:
             per_file = [self._write_file(planner, job) for job in jobs]

@@ -36,7 +36,6 @@ import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from lightning_dcp.engine.datafiles import FileJob, RecordResult, item_nbytes, make_record
-from lightning_dcp.engine.fileout import PIECE
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import DATA_SUFFIX
 from lightning_dcp.engine.metadata import read_metadata
@@ -53,6 +52,7 @@ OWN_PREFIX = "__r_"
 """Name prefix of a record's own data file: ``__r_<24 hex digits>.distcp``."""
 
 _Key = tuple[str, tuple[int, ...]]
+_COMPARE_PIECE = 1 << 20  # compared, then hashed while still in the CPU cache
 
 _libc = ctypes.CDLL(None)
 _memcmp = _libc.memcmp
@@ -260,14 +260,14 @@ def _same_bytes(fd: int, size: int, offset: int, record: Any) -> int | None:
     holder = None
     try:
         with contextlib.suppress(OSError, AttributeError):
-            mapped.madvise(mmap.MADV_SEQUENTIAL)
+            mapped.madvise(mmap.MADV_WILLNEED)
         holder = (ctypes.c_char * size).from_buffer(mapped)
         base = ctypes.addressof(holder) + offset
         hasher = xxhash.xxh3_64()
         position = 0
         for view, address in record.parts:
-            for begin in range(0, view.nbytes, PIECE):
-                piece = view[begin : begin + PIECE]
+            for begin in range(0, view.nbytes, _COMPARE_PIECE):
+                piece = view[begin : begin + _COMPARE_PIECE]
                 if address is not None:
                     same = _memcmp(base + position, address + begin, piece.nbytes) == 0
                 else:

@@ -1,7 +1,7 @@
 """Incremental checkpoints through a real Trainer: bytes, time and disk per save vs full saves.
 
 One process (``strategy="auto"`` on CPU) trains a model whose ``frozen`` fraction of parameter bytes is frozen
-(``requires_grad=False``: Linear layers of 16 MiB) and the rest trainable (AdamW: two state tensors per parameter).
+(``requires_grad=False``: Linear layers of ``layer_mib``, 4 MiB by default) and the rest trainable (AdamW: two state tensors per parameter).
 After every optimizer step, in the same process and on the same state, it saves with ``trainer.save_checkpoint``
 twice, the order alternating (A B, B A, ...): once with ``DCPCheckpointIO()`` (``full``), once with
 ``DCPCheckpointIO(incremental=True)`` (``incremental``), each into its own directory, ``saves`` times. Reports per
@@ -29,18 +29,16 @@ from typing import Any
 import torch
 from torch import nn
 
-LAYER_MIB = 16
 
-
-def _model(total_mib: int, frozen: float) -> Any:
+def _model(total_mib: int, frozen: float, layer_mib: int) -> Any:
     from lightning.pytorch import LightningModule
 
     class Model(LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            side = int((LAYER_MIB << 20) // 4) // 2048  # 2048 x side float32 = LAYER_MIB
-            n_frozen = round(total_mib * frozen / LAYER_MIB)
-            trainable_bytes = (total_mib << 20) - n_frozen * (LAYER_MIB << 20)
+            side = int((layer_mib << 20) // 4) // 2048  # 2048 x side float32 = layer_mib
+            n_frozen = round(total_mib * frozen / layer_mib)
+            trainable_bytes = (total_mib << 20) - n_frozen * (layer_mib << 20)
             self.frozen = nn.ModuleList(nn.Linear(side, 2048, bias=False) for _ in range(n_frozen))
             self.frozen.requires_grad_(False)
             n_full, rest = divmod(trainable_bytes // 4, 2048 * side)
@@ -81,7 +79,7 @@ def _disk(paths: list[str]) -> int:
     return sum(inodes.values())
 
 
-def run(*, total_mib: int, frozen: float, saves: int, root: str) -> dict[str, Any]:
+def run(*, total_mib: int, frozen: float, saves: int, root: str, layer_mib: int = 4) -> dict[str, Any]:
     from lightning.pytorch import Callback, Trainer
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -112,7 +110,7 @@ def run(*, total_mib: int, frozen: float, saves: int, root: str) -> dict[str, An
                 shutil.rmtree(path)
             del kept["full"][1:]
 
-    model = _model(total_mib, frozen)
+    model = _model(total_mib, frozen, layer_mib)
     data = DataLoader(TensorDataset(torch.randn(saves * 2, 4)), batch_size=2)
     trainer = Trainer(
         accelerator="cpu",
@@ -131,6 +129,7 @@ def run(*, total_mib: int, frozen: float, saves: int, root: str) -> dict[str, An
     summary = {
         "total_mib": total_mib,
         "frozen": frozen,
+        "trainable_params_mib": sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / (1 << 20),
         "saves": saves,
         "full_bytes": full["total_bytes"][-1],
         "full_seconds_median": statistics.median(full["seconds"][later]),
@@ -157,12 +156,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--total-mib", type=int, default=512, help="parameter bytes of the model (MiB)")
     parser.add_argument("--frozen", type=float, default=0.99, help="fraction of parameter bytes frozen (0..1)")
     parser.add_argument("--saves", type=int, default=10, help="saves per mode (one per optimizer step)")
+    parser.add_argument("--layer-mib", type=int, default=4, help="bytes of each Linear layer's weight (MiB)")
     parser.add_argument("--dir", default=None, help="where to write (default: a temporary directory)")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")
     root = tempfile.mkdtemp(prefix="bench_incremental_", dir=args.dir)
     try:
-        print(json.dumps(run(total_mib=args.total_mib, frozen=args.frozen, saves=args.saves, root=root), indent=1))
+        print(
+            json.dumps(
+                run(
+                    total_mib=args.total_mib, frozen=args.frozen, saves=args.saves, root=root, layer_mib=args.layer_mib
+                ),
+                indent=1,
+            )
+        )
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0

@@ -14,8 +14,9 @@ it as any DCP checkpoint. Files are never written in place: the writer unlinks a
 so a shared file is never truncated.
 
 Comparing costs a read of the previous file. A record found changed is not compared again for the next
-``probe_every - 1`` saves (it is written directly), so a run where everything changes pays one comparison per record
-every ``probe_every`` saves, and a comparison stops at the first differing byte.
+``probe_every - 1`` saves: it is written directly, into the shared files (as a full save writes it) except at the
+save before its next comparison. A run where everything changes thus pays one comparison per record every
+``probe_every`` saves (stopping at the first differing byte) and writes its own files at two saves in that many.
 
 Object stores, and local saves whose link fails (another filesystem: ``EXDEV``), write every file as usual.
 """
@@ -145,13 +146,27 @@ class _Save:
         self.owner = owner
         self.previous = previous
         self._records: dict[_Key, tuple[str, int, int, int]] | None = None  # key -> (file, offset, length, digest)
+        self._compare: set[_Key] = set()  # records to compare at this save
         self._lock = threading.Lock()
 
     def own_file(self, item: WriteItem) -> str | None:
-        """The own file name of ``item``'s record, or ``None`` when it shares a file (a blob or a small tensor)."""
+        """The own file name of ``item``'s record, or ``None`` when it goes to a shared file.
+
+        Blobs and small tensors share files. So does a large record found changed at its last comparison, until the
+        save before its next comparison (then it gets its own file again, which the comparison needs): a run where
+        everything changes writes the usual few files at most saves. Called once per record and save.
+        """
         if item.type == WriteItemType.BYTE_IO or item_nbytes(item) < self.owner.min_bytes:
             return None
-        return own_file_name(item)
+        key = (item.index.fqn, _offsets(item))
+        with self.owner._lock:
+            left = self.owner._skip.get(key, 0)
+            if left == 0:
+                self._compare.add(key)
+                return own_file_name(item)
+            self.owner._skip[key] = left - 1
+            self.owner.stats.skipped += 1
+        return own_file_name(item) if left == 1 else None
 
     def reuse(self, path: str, job: FileJob, resolve: Callable[[WriteItem], Any]) -> list[RecordResult] | None:
         """Link ``job``'s file from the previous checkpoint when its record is unchanged, else prepare ``path``.
@@ -166,12 +181,7 @@ class _Save:
             return self._written(job)
         item = job.items[0]
         key = (item.index.fqn, _offsets(item))
-        with owner._lock:
-            left = owner._skip.get(key, 0)
-            if left > 0:
-                owner._skip[key] = left - 1
-                owner.stats.skipped += 1
-        if left > 0:
+        if key not in self._compare:
             return self._written(job)
         found = self._previous_records().get(key)
         if found is None or found[0] != job.name:

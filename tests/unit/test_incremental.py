@@ -142,6 +142,12 @@ def test_changed_records_are_probed_every_n_saves(tmp_path):
         seen.append((stats.linked_files, stats.skipped))
     # save 0: nothing to compare; 1: head compared (changed); 2-3: head skipped; 4: compared; 5: skipped.
     assert seen == [(0, 0), (1, 0), (1, 1), (1, 1), (1, 0), (1, 1)]
+    # A skipped record goes to the shared file, except at the save before its comparison (its own file again).
+    head_files = []
+    for step in range(6):
+        metadata = dcp.FileSystemReader(str(tmp_path / f"s{step}")).read_metadata()
+        head_files.append(next(i.relative_path for k, i in metadata.storage_data.items() if k.fqn.endswith("head")))
+    assert [name.startswith("__r_") for name in head_files] == [True, True, False, True, True, False]
 
 
 def test_incremental_options_are_checked():

@@ -1,14 +1,14 @@
 """Incremental checkpoints through a real Trainer: bytes, time and disk per save vs full saves.
 
 One process (``strategy="auto"`` on CPU) trains a model whose ``frozen`` fraction of parameter bytes is frozen
-(``requires_grad=False``: Linear layers of ``layer_mib``, 4 MiB by default) and the rest trainable (AdamW: two state tensors per parameter).
-After every optimizer step, in the same process and on the same state, it saves with ``trainer.save_checkpoint``
-twice, the order alternating (A B, B A, ...): once with ``DCPCheckpointIO()`` (``full``), once with
-``DCPCheckpointIO(incremental=True)`` (``incremental``), each into its own directory, ``saves`` times. Reports per
-mode the median seconds per save after the first, the bytes of files newly written per save (files whose inode no
-earlier checkpoint of that directory has), and the disk used by all ``saves`` checkpoints (allocated blocks, each
-inode counted once, as ``du`` counts hard links) vs one full checkpoint. Full checkpoints are deleted as soon as
-they are measured (only the disk space of one is needed).
+(``requires_grad=False``: Linear layers of ``layer_mib``, 4 MiB by default) and the rest trainable (AdamW: two
+state tensors per parameter). After every optimizer step, in the same process and on the same state, it saves
+with ``trainer.save_checkpoint`` twice, the order alternating (A B, B A, ...): once with ``DCPCheckpointIO()``
+(``full``), once with ``DCPCheckpointIO(incremental=True)`` (``incremental``), each into its own directory,
+``saves`` times. Reports per mode the median seconds per save after the first, the bytes of files newly written
+per save (files whose inode no earlier checkpoint of that directory has), and the disk used by all ``saves``
+checkpoints (allocated blocks, each inode counted once, as ``du`` counts hard links) vs one full checkpoint. Full
+checkpoints are deleted as soon as they are measured (only the disk space of one is needed).
 
     python -m benchmarks.bench_incremental --total-mib 1024 --frozen 0.99 --saves 10
     python -m benchmarks.bench_incremental --total-mib 512 --frozen 0 --saves 10    # overhead when all changes

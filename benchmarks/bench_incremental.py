@@ -147,6 +147,7 @@ def run(*, total_mib: int, frozen: float, saves: int, root: str, layer_mib: int 
     summary["time_ratio"] = summary["incremental_seconds_median"] / summary["full_seconds_median"]
     pairs = [i / f for i, f in zip(incremental["seconds"][later], full["seconds"][later], strict=True)]
     summary["time_ratio_paired_median"] = statistics.median(pairs)
+    summary["time_ratio_total"] = sum(incremental["seconds"][later]) / sum(full["seconds"][later])
     summary["disk_ratio"] = summary["disk_all_incremental"] / summary["disk_one_full"]
     return summary
 

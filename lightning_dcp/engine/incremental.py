@@ -82,7 +82,8 @@ class SaveStats:
         linked_bytes: Bytes of the linked records.
         written_files: Own files written (new or changed records, or a link that failed).
         written_bytes: Tensor bytes of the written own files.
-        compared_bytes: Bytes compared with the previous checkpoint (read from it), equal or not.
+        compared_bytes: Bytes compared with the previous checkpoint (read from it); a comparison stops at the first
+            differing 1 MiB piece.
         skipped: Records written without a comparison because they changed at an earlier probe.
     """
 
@@ -217,9 +218,10 @@ class _Save:
             info = os.fstat(fd)
             if info.st_size < offset + length:
                 return None
+            same, compared = _same_bytes(fd, info.st_size, offset, record)
             with self.owner._lock:
-                self.owner.stats.compared_bytes += length
-            if _same_bytes(fd, info.st_size, offset, record) != digest:
+                self.owner.stats.compared_bytes += compared
+            if same != digest:
                 return None
             try:
                 os.link(source, path)
@@ -264,13 +266,15 @@ def _single_records(previous: str) -> dict[_Key, tuple[str, int, int, int]]:
     return records
 
 
-def _same_bytes(fd: int, size: int, offset: int, record: Any) -> int | None:
-    """The checksum of ``record`` when its bytes equal the file's from ``offset`` on, else ``None``."""
+def _same_bytes(fd: int, size: int, offset: int, record: Any) -> tuple[int | None, int]:
+    """``(checksum of record, bytes compared)``; the checksum is ``None`` unless it equals the file from ``offset``.
+
+    The first piece is compared before the kernel is asked to read the rest ahead: a changed tensor usually differs
+    in its first bytes, and then costs one small read.
+    """
     mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private and writable: ctypes can take its address
     holder = None
     try:
-        with contextlib.suppress(OSError, AttributeError):
-            mapped.madvise(mmap.MADV_WILLNEED)
         holder = (ctypes.c_char * size).from_buffer(mapped)
         base = ctypes.addressof(holder) + offset
         hasher = xxhash.xxh3_64()
@@ -283,10 +287,13 @@ def _same_bytes(fd: int, size: int, offset: int, record: Any) -> int | None:
                 else:
                     same = bytes(piece) == ctypes.string_at(base + position, piece.nbytes)
                 if not same:
-                    return None
+                    return None, position + piece.nbytes
+                if address is not None and begin == 0:
+                    with contextlib.suppress(OSError, AttributeError, ValueError):
+                        mapped.madvise(mmap.MADV_WILLNEED)  # the rest is likely equal too: read it ahead
                 hasher.update(piece)
                 position += piece.nbytes
-        return hasher.intdigest()
+        return hasher.intdigest(), position
     finally:
         del holder
         mapped.close()

@@ -54,6 +54,7 @@ OWN_PREFIX = "__r_"
 
 _Key = tuple[str, tuple[int, ...]]
 _COMPARE_PIECE = 1 << 20  # compared, then hashed while still in the CPU cache
+_FIRST_PIECE = 64 << 10  # a changed tensor usually differs here: one small read decides
 
 _libc = ctypes.CDLL(None)
 _memcmp = _libc.memcmp
@@ -280,8 +281,9 @@ def _same_bytes(fd: int, size: int, offset: int, record: Any) -> tuple[int | Non
         hasher = xxhash.xxh3_64()
         position = 0
         for view, address in record.parts:
-            for begin in range(0, view.nbytes, _COMPARE_PIECE):
-                piece = view[begin : begin + _COMPARE_PIECE]
+            starts = [0, *range(_FIRST_PIECE, view.nbytes, _COMPARE_PIECE)] if view.nbytes else []
+            for begin, end in zip(starts, [*starts[1:], view.nbytes], strict=True):
+                piece = view[begin:end]
                 if address is not None:
                     same = _memcmp(base + position, address + begin, piece.nbytes) == 0
                 else:

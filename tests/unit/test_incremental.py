@@ -139,9 +139,13 @@ def test_changed_records_are_probed_every_n_saves(tmp_path):
         head.add_(1.0)
         checkpointer.save(_tree(frozen, head, small), str(tmp_path / f"s{step}"))
         stats = checkpointer.incremental.stats
-        seen.append((stats.linked_files, stats.skipped))
-    # save 0: nothing to compare; 1: head compared (changed); 2-3: head skipped; 4: compared; 5: skipped.
-    assert seen == [(0, 0), (1, 0), (1, 1), (1, 1), (1, 0), (1, 1)]
+        seen.append((stats.linked_files, stats.skipped, stats.ruled_out, stats.compared_bytes))
+    # save 0: nothing to compare; 1: head compared (changed); 2-3: head skipped; 4: compared; 5: skipped. A changed
+    # head is ruled out from its first bytes: only the frozen tensor's file (1 MiB and its header) is read.
+    frozen_record = seen[1][3]
+    assert MIB < frozen_record < MIB + 4096
+    expected = [(0, 0, 0), (1, 0, 1), (1, 1, 0), (1, 1, 0), (1, 0, 1), (1, 1, 0)]
+    assert [s[:3] for s in seen] == expected and all(s[3] == frozen_record for s in seen[1:])
     # A skipped record goes to the shared file, except at the save before its comparison (its own file again).
     head_files = []
     for step in range(6):

@@ -6,7 +6,8 @@ the same name at every save; smaller records and blobs share the usual ``__{rank
 such a file the writer looks for the same record in the *previous* checkpoint: the newest committed checkpoint in the
 same directory, chosen by rank 0 (:meth:`Incremental.previous`). When that checkpoint's file holds only this record
 and its bytes equal the live record byte for byte (an exact ``memcmp`` against the mapped file, never a checksum
-alone), the file is hard-linked into the new checkpoint and the previous offset, length and checksum are reused.
+alone), the file is hard-linked into the new checkpoint and the previous offset, length and checksum are reused
+(readers verify that checksum as for any record).
 
 Each checkpoint stays complete on its own: a hard link is a second name of the same immutable file, so deleting any
 other checkpoint (top-k pruning, ``save_last`` replacement, ``rm -r``) leaves it whole, and stock ``dcp.load`` reads
@@ -56,13 +57,18 @@ OWN_PREFIX = "__r_"
 """Name prefix of a record's own data file: ``__r_<24 hex digits>.distcp``."""
 
 _Key = tuple[str, tuple[int, ...]]
-_COMPARE_PIECE = 1 << 20  # compared, then hashed while still in the CPU cache
 _FIRST_PIECE = 64 << 10  # a changed tensor usually differs here: one small read decides
 
 _libc = ctypes.CDLL(None)
 _memcmp = _libc.memcmp
 _memcmp.restype = ctypes.c_int
 _memcmp.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+_mmap = _libc.mmap
+_mmap.restype = ctypes.c_void_p
+_mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_munmap = _libc.munmap
+_munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def own_file_name(item: WriteItem) -> str:
@@ -246,7 +252,7 @@ class _Save:
             same, compared = _same_bytes(fd, info.st_size, offset, record)
             with self.owner._lock:
                 self.owner.stats.compared_bytes += compared
-            if same != digest:
+            if not same:
                 return None
             try:
                 os.link(source, path)
@@ -291,38 +297,39 @@ def _single_records(previous: str) -> dict[_Key, tuple[str, int, int, int]]:
     return records
 
 
-def _same_bytes(fd: int, size: int, offset: int, record: Any) -> tuple[int | None, int]:
-    """``(checksum of record, bytes compared)``; the checksum is ``None`` unless it equals the file from ``offset``.
+def _same_bytes(fd: int, size: int, offset: int, record: Any) -> tuple[bool, int]:
+    """``(equal, bytes compared)``: whether ``record``'s bytes equal the file's from ``offset`` on.
 
-    The first piece is compared before the kernel is asked to read the rest ahead: a changed tensor usually differs
-    in its first bytes, and then costs one small read.
+    The first :data:`_FIRST_PIECE` bytes are read and compared first (a changed tensor usually differs there, and
+    then costs one small read); only then is the file mapped with its pages populated at once and compared whole
+    with ``memcmp`` (no per-page faults, GIL released). A file that cannot be mapped counts as different.
     """
-    mapped = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)  # private and writable: ctypes can take its address
-    holder = None
+    length = sum(view.nbytes for view, _ in record.parts)
+    first = os.pread(fd, min(_FIRST_PIECE, length), offset)
+    expected, need = [], len(first)
+    for view, _ in record.parts:
+        if need <= 0:
+            break
+        expected.append(bytes(view[:need]))
+        need -= view.nbytes
+    if first != b"".join(expected):
+        return False, len(first)
+    address = _mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0), fd, 0)
+    if address in (None, _MAP_FAILED):
+        return False, len(first)
     try:
-        holder = (ctypes.c_char * size).from_buffer(mapped)
-        base = ctypes.addressof(holder) + offset
-        hasher = xxhash.xxh3_64()
-        position = 0
-        for view, address in record.parts:
-            starts = [0, *range(_FIRST_PIECE, view.nbytes, _COMPARE_PIECE)] if view.nbytes else []
-            for begin, end in zip(starts, [*starts[1:], view.nbytes], strict=True):
-                piece = view[begin:end]
-                if address is not None:
-                    same = _memcmp(base + position, address + begin, piece.nbytes) == 0
-                else:
-                    same = bytes(piece) == ctypes.string_at(base + position, piece.nbytes)
-                if not same:
-                    return None, position + piece.nbytes
-                if address is not None and begin == 0:
-                    with contextlib.suppress(OSError, AttributeError, ValueError):
-                        mapped.madvise(mmap.MADV_WILLNEED)  # the rest is likely equal too: read it ahead
-                hasher.update(piece)
-                position += piece.nbytes
-        return hasher.intdigest(), position
+        position = address + offset
+        for view, data in record.parts:
+            if data is not None:
+                same = _memcmp(position, data, view.nbytes) == 0
+            else:
+                same = bytes(view) == ctypes.string_at(position, view.nbytes)
+            if not same:
+                return False, length
+            position += view.nbytes
+        return True, length
     finally:
-        del holder
-        mapped.close()
+        _munmap(address, size)
 
 
 def _head_digest(data: Any) -> int:

@@ -32,6 +32,7 @@ from lightning_dcp.engine.async_save import DEFER_FROM, AsyncSaves
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_io import save_planner, storage_reader, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
+from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import (
     LIGHTNING_META_FILE,
@@ -99,6 +100,9 @@ class Checkpointer:
             optimizer steps right after a save (weight clipping, manual updates).
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
+        incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
+            committed checkpoint of the same directory when its bytes are unchanged (local disks; see
+            :mod:`lightning_dcp.engine.incremental`). Every checkpoint stays complete on its own.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -113,6 +117,7 @@ class Checkpointer:
         async_save: bool = False,
         defer_staging: bool = False,
         tiers: Tiers | None = None,
+        incremental: bool = False,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
@@ -123,6 +128,8 @@ class Checkpointer:
         self._async = AsyncSaves(defer_from=DEFER_FROM if defer_staging else None) if async_save else None
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
+        self.incremental = Incremental() if incremental else None
+        """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
         self.tiers = tiers
 
@@ -167,12 +174,13 @@ class Checkpointer:
             location = self.tiers.local_twin(remote)
         rank, world_size = rank_and_world(collective)
 
-        def decide() -> tuple[str, bool]:  # rank 0 decides where this save writes; all ranks must agree
+        def decide() -> tuple[str, bool, Any]:  # rank 0 decides where this save writes; all ranks must agree
             if remote is not None:
                 self.tiers.prepare(remote)
-            return new_token(), self._writes_in_place(location)
+            previous = self.incremental and self.incremental.previous(location)
+            return new_token(), self._writes_in_place(location), previous
 
-        token, direct = on_rank0(collective, decide)
+        token, direct, previous = on_rank0(collective, decide)
         target = location if direct else location.staging(token)
         info = {**(info or {}), "world_size": world_size, **_versions()}
 
@@ -200,6 +208,8 @@ class Checkpointer:
 
         writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
         planner = save_planner(writers=world_size * self.thread_count)
+        if self.incremental is not None:
+            self.incremental.attach(writer, previous=previous, local=location.local)
         try:
             state = layout.build_state(
                 tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects

@@ -60,12 +60,24 @@ def item_nbytes(item: WriteItem) -> int:
     return item.tensor_data.chunk.sizes.numel() * item.tensor_data.properties.dtype.itemsize
 
 
-def assign_files(items: Sequence[WriteItem], *, prefix: str, files: int, suffix: str) -> list[FileJob]:
+def assign_files(
+    items: Sequence[WriteItem],
+    *,
+    prefix: str,
+    files: int,
+    suffix: str,
+    own_file: Callable[[WriteItem], str | None] | None = None,
+) -> list[FileJob]:
     """Which record goes to which file: ``items`` spread over at most ``files`` files of similar byte size.
 
     Largest items first, each into the lightest file so far; blobs (``BYTE_IO``) first within a file, then tensors
-    in a stable order (by key and offset), so the same state always lands in the same files.
+    in a stable order (by key and offset), so the same state always lands in the same files. An item for which
+    ``own_file`` returns a name gets a file of that name to itself (incremental saves), listed first.
     """
+    own = [FileJob(name, [item]) for item in items if own_file and (name := own_file(item)) is not None]
+    if own:
+        mine = {id(job.items[0]) for job in own}
+        items = [item for item in items if id(item) not in mine]
     jobs = [FileJob(f"{prefix}{i}{suffix}", []) for i in range(max(1, files))]
     sizes = [0] * len(jobs)
     for item in sorted(items, key=lambda i: (-item_nbytes(i), _order(i))):
@@ -74,7 +86,7 @@ def assign_files(items: Sequence[WriteItem], *, prefix: str, files: int, suffix:
         sizes[i] += item_nbytes(item)
     for job in jobs:
         job.items.sort(key=_order)
-    return [job for job in jobs if job.items]
+    return own + [job for job in jobs if job.items]
 
 
 def _order(item: WriteItem) -> tuple:

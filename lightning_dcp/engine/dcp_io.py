@@ -93,10 +93,17 @@ class _ChecksummingWriter:
     through an fsspec stream.
     """
 
+    incremental: Any = None
+    """Set by ``Incremental.attach``: large records in files of their own, unchanged ones linked."""
+
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        jobs = assign_files(plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX)
+        own = getattr(self.incremental, "own_file", None)
+        jobs = assign_files(
+            plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX, own_file=own
+        )
         if len(jobs) > 1:
-            with ThreadPoolExecutor(max_workers=len(jobs)) as pool:
+            workers = self.thread_count + (self.incremental is not None)  # comparing overlaps writing
+            with ThreadPoolExecutor(max_workers=min(len(jobs), workers)) as pool:
                 per_file = list(pool.map(lambda job: self._write_file(planner, job), jobs))
         else:
             per_file = [self._write_file(planner, job) for job in jobs]
@@ -117,6 +124,10 @@ class _ChecksummingWriter:
 
     def _write_file(self, planner: SavePlanner, job: FileJob) -> list[RecordResult]:
         path = self.fs.concat_path(self.path, job.name)
+        if self.incremental is not None and self.local_files:
+            linked = self.incremental.reuse(os.fspath(path), job, planner.resolve_data)
+            if linked is not None:
+                return linked
         if self.local_files:
             return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files)
         with self.fs.create_stream(path, "wb") as stream:

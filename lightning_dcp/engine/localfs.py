@@ -29,11 +29,21 @@ def new_token() -> str:
 
 
 def remove_path(path: str) -> None:
-    """Delete ``path`` (directory tree, file or link) if it exists; a link never deletes its target."""
-    if os.path.islink(path) or os.path.isfile(path):
-        os.unlink(path)
-    elif os.path.isdir(path):
-        shutil.rmtree(path)
+    """Delete ``path`` (directory tree, file or link) if it exists; a link never deletes its target.
+
+    Entries that vanish meanwhile (a concurrent removal of the same checkpoint) are not an error.
+    """
+    for _ in range(3):  # a concurrent removal took some entries: finish what is left
+        try:
+            if os.path.islink(path) or os.path.isfile(path):
+                os.unlink(path)
+            elif os.path.isdir(path):
+                shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            if not os.path.lexists(path):
+                return
+    shutil.rmtree(path)
 
 
 def replace_directory(src: str, dst: str) -> None:

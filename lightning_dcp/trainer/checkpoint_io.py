@@ -57,6 +57,9 @@ class DCPCheckpointIO(CheckpointIO):
             checkpoints (for a while the only copy), not a disposable cache or a temporary area.
         local_keep: Committed checkpoints ``local_dir`` keeps (the newest); older ones leave it once they are
             committed remotely (never before, so it holds more while uploads fall behind).
+        incremental: Write a tensor (or chunk) of 1 MiB and more only when its bytes differ from the newest
+            committed checkpoint in the same directory; an unchanged one is hard-linked from it (local disks), so
+            frozen parameters cost no writes. Every checkpoint stays complete and loads alone.
 
     Raises:
         ValueError: ``thread_count`` or ``local_keep`` is not a positive integer, or ``local_dir`` is not local.
@@ -73,6 +76,7 @@ class DCPCheckpointIO(CheckpointIO):
         defer_staging: bool = False,
         local_dir: str | os.PathLike | None = None,
         local_keep: int = 2,
+        incremental: bool = False,
     ) -> None:
         check_storage_options(storage_options)
         tiers = None
@@ -85,6 +89,7 @@ class DCPCheckpointIO(CheckpointIO):
             async_save=async_save,
             defer_staging=defer_staging,
             tiers=tiers,
+            incremental=incremental,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
 

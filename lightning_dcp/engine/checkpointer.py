@@ -14,13 +14,12 @@ once every rank finished; loads reshard to the current world size and verify eve
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.metadata
 import logging
 import os
 import time
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -29,57 +28,22 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_dcp.engine import layout, saving
 from lightning_dcp.engine.async_save import DEFER_FROM, AsyncSaves
-from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.dcp_io import save_planner, storage_reader, storage_writer
-from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
+from lightning_dcp.engine.dcp_io import save_planner, storage_writer
+from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import (
     LIGHTNING_META_FILE,
     candidates,
-    fit_target,
-    lightning_model_key,
-    load_file,
-    probe,
-    read_lightning_meta,
 )
+from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError, checkpoint_failure
 
-__all__ = ["Checkpointer", "Loaded"]
+__all__ = ["Checkpointer"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclasses.dataclass
-class Loaded:
-    """What :meth:`Checkpointer.load` read.
-
-    Attributes:
-        url: The checkpoint actually loaded (after pointers and a fallback from a broken ``last``).
-        kind: ``"dcp"`` (lightning_dcp), ``"lightning"`` (Lightning's sharded layout with ``meta.pt``) or ``"file"``
-            (one ``torch.save`` file, returned whole in ``objects``).
-        tree: The loaded tree: the filled target, or full CPU tensors without a target.
-        objects: The decoded rank-0 blob (or ``meta.pt``, or the whole file); ``{}`` when not read.
-        rank_objects: This rank's own blob (rank 0's at another world size), ``None`` when not read or not saved.
-        rank_objects_exact: Whether ``rank_objects`` is this rank's own (same world size as at save).
-        in_place: Whether tensors were loaded into a given target (this rank's shards) rather than full tensors.
-        missing_keys: Model FQNs of the target that the checkpoint lacks (non-strict loads).
-        unexpected_keys: Model FQNs the checkpoint holds that the target lacks (non-strict loads).
-        saved_world_size: The world size at save, when recorded.
-    """
-
-    url: str
-    kind: Literal["dcp", "lightning", "file"]
-    tree: dict[str, Any]
-    objects: dict[str, Any]
-    rank_objects: dict[str, Any] | None = None
-    rank_objects_exact: bool = False
-    in_place: bool = False
-    missing_keys: list[str] = dataclasses.field(default_factory=list)
-    unexpected_keys: list[str] = dataclasses.field(default_factory=list)
-    saved_world_size: int | None = None
 
 
 class Checkpointer:
@@ -329,7 +293,7 @@ class Checkpointer:
         for url in urls:
             loaded, failure = None, None
             try:
-                loaded = self._load_one(url, **options)
+                loaded = load_one(self.location(url), **options)
             except StateDictMismatchError:
                 raise  # about the target, not the checkpoint: an older checkpoint would not fit either
             except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)
@@ -353,72 +317,6 @@ class Checkpointer:
 
     def _candidates(self, location: Location) -> list[str]:
         return candidates(location) if self.tiers is None else self.tiers.candidates(location)
-
-    def _load_one(
-        self,
-        url: str,
-        *,
-        target: dict[str, Any] | None,
-        strict: bool,
-        collective: bool,
-        weights_only: bool,
-        only: Sequence[str] | None,
-        exclude: Sequence[str],
-        map_location: Any | None,
-        model_key: str,
-    ) -> Loaded:
-        """Load the one checkpoint at ``url``. Collective: call on all ranks when ``collective``."""
-        found = on_rank0(collective, lambda: probe(self.location(url)))
-        location = self.location(found.url)
-        if found.kind == "file":
-            objects = load_file(location, map_location=map_location, weights_only=weights_only)
-            return Loaded(url=location.url, kind="file", tree={}, objects=objects)
-        metadata = found.metadata
-        lightning_layout = found.kind == "lightning"
-        model_key = lightning_model_key(metadata) if lightning_layout else model_key
-        rank, world_size = rank_and_world(collective)
-        loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
-        loaded.saved_world_size = layout.saved_world_size(metadata)
-        if target is None:
-            state = layout.metadata_target(metadata)
-        else:
-            state = {k: v for k, v in target.items() if only is None or k in only}
-            if lightning_layout:
-                state = _to_lightning_layout(state, model_key)
-            else:
-                state = layout.align_optimizer_target(state, metadata)
-            state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
-                location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
-            )
-            if not lightning_layout and only is None:
-                state[layout.EXTRA_KEY] = b""
-                if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
-                    own = rank if loaded.saved_world_size == world_size else 0
-                    state[layout.RANK_KEY] = {str(own): b""}
-        try:
-            with single_process_ok():
-                dcp.load(
-                    state,
-                    storage_reader=storage_reader(location),
-                    planner=layout.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
-                    no_dist=not distributed(collective),
-                )
-        except (Exception, dcp.CheckpointException) as err:  # DCP gathers every rank's failure: raise the first
-            raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
-        if lightning_layout:
-            loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
-            state = _from_lightning_layout(state, model_key)
-        elif layout.EXTRA_KEY in state:
-            blob = state.pop(layout.EXTRA_KEY)
-            loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
-        blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
-        if blobs:
-            loaded.rank_objects = decode_extra(
-                next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
-            )
-            loaded.rank_objects_exact = loaded.saved_world_size == world_size
-        loaded.tree = state
-        return loaded
 
     # --------------------------------------------------------------------------------------------- remove
     def remove(self, path: str | os.PathLike, *, collective: bool = False) -> None:
@@ -508,20 +406,3 @@ def _versions() -> dict[str, str]:
     except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
         lightning_version = importlib.metadata.version("pytorch-lightning")
     return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}
-
-
-def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
-    """Our target keys -> Lightning's sharded layout (``state_dict``/``model``, ``optimizer_{i}``)."""
-    keyed = {model_key: target[layout.MODEL_KEY]}
-    for i, state in enumerate(target.get(layout.OPTIMIZER_KEY, [])):
-        keyed[f"optimizer_{i}"] = state
-    return keyed
-
-
-def _from_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:
-    """Lightning's sharded layout -> ``{"state_dict": ..., "optimizer_states": [...]}``."""
-    optimizers = sorted((int(k.split("_", 1)[1]), v) for k, v in target.items() if k.startswith("optimizer_"))
-    result: dict[str, Any] = {layout.MODEL_KEY: target[model_key]}
-    if optimizers:
-        result[layout.OPTIMIZER_KEY] = [state for _, state in optimizers]
-    return result

@@ -30,9 +30,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.checkpointer import Checkpointer, Loaded
+from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loading import probe, torch_load_error
+from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError

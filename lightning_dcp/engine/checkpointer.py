@@ -95,6 +95,7 @@ class Checkpointer:
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
+        self._counters: dict[str, int] = {}  # directory URL -> the last save counter used there (rank 0)
         self.tiers = tiers
 
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
@@ -112,6 +113,7 @@ class Checkpointer:
         info: dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         collective: bool = False,
+        step: int | None = None,
     ) -> None:
         """Write ``tree`` (and the blobs) as a DCP directory at ``path`` and commit it.
 
@@ -124,6 +126,8 @@ class Checkpointer:
             info: Facts recorded in the blob's ``"lightning_dcp"`` entry, beside the world size and versions.
             storage_options: fsspec options for this call, merged over the checkpointer's.
             collective: ``True`` when every rank calls this; ``False`` when one process writes everything.
+            step: The training step (Lightning's ``global_step``), recorded in ``.commit`` beside the directory's save
+                counter: together they order the checkpoints of a directory (``ckpt_path="last"``), never a clock.
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -138,13 +142,13 @@ class Checkpointer:
             location = self.tiers.local_twin(remote)
         rank, world_size = rank_and_world(collective)
 
-        def decide() -> tuple[str, bool, Any]:  # rank 0 decides where this save writes; all ranks must agree
+        def decide() -> tuple[str, bool, Any, int]:  # rank 0 decides where this save writes; all ranks must agree
             if remote is not None:
                 self.tiers.prepare(remote)
             previous = self.incremental and self.incremental.previous(location)
-            return new_token(), self._writes_in_place(location), previous
+            return new_token(), self._writes_in_place(location), previous, self._next_counter(remote or location)
 
-        token, direct, previous = on_rank0(collective, decide)
+        token, direct, previous, counter = on_rank0(collective, decide)
         target = location if direct else location.staging(token)
         info = {**(info or {}), "world_size": world_size, **_versions()}
 
@@ -171,6 +175,7 @@ class Checkpointer:
                 target.child(name).remove()
 
         writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
+        writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
         planner = save_planner(writers=world_size * self.thread_count)
         if self.incremental is not None:
             self.incremental.attach(writer, previous=previous, local=location.local)
@@ -225,6 +230,20 @@ class Checkpointer:
                 return False
             os.makedirs(location.path, exist_ok=True)
         return True
+
+    def _next_counter(self, location: Location) -> int:
+        """The save counter of the next save into ``location``'s directory: one more than any this process saw.
+
+        The first save into a directory reads the counters of its committed checkpoints (both tiers when tiered);
+        later saves count on from there. Rank 0 only.
+        """
+        directory = location.parent()
+        if directory.url not in self._counters:
+            tiered = self.tiers is not None and self.tiers.covers(location)
+            found = self.tiers.checkpoints(directory) if tiered else committed_checkpoints(directory)
+            self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
+        self._counters[directory.url] += 1
+        return self._counters[directory.url]
 
     def _has_committed_sibling(self, location: Location) -> bool:
         parent = location.parent()

@@ -148,7 +148,7 @@ class _ChecksummingWriter:
         with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
             metadata_bytes = f.read()
         with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "wb") as f:
-            f.write(encode_commit(metadata_bytes=metadata_bytes, files=files))
+            f.write(encode_commit(metadata_bytes=metadata_bytes, files=files, order=getattr(self, "order", None)))
             f.flush()
             if self.sync_files:
                 os.fsync(f.fileno())

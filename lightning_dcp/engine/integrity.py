@@ -17,7 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
@@ -116,8 +116,11 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 )
 
 
-def committed_checkpoints(directory: Location) -> list[tuple[float, Location]]:
-    """``(committed_at, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
+def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
+    """``(order key, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
+
+    The order is the one recorded in each ``.commit`` (:func:`~lightning_dcp.engine.marker.order_key`: the
+    directory's save counter, then the global step), never a wall clock.
 
     Only real directories with a ``.commit`` marker count: hidden entries (staging), symlinks (``save_last="link"``)
     and pointer objects are skipped, so a link can never lead the choice outside ``directory``. A directory whose
@@ -134,7 +137,7 @@ def committed_checkpoints(directory: Location) -> list[tuple[float, Location]]:
             warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {err}", stacklevel=2)
             continue
         if marker is not None:
-            found.append((float(marker["committed_at"]), candidate))
+            found.append((order_key(marker), candidate))
     return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
 
 

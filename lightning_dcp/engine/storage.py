@@ -38,6 +38,7 @@ from lightning_dcp.engine.marker import (
     METADATA_FILE,
     MarkerError,
     is_plain_name,
+    order_key,
     parse_commit,
 )
 from lightning_dcp.engine.stores import (
@@ -325,7 +326,7 @@ class Location:
             if kind == "directory" and name.startswith(prefix):
                 marker = read_commit(self.sibling(name))
                 if marker is not None:
-                    committed.append((marker.get("committed_at", 0.0), name))
+                    committed.append((order_key(marker), name))
         return self.sibling(max(committed)[1]) if committed else self
 
     # ------------------------------------------------------------------------------------------------ changes

@@ -13,7 +13,7 @@ What holds, whatever is killed when:
   same marker (at its first save or load, or when ``DCPModelCheckpoint`` sets up); leftovers of a cut-short upload
   are never loaded and are replaced.
 - Loads: the newest checkpoint committed on either tier; the local copy first when both hold the same checkpoint
-  (same ``committed_at`` in ``.commit``), the remote copy next (also when the local copy turns out damaged).
+  (the same ``.commit``), the remote copy next (also when the local copy turns out damaged).
 - Removals (top-k pruning, ``save_last`` replacement) apply to both tiers and run in the upload queue, behind the
   uploads queued before them: the remote store always holds the successor before a checkpoint leaves it. A removal
   requested while a save is in flight waits for its commit (and is dropped if it fails, as without tiers); removals
@@ -42,7 +42,7 @@ from typing import Any, Literal
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import candidates as one_tier_candidates
 from lightning_dcp.engine.loading import designates_last
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.marker import COMMIT_FILE, order_key
 from lightning_dcp.engine.storage import STAGING_INFIX, Location, new_token
 from lightning_dcp.engine.upload import SNAPSHOT_PREFIX, marker_of, remove_committed, same_checkpoint, snapshot, upload
 from lightning_dcp.errors import CheckpointError
@@ -232,13 +232,13 @@ class Tiers:
     def checkpoints(self, remote_dir: Location) -> list[tuple[float, Location]]:
         """Committed checkpoints of ``remote_dir`` and of the local tier (when it mirrors it), newest first.
 
-        The same checkpoint on both tiers (same ``committed_at``) appears twice, its local copy first. Rank 0 only.
+        The same checkpoint on both tiers (the same ``.commit``) appears twice, its local copy first. Rank 0 only.
         """
         found = []
         if self.mirrors(remote_dir) and os.path.isdir(self.local.path):
             found = [(t, 0, loc) for t, loc in committed_checkpoints(self.local)]
         found += [(t, 1, loc) for t, loc in _reachable(remote_dir, committed_checkpoints, [], bool(found))]
-        found.sort(key=lambda entry: (-entry[0], entry[1], entry[2].name))
+        found.sort(key=lambda entry: (entry[0], -entry[1], entry[2].name), reverse=True)
         return [(t, loc) for t, _, loc in found]
 
     def candidates(self, location: Location) -> list[str]:
@@ -264,7 +264,7 @@ class Tiers:
             return one_tier_candidates(location)
         local_marker = _marker(twins[0])
         copies = [(local_marker, 0, twins[0]), (_reachable(twins[1], _marker, None, local_marker), 1, twins[1])]
-        committed = sorted((-m["committed_at"], rank, c.url) for m, rank, c in copies if m is not None)
+        committed = sorted(((order_key(m), -rank, c.url) for m, rank, c in copies if m is not None), reverse=True)
         return [url for *_, url in committed] or one_tier_candidates(location)
 
     # -------------------------------------------------------------------------------------------- queue state

@@ -75,7 +75,12 @@ def save_state(
         info={**(info or {}), **layout_info},
         storage_options=storage_options,
         collective=True,
+        step=next((v for k in _STEP_KEYS if isinstance(v := state.get(k), int) and not isinstance(v, bool)), None),
     )
+
+
+_STEP_KEYS = ("global_step", "step", "iteration", "iter_num")
+"""Entries of a Fabric state that hold the training step (the first found is recorded in ``.commit``)."""
 
 
 def load_state(

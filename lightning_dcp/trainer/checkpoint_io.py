@@ -154,6 +154,7 @@ class DCPCheckpointIO(CheckpointIO):
             info={**(info or {}), **layout_info},
             storage_options=storage_options,
             collective=collective,
+            step=checkpoint.get("global_step"),
         )
 
     # ----------------------------------------------------------------------------------------------- load

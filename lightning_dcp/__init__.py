@@ -13,9 +13,12 @@ from lightning_dcp.errors import (
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidPathError,
     NotACheckpointError,
+    OutputExistsError,
     StateDictMismatchError,
     StorageAccessError,
+    StorageUnavailableError,
 )
 from lightning_dcp.fabric import register_strategies as register_fabric_strategies
 from lightning_dcp.tools.checkpoint_dict import load_checkpoint
@@ -52,10 +55,13 @@ __all__ = [
     "DCPStrategyMixin",
     "ElasticResume",
     "ExportCallback",
+    "InvalidPathError",
     "LoadReport",
     "NotACheckpointError",
+    "OutputExistsError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "StorageUnavailableError",
     "consolidate",
     "inspect_checkpoint",
     "install_lightning_hooks",

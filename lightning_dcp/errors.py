@@ -15,9 +15,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "InvalidPathError",
     "NotACheckpointError",
+    "OutputExistsError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "StorageUnavailableError",
     "checkpoint_failure",
     "checkpoint_not_found",
     "describe_failure",
@@ -61,6 +64,23 @@ def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> Chec
 
 class StorageAccessError(CheckpointError, PermissionError):
     """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
+
+
+class StorageUnavailableError(CheckpointError, ConnectionError):
+    """The storage server cannot be reached (connection refused or reset, timeouts, server errors after retries).
+
+    With a local tier (``local_dir``) saves go on locally and their uploads are retried; without one the save or load
+    that met it fails with this error, naming the URL.
+    """
+
+
+class InvalidPathError(CheckpointError, ValueError):
+    """A checkpoint path or URL that the storage cannot round-trip (``..`` segments, ``?`` or ``#`` in an object
+    store key, control characters); the message names the path and the fix."""
+
+
+class OutputExistsError(CheckpointError, FileExistsError):
+    """An output path (``consolidate -o``) exists and is not something the tool may replace."""
 
 
 class BucketNotFoundError(CheckpointNotFoundError):

@@ -49,6 +49,8 @@ from lightning_dcp.engine.stores import (
     forget_listings,
     is_missing_credentials,
     is_refusal,
+    is_unreachable,
+    unreachable_message,
 )
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -56,6 +58,7 @@ from lightning_dcp.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
     StorageAccessError,
+    StorageUnavailableError,
 )
 
 __all__ = [
@@ -442,6 +445,8 @@ class Location:
                 raise StorageAccessError(credentials_message(self.url, self._protocol(), err)) from err
             if is_refusal(err):
                 raise StorageAccessError(access_message(self.url, self.bucket, self._protocol(), err)) from err
+            if not self.local and is_unreachable(err):
+                raise StorageUnavailableError(unreachable_message(self.url, self._protocol(), err)) from err
             raise
 
     def _check_bucket(self) -> None:

@@ -75,8 +75,11 @@ class StorageUnavailableError(CheckpointError, ConnectionError):
 
 
 class InvalidPathError(CheckpointError, ValueError):
-    """A checkpoint path or URL that the storage cannot round-trip (``..`` segments, ``?`` or ``#`` in an object
-    store key, control characters); the message names the path and the fix."""
+    """A checkpoint path or URL that the storage cannot round-trip.
+
+    ``..`` or ``.`` segments and ``?`` or ``#`` in an object store URL, control characters anywhere; the message names
+    the path and the fix.
+    """
 
 
 class OutputExistsError(CheckpointError, FileExistsError):

@@ -32,6 +32,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dcp.engine import localfs
 from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir
+from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
@@ -130,13 +131,17 @@ class Location:
 
     Args:
         path: Local path or fsspec URL (``s3://bucket/run/step=10.ckpt``). ``os.PathLike`` is accepted and turned
-            into ``str``; URLs are never passed through ``pathlib``.
+            into ``str``; URLs are never passed through ``pathlib``. Put in canonical form first
+            (:func:`~lightning_dcp.engine.paths.canonical_url`: ``s3://b/exp//run`` is ``s3://b/exp/run``).
         storage_options: Keyword arguments for the fsspec filesystem (credentials, endpoint, region).
+
+    Raises:
+        InvalidPathError: ``path`` cannot round-trip through its store (``..`` segments, ``?`` in an S3 key, ...).
     """
 
     def __init__(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
         check_storage_options(storage_options)
-        self.url = os.fspath(path)
+        self.url = canonical_url(path)
         self.storage_options = dict(storage_options or {})
         self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)

@@ -34,6 +34,7 @@ from typing_extensions import override
 from lightning_dcp import _compat
 from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.storage import STAGING_INFIX, Location
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
@@ -57,9 +58,14 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     Args:
         dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
+            URLs are put in canonical form (``s3://b/exp//run`` is ``s3://b/exp/run``; see
+            :mod:`lightning_dcp.engine.paths`).
         storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
             Trainer's ``DCPCheckpointIO``, so credentials are configured once.
         **kwargs: Passed to ``ModelCheckpoint``.
+
+    Raises:
+        InvalidPathError: ``dirpath`` cannot round-trip through its store (``?``, ``..`` in an object store URL).
 
     Note:
         ``Trainer.fit(ckpt_path="last")`` stats the chosen candidate with a bare ``fsspec`` filesystem (Lightning's
@@ -82,6 +88,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 dirpath = dirpath[len("file://") :]
             if fsspec.utils.get_protocol(dirpath) == "file":
                 dirpath = os.path.realpath(os.path.expanduser(dirpath))
+            dirpath = canonical_url(dirpath)  # the path door: refused here, before anything is written
         self.dirpath = dirpath
         self._storage_options = None if storage_options is None else dict(storage_options)
         self._stat_defaults = _STAT_DEFAULTS

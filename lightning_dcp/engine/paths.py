@@ -1,4 +1,4 @@
-"""The path door: every checkpoint path or URL a user gives is put in one canonical form here, once.
+r"""The path door: every checkpoint path or URL a user gives is put in one canonical form here, once.
 
 :class:`~lightning_dcp.engine.storage.Location` calls :func:`canonical_url` on every path it is built from (dirpath,
 ``ckpt_path``, CLI arguments, pointer targets), so every later write, listing, lookup and removal uses the same
@@ -14,7 +14,7 @@ string. The rules, and why:
   - ``?`` and ``#`` are refused: parts of the stack read them as a query string or a fragment (a ``.metadata`` once
     landed at ``.metadata/.metadata.tmp``), so the file written is not the file read back. So are ``*``, ``[`` and
     ``]``, which fsspec expands as glob patterns in some calls and not in others.
-  - Control characters (``\\x00``-``\\x1f``, ``\\x7f``) and backslashes are refused: stores and their HTTP APIs
+  - Control characters (``\x00``-``\x1f``, ``\x7f``) and backslashes are refused: stores and their HTTP APIs
     transform or reject them.
 
 - **Local paths** (and ``file://``) are the operating system's to resolve: ``..`` and repeated slashes mean what they

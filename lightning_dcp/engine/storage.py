@@ -32,7 +32,6 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dcp.engine import localfs
 from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir
-from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
@@ -42,6 +41,7 @@ from lightning_dcp.engine.marker import (
     order_key,
     parse_commit,
 )
+from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.stores import (
     access_message,
     bucket_message,

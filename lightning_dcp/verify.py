@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 
 from lightning_dcp._cli import parse_storage_options, run_cli
-from lightning_dcp.engine.integrity import verify_checkpoint
+from lightning_dcp.engine.lookup import verify_checkpoint
 
 __all__ = ["main", "verify_checkpoint"]
 

@@ -32,10 +32,7 @@ from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.loading import (
-    LIGHTNING_META_FILE,
-    candidates,
-)
+from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.tiers import Tiers

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = [
     "check_checkpoint",
@@ -28,7 +28,6 @@ __all__ = [
     "committed_checkpoints",
     "newest_valid",
     "not_one_checkpoint",
-    "verify_checkpoint",
 ]
 
 
@@ -152,35 +151,6 @@ def newest_valid(directory: Location) -> tuple[Location, Metadata] | None:
         except NotACheckpointError:
             continue
     return None
-
-
-def verify_checkpoint(
-    path: str | os.PathLike, *, full: bool = True, storage_options: dict[str, Any] | None = None
-) -> None:
-    """Check that the checkpoint at ``path`` is committed and every byte matches what was saved.
-
-    Args:
-        path: Checkpoint directory (local path or fsspec URL).
-        full: Read every record of every data file and check its checksum (default). ``False``: the fast checks that
-            also run before every load (commit marker, ``.metadata`` checksum, data file sizes).
-        storage_options: fsspec options for remote storage.
-
-    Rank 0 only (or any single process).
-
-    Raises:
-        CheckpointNotFoundError: Nothing exists at ``path``.
-        NotACheckpointError: No commit marker (an incomplete save), a single file (a ``.ckpt`` has no recorded
-            checksums) or a folder of checkpoints (a run's dirpath) rather than one.
-        CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
-    """
-    given = Location(path, storage_options=storage_options)
-    location = given.resolve()
-    if not location.exists():
-        raise checkpoint_not_found(location.url, designated_by=None if location.url == given.url else given.url)
-    not_one = not_one_checkpoint(location)
-    if not_one is not None:
-        raise not_one
-    check_checkpoint(location, full=full)
 
 
 def checkpoints_inside(location: Location) -> list[str]:

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
-import os
 import pickle
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,10 +23,10 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.integrity import check_checkpoint
+from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.storage import POINTER_HEADER, Location
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
     NotACheckpointError,
@@ -40,8 +38,6 @@ from lightning_dcp.errors import (
 __all__ = [
     "LIGHTNING_META_FILE",
     "Probe",
-    "candidates",
-    "designates_last",
     "fit_target",
     "lightning_model_key",
     "load_file",
@@ -49,21 +45,6 @@ __all__ = [
     "read_lightning_meta",
     "torch_load_error",
 ]
-
-LIGHTNING_META_FILE = "meta.pt"
-"""The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
-
-_LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
-"""Names ``ModelCheckpoint`` gives its last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
-
-
-def designates_last(location: Location) -> bool:
-    """Whether ``location`` asks for "the newest valid checkpoint of its directory" rather than one checkpoint.
-
-    That is a ``last*`` name (what ``ckpt_path="last"`` resolves to under ``ModelCheckpoint``), or a checkpoint's
-    ``.commit`` marker (what ``DCPModelCheckpoint`` hands Lightning when no ``last*`` entry can be stat-ed).
-    """
-    return bool(_LAST_NAME.match(location.name)) or location.name == COMMIT_FILE
 
 
 @dataclass(frozen=True)
@@ -73,57 +54,6 @@ class Probe:
     url: str
     kind: Literal["file", "dcp", "lightning"]
     metadata: Metadata | None = None
-
-
-def candidates(location: Location) -> list[str]:
-    """The checkpoints to try, in order, for a load of ``location``.
-
-    For a path that :func:`designates_last`, the committed checkpoint directories of its directory, newest first
-    (whatever a ``last`` link or pointer says: a dangling, stale or escaping link is never trusted over what is on
-    disk); a single-file ``last.ckpt`` comes first, and a ``last`` directory in Lightning's own sharded layout
-    is tried when nothing committed exists. Any other path: itself, through pointers.
-
-    Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
-
-    Raises:
-        CheckpointNotFoundError: Nothing exists there (Lightning's ``"Checkpoint file not found"`` case).
-        NotACheckpointError: A ``last`` entry exists but no committed checkpoint beside it; a malformed pointer.
-    """
-    if not designates_last(location):
-        resolved = location.resolve()
-        if not resolved.exists():
-            raise checkpoint_not_found(
-                resolved.url, designated_by=None if resolved.url == location.url else location.url
-            )
-        return [resolved.url]
-    directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
-    found = [candidate.url for _, candidate in committed_checkpoints(directory)]
-    entry = location.parent() if location.name == COMMIT_FILE else location
-    if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)
-        return [entry.url, *found]
-    if found:
-        return found
-    if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
-        return [entry.url]
-    if not entry.exists():
-        raise checkpoint_not_found(entry.url)
-    target = entry.resolve()  # a link or pointer to a checkpoint that is gone: Lightning's "not found" case
-    if target.url != entry.url and not target.exists():
-        raise checkpoint_not_found(target.url, designated_by=entry.url)
-    raise NotACheckpointError(
-        f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
-        " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
-        " entries; `DCPModelCheckpoint` does both on its own."
-    )
-
-
-def _is_pointer(location: Location) -> bool:
-    """Whether the local file at ``location`` is a checkpoint pointer (whatever it names)."""
-    try:
-        with open(location.path, "rb") as f:
-            return f.read(len(POINTER_HEADER)) == POINTER_HEADER
-    except OSError:
-        return False
 
 
 def probe(location: Location) -> Probe:
@@ -136,7 +66,7 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
-    given, location = location.url, location.resolve()
+    given, location = location.url, designated(location)
     if not location.exists():
         raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():

@@ -40,8 +40,8 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.loading import candidates as one_tier_candidates
-from lightning_dcp.engine.loading import designates_last
+from lightning_dcp.engine.lookup import candidates as one_tier_candidates
+from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.marker import COMMIT_FILE, order_key
 from lightning_dcp.engine.storage import STAGING_INFIX, Location, new_token
 from lightning_dcp.engine.upload import SNAPSHOT_PREFIX, marker_of, remove_committed, same_checkpoint, snapshot, upload

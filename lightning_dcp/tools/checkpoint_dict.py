@@ -19,7 +19,9 @@ from typing import Any
 import torch
 
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import probe
+from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.source import Source
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.stores import check_storage_options
@@ -34,6 +36,9 @@ DEFAULT_BATCH_BYTES = 64 << 20
 def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``path`` designates a checkpoint directory (directly, by a symlink or by a ``last`` pointer object).
 
+    A ``last*`` name beside committed checkpoints designates the newest of them, also when its link or pointer
+    dangles (see :func:`~lightning_dcp.engine.lookup.designated`).
+
     Anything else (a single file, a path that does not exist) answers ``False``: that is Lightning's to load.
 
     Rank 0 only (or any single process).
@@ -44,6 +49,8 @@ def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[st
     location = Location(path, storage_options=storage_options)
     if location.local and not os.path.lexists(location.path):
         return False
+    if designates_last(location) and committed_checkpoints(location.parent()):
+        return True  # read as the newest committed checkpoint beside it, whatever the link or pointer says
     resolved = location.resolve()
     return resolved.exists() and resolved.isdir()
 

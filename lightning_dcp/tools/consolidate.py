@@ -20,6 +20,7 @@ import torch
 from lightning_dcp._compat import set_element
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.source import Source, TensorEntry
+from lightning_dcp.engine.lookup import designated
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
@@ -130,7 +131,7 @@ def consolidate(
     dst = os.fspath(dst)
     out = Location(dst, storage_options=storage_options)
     given = Location(src, storage_options=storage_options)
-    resolved = given.resolve()
+    resolved = designated(given)
     refuse_overlap((given, resolved), out)
     refuse_existing(out, overwrite=overwrite)
     source = Source(resolved)

@@ -11,6 +11,7 @@ from typing import Any
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.source import Source
+from lightning_dcp.engine.lookup import designated
 from lightning_dcp.engine.storage import Location
 
 __all__ = ["inspect_checkpoint"]
@@ -45,7 +46,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         NotACheckpointError: ``path`` is not a DCP checkpoint directory.
         CheckpointError: The non-tensor state cannot be read with ``weights_only`` unpickling.
     """
-    source = Source(Location(path, storage_options=storage_options))
+    source = Source(designated(Location(path, storage_options=storage_options)))
     extra = source.read_extra()
     info = extra.get(layout.INFO_KEY, {}) if isinstance(extra.get(layout.INFO_KEY), dict) else {}
     files = sorted(

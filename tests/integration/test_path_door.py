@@ -16,7 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dcp import DCPCheckpointIO, InvalidPathError
-from lightning_dcp.engine.integrity import committed_checkpoints, verify_checkpoint
+from lightning_dcp.engine.integrity import committed_checkpoints
+from lightning_dcp.engine.lookup import verify_checkpoint
 from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.storage import Location
 

@@ -19,8 +19,8 @@ import torch
 
 from lightning_dcp._compat import set_element
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.source import Source, TensorEntry
 from lightning_dcp.engine.lookup import designated
+from lightning_dcp.engine.source import Source, TensorEntry
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing

@@ -10,8 +10,8 @@ import re
 from typing import Any
 
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.source import Source
 from lightning_dcp.engine.lookup import designated
+from lightning_dcp.engine.source import Source
 from lightning_dcp.engine.storage import Location
 
 __all__ = ["inspect_checkpoint"]

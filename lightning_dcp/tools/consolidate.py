@@ -106,7 +106,9 @@ def consolidate(
     Rank 0 only (or any single process): reads without collectives.
 
     Raises:
-        FileExistsError: ``dst`` exists and ``overwrite`` is False.
+        OutputExistsError: ``dst`` exists and ``overwrite`` is False, or ``dst`` is something an output never
+            replaces (a directory, a checkpoint, a special file; for sharded output, a directory holding anything but
+            an earlier sharded output). A ``FileExistsError``.
         ValueError: ``dst`` is the checkpoint itself, lies inside it or contains it (refused even with
             ``overwrite``: the source is never touched); invalid options (unknown format or dtype, patterns without
             ``weights_only``, shards for ckpt).
@@ -133,7 +135,7 @@ def consolidate(
     given = Location(src, storage_options=storage_options)
     resolved = designated(given)
     refuse_overlap((given, resolved), out)
-    refuse_existing(out, overwrite=overwrite)
+    refuse_existing(out, overwrite=overwrite, kind="sharded" if shard_bytes is not None else "file")
     source = Source(resolved)
     entries = [
         e

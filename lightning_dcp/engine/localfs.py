@@ -12,9 +12,19 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import uuid
+from typing import BinaryIO
 
-__all__ = ["STAGING_INFIX", "fsync_dir", "new_token", "remove_path", "replace_directory"]
+__all__ = [
+    "STAGING_INFIX",
+    "NotARegularFile",
+    "fsync_dir",
+    "new_token",
+    "open_regular",
+    "remove_path",
+    "replace_directory",
+]
 
 STAGING_INFIX = ".tmp-"
 """Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
@@ -26,6 +36,43 @@ _RENAME_EXCHANGE = 2
 def new_token() -> str:
     """A fresh random token (12 hex characters) that names one save's staging directory."""
     return uuid.uuid4().hex[:12]
+
+
+class NotARegularFile(OSError):
+    """A path to read is a FIFO, socket or device. ``kind`` says which (``"a FIFO"``, ...)."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+        self.kind = kind
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a local regular file for binary reading, without ever blocking on what is not one.
+
+    The open itself is non-blocking (a FIFO with no writer would otherwise wait forever); the type is then checked on
+    the descriptor, so nothing can swap the file between the check and the read. Links are followed.
+
+    Raises:
+        NotARegularFile: ``path`` is a FIFO, socket or device.
+        IsADirectoryError, FileNotFoundError, OSError: As ``open``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a socket (or a FIFO held open for writing only)
+            raise NotARegularFile(path, "a socket") from err
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(path, "a FIFO" if stat.S_ISFIFO(mode) else "a device or special file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def remove_path(path: str) -> None:

@@ -189,10 +189,27 @@ class Location:
             return self.fs.exists(self.join(COMMIT_FILE))
 
     def open(self, name: str | None = None, mode: str = "rb") -> Any:
-        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents."""
+        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents.
+
+        A local file opened for reading must be a regular file (after links): a FIFO, socket or device would block
+        or never end, so it is refused at once.
+
+        Raises:
+            CorruptCheckpointError: A local path to read is a FIFO, socket or device (the error names it).
+        """
         path = self.path if name is None else self.join(name)
         if self.local and mode.startswith(("w", "a", "x")):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.local and mode in ("r", "rb"):
+            try:
+                return localfs.open_regular(path)
+            except localfs.NotARegularFile as err:
+                shown = f"{self.url}/{name}" if name is not None else self.url
+                raise CorruptCheckpointError(
+                    f"{shown!r} is {err.kind}, not a regular file: a checkpoint holds only regular files, and reading"
+                    " this one could block forever. Remove or replace it (or resume from another checkpoint).",
+                    file=name or self.name,
+                ) from None
         with self._translated():
             return self.fs.open(path, mode)
 
@@ -469,3 +486,4 @@ class Location:
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
+

@@ -173,14 +173,19 @@ def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = N
         if isinstance(err, CheckpointError):
             return err
         where = f" on rank {rank}" if rank is not None else ""
-        return CheckpointError(f"{context}{where}: {describe_failure(err)}")
+        return _error_type(err)(f"{context}{where}: {describe_failure(err)}")
     for failed_rank, wrapped in sorted(failures.items()):
         failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
         if isinstance(failure, CheckpointError):
             return failure
         if isinstance(failure, Exception):
-            return CheckpointError(f"{context} on rank {failed_rank}: {describe_failure(failure)}")
+            return _error_type(failure)(f"{context} on rank {failed_rank}: {describe_failure(failure)}")
     return CheckpointError(f"{context}: {err}")
+
+
+def _error_type(err: BaseException) -> type[CheckpointError]:
+    """The ``CheckpointError`` subclass a failure becomes: a refused permission stays a ``PermissionError``."""
+    return StorageAccessError if isinstance(err, PermissionError) else CheckpointError
 
 
 def describe_failure(err: BaseException) -> str:
@@ -189,7 +194,9 @@ def describe_failure(err: BaseException) -> str:
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
     elif isinstance(err, PermissionError):
-        text += ". Check that every rank may write to the checkpoint directory."
+        where = f" for {err.filename!r}" if getattr(err, "filename", None) else ""
+        text = f"Permission denied{where} ({type(err).__name__}: {err})."
+        text += " Check the permissions of that path: every rank must be able to read and write the checkpoints."
     return text
 
 

@@ -184,6 +184,14 @@ def fit_target(
     def excluded(key: str) -> bool:
         return key.startswith(model_prefix) and any(fnmatch.fnmatchcase(key[len(model_prefix) :], p) for p in exclude)
 
+    if model_key == layout.MODEL_KEY and any(k.startswith(model_prefix) for k in flat):
+        if not any(k.startswith(model_prefix) for k in saved) and layout.EXTRA_KEY in saved:
+            top = sorted({k.split(".", 1)[0] for k in saved} - {layout.EXTRA_KEY, layout.RANK_KEY})
+            raise NotACheckpointError(
+                f"{path!r} holds no Trainer model state ({model_key!r}; its top-level keys are {top}): a Fabric"
+                " checkpoint (written by `fabric.save`) is loaded with `fabric.load`, or its weights with"
+                " `lightning_dcp.load_model_weights(model, path, key=...)`."
+            )
     missing = {k for k in flat if k not in saved}
     unexpected = {k for k in saved if k.startswith(model_prefix) and k not in flat and not excluded(k)}
     report = (

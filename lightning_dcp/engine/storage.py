@@ -70,6 +70,7 @@ __all__ = [
     "Location",
     "fsync_dir",
     "new_token",
+    "permission_message",
     "read_commit",
     "unreadable",
 ]
@@ -106,15 +107,34 @@ def read_commit(location: Location) -> dict[str, Any] | None:
         ) from None
 
 
-def unreadable(location: Location, name: str, err: OSError) -> CorruptCheckpointError:
+def unreadable(location: Location, name: str, err: OSError) -> CheckpointError:
     """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
 
-    A symlink loop or a name too long is a fact about the checkpoint; a remote store's failure is not, and is raised
-    again as it is.
+    A symlink loop or a name too long is a fact about the checkpoint (``CorruptCheckpointError``); a permission the
+    user lacks is not (``StorageAccessError``, "permission denied"); a remote store's failure is raised again as it
+    is.
     """
     if not location.local or isinstance(err, CheckpointError):
         raise err
+    if isinstance(err, PermissionError):
+        return StorageAccessError(permission_message(f"{location.url}/{name}", reading=True))
     return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
+
+
+def permission_message(path: str, *, reading: bool | None = None) -> str:
+    """The message of a ``StorageAccessError`` for a local path the operating system refused (``EACCES``).
+
+    ``reading``: the refused access was a read (``True``), a write (``False``) or either (``None``).
+    """
+    need = {
+        True: "read every file of the checkpoint",
+        False: "write into the checkpoint directory",
+        None: "read and write the checkpoint directory",
+    }[reading]
+    return (
+        f"Permission denied: {path!r}. The user running this process (on every rank) must be able to {need}: check"
+        " the permissions of that path and of the directories above it."
+    )
 
 
 def new_token() -> str:
@@ -466,6 +486,9 @@ class Location:
             if is_missing_credentials(err):
                 raise StorageAccessError(credentials_message(self.url, self._protocol(), err)) from err
             if is_refusal(err):
+                if self.local:
+                    shown = getattr(err, "filename", None) or self.url
+                    raise StorageAccessError(permission_message(str(shown))) from err
                 raise StorageAccessError(access_message(self.url, self.bucket, self._protocol(), err)) from err
             if not self.local and is_unreachable(err):
                 raise StorageUnavailableError(unreachable_message(self.url, self._protocol(), err)) from err
@@ -486,4 +509,3 @@ class Location:
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
-

@@ -233,6 +233,15 @@ def _restore_rng(head: Loaded) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ files
+def _expect_state_dict(url: str, where: str, value: Any) -> None:
+    """Raise unless ``value`` (what the file holds for a module or optimizer) is a state dict."""
+    if not isinstance(value, dict):
+        raise NotACheckpointError(
+            f"{url!r} holds a {type(value).__name__} under {where}, where a state dict (a dict of tensors) belongs:"
+            " it was not saved from this module or optimizer. Load it without that key, or from the right file."
+        )
+
+
 def _load_file(
     location: Location, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool
 ) -> dict[str, Any]:
@@ -243,8 +252,12 @@ def _load_file(
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(location.url, err) from None
     full = StateDictOptions(full_state_dict=True, strict=strict)
+    if not isinstance(checkpoint, dict):
+        raise NotACheckpointError(f"{location.url!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     if not state:
         return checkpoint
+    if isinstance(state, (Module, Optimizer)):
+        _expect_state_dict(location.url, "the file", checkpoint)
     if isinstance(state, Module):
         set_model_state_dict(unwrap(state), checkpoint, options=full)
         return {}
@@ -257,6 +270,8 @@ def _load_file(
         if key not in checkpoint:
             continue
         value = checkpoint.pop(key)
+        if isinstance(obj, (Module, Optimizer)):
+            _expect_state_dict(location.url, repr(key), value)
         if isinstance(obj, Module):
             set_model_state_dict(modules[key], value, options=full)
         elif isinstance(obj, Optimizer):

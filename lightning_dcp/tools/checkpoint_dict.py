@@ -100,6 +100,8 @@ def load_checkpoint(
             " Lightning's own `load_from_checkpoint`."
         )
     source = Source(Location(found.url, storage_options=storage_options))
+    if source.roles is not None and not source.roles.trainer:
+        layout.require_trainer_layout(found.url, source.read_extra().get(layout.INFO_KEY, {}))
     weights_only = True if weights_only is None else weights_only
     checkpoint = dict(source.read_extra(weights_only=weights_only))
     state_dict: dict[str, Any] = {}

@@ -212,6 +212,8 @@ class DCPCheckpointIO(CheckpointIO):
         )
         if loaded.kind == "file":
             return loaded.objects
+        if not only_model:
+            layout.require_trainer_layout(loaded.url, loaded.objects.get(layout.INFO_KEY, {}))
         checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place)
         info = checkpoint[layout.INFO_KEY]
         if loaded.in_place:

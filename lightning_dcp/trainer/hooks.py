@@ -25,6 +25,8 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.strategies import DCPStrategyMixin
@@ -77,6 +79,8 @@ def _read_directory(
     if str(path).startswith("http"):  # Lightning downloads these itself (torch.hub): always single files
         return None
     if not is_checkpoint_directory(path, storage_options=storage_options):
+        if not Location(path, storage_options=storage_options).exists():  # Lightning's own message and type
+            raise checkpoint_not_found(os.fspath(path))
         return None
     return load_checkpoint(
         path,

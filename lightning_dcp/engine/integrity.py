@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
 __all__ = [
     "check_checkpoint",
@@ -129,7 +129,10 @@ def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
     for name, kind in directory.entries(follow_links=False):
         if kind != "directory" or name.startswith("."):
             continue
-        candidate = directory.child(name)
+        try:
+            candidate = directory.child(name)
+        except InvalidPathError:
+            continue  # a name no checkpoint of ours can have (another tool's object, e.g. "notes?v=1")
         try:
             marker = read_commit(candidate)
         except CheckpointError as err:

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp.engine import layout
@@ -210,6 +211,8 @@ class DCPCheckpointIO(CheckpointIO):
             exclude=exclude,
             map_location=map_location,
         )
+        if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
+            rank_zero_info(f"lightning_dcp: {os.fspath(path)!r} designates the checkpoint {loaded.url!r}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects
         if not only_model:

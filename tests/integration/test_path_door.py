@@ -6,9 +6,11 @@ Also: the same directory written with doubled slashes is the same directory (the
 
 from __future__ import annotations
 
+import json
 import os
 import string
 import uuid
+from collections import Counter
 
 import pytest
 import torch
@@ -50,19 +52,33 @@ def _state(step: int) -> dict:
     return {"state_dict": {"w": torch.full((8,), float(step))}, "global_step": step}
 
 
+COUNTS: Counter[str] = Counter()
+"""``"<store> <outcome>"`` -> examples (``nox -s chaos`` reports them: ``LIGHTNING_DCP_PATH_REPORT``)."""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _report():
+    yield
+    report = os.environ.get("LIGHTNING_DCP_PATH_REPORT")
+    if report:
+        with open(report, "w") as f:
+            json.dump(dict(COUNTS), f, indent=1, sort_keys=True)
+
+
 def _round_trip(base: str, rel: str, name: str, options: dict) -> None:
     dirpath = base.rstrip("/") + "/" + rel
     remote = "://" in dirpath
+    store = base.split("://", 1)[0] if remote else "local"
     io = DCPCheckpointIO(storage_options=options)
     if remote and (_refused(dirpath) or _refused(f"{base}/{name}")):
         with pytest.raises(InvalidPathError, match="checkpoint URL"):
             Location(dirpath + "/" + name, storage_options=options)
+        COUNTS[f"{store} refused"] += 1
         return
-    if name in (".", "..") or "/" in name or not name.strip(".") or "\x00" in dirpath:
+    if name in (".", "..", "first.ckpt") or "/" in name or not name.strip(".") or "\x00" in dirpath:
+        COUNTS[f"{store} not a name"] += 1
         return  # not a checkpoint name a directory can hold (the OS decides what these mean)
     first, second = dirpath + "/" + "first.ckpt", dirpath + "/" + name
-    if name == "first.ckpt":
-        return
     io.save_checkpoint(_state(1), first)
     io.save_checkpoint(_state(2), second)
     doubled = dirpath.replace("/", "//") if remote else dirpath  # the same directory, written another way
@@ -78,6 +94,7 @@ def _round_trip(base: str, rel: str, name: str, options: dict) -> None:
     assert int(io.load_checkpoint(dirpath + "/last.ckpt")["global_step"]) == 1
     io.remove_checkpoint(first)
     assert committed_checkpoints(Location(dirpath, storage_options=options)) == []
+    COUNTS[f"{store} round trip"] += 1
 
 
 _SETTINGS = settings(

@@ -1,0 +1,101 @@
+"""Stateful data loaders for the resume tests: torchdata's StatefulDataLoader, LitData on an optimized local dataset,
+and a user's own stateful iterable. Every item is ``(x, y, index)``, so a test can follow each sample."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import DistributedSampler
+
+from tests._models import IndexedDataset
+
+SAMPLES = 48
+
+
+def _item(index: int) -> dict[str, Any]:
+    dataset = IndexedDataset(SAMPLES)
+    x, y, i = dataset[index]
+    return {"x": x, "y": y, "index": i}
+
+
+def make_litdata(directory: str) -> str:
+    """``litdata.optimize`` the ``SAMPLES`` items of ``IndexedDataset`` into ``directory`` (4 items a chunk)."""
+    import litdata
+
+    output = os.path.join(directory, "optimized")
+    litdata.optimize(fn=_item, inputs=list(range(SAMPLES)), output_dir=output, chunk_size=4, num_workers=1)
+    return output
+
+
+def _as_tuple(item: dict[str, Any]) -> tuple:
+    return item["x"], item["y"], item["index"]
+
+
+def make_loader(kind: str, *, batch_size: int, data: str | None = None) -> Any:
+    """``"sdl0"``/``"sdl2"``: StatefulDataLoader (0 / 2 workers) with a shuffling DistributedSampler (call it with a
+    process group); ``"litdata"``: StreamingDataLoader over
+    ``data`` (from :func:`make_litdata`), shuffled; ``"own"``: :class:`OwnStatefulLoader`."""
+    if kind.startswith("sdl"):  # with a DistributedSampler of its own (torchdata's RandomSampler is no DistributedSampler)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        dataset = IndexedDataset(SAMPLES)
+        sampler = DistributedSampler(dataset, shuffle=True, seed=7)
+        workers = int(kind[3:])
+        # fork, as under torchrun: the test ranks are spawned, and their children would otherwise be spawned too (slow)
+        context = "fork" if workers else None
+        return StatefulDataLoader(
+            dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, multiprocessing_context=context
+        )
+    if kind == "litdata":
+        import litdata
+
+        # drop_last explicit: LitData drops the tail only when distributed by default, and refuses a change at resume
+        dataset = litdata.StreamingDataset(data, shuffle=True, drop_last=True, seed=3, transform=_as_tuple)
+        return litdata.StreamingDataLoader(dataset, batch_size=batch_size)
+    if kind == "own":
+        return OwnStatefulLoader(batch_size)
+    raise ValueError(kind)
+
+
+class LoaderDataModule(LightningDataModule):
+    def __init__(self, kind: str, *, batch_size: int, data: str | None = None) -> None:
+        super().__init__()
+        self.kind, self.batch_size, self.data = kind, batch_size, data
+
+    def train_dataloader(self) -> Any:
+        return make_loader(self.kind, batch_size=self.batch_size, data=self.data)
+
+
+class OwnStatefulLoader:
+    """A user's own stateful loader: every rank walks its own shuffled half of the data; no sampler, no resharding."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.dataset, self.batch_size, self.position, self.epoch = IndexedDataset(SAMPLES), batch_size, 0, 0
+
+    def _order(self) -> list[int]:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        order = torch.randperm(SAMPLES, generator=torch.Generator().manual_seed(11 + self.epoch)).tolist()
+        return order[rank::world]
+
+    def __len__(self) -> int:
+        return len(self._order()) // self.batch_size
+
+    def __iter__(self):
+        if self.position >= len(self):  # the previous epoch was read to its end
+            self.position, self.epoch = 0, self.epoch + 1
+        order = self._order()
+        while self.position < len(self):
+            ids = order[self.position * self.batch_size : (self.position + 1) * self.batch_size]
+            self.position += 1
+            x, y, _ = zip(*(self.dataset[i] for i in ids), strict=True)
+            yield torch.stack(x), torch.stack(y), torch.tensor(ids)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position, self.epoch = state["position"], state["epoch"]

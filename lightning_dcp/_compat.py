@@ -68,6 +68,7 @@ __all__ = [
     "lightning_hooks_installed",
     "lightning_upgrade",
     "narrow_tensor_by_index",
+    "on_iterator_created",
     "rebuild_tensor",
     "rebuild_tensor_v3",
     "replace_fit_loop_loader_states",
@@ -504,3 +505,25 @@ def set_sampler_epoch(dataloader: object, epoch: int) -> None:
     from lightning.fabric.utilities.data import _set_sampler_epoch
 
     _set_sampler_epoch(dataloader, epoch)
+
+
+# torch 2.13 ``DataLoader.__iter__`` creates an iterator through ``DataLoader._get_iterator`` (StatefulDataLoader
+# overrides it); ``_BaseDataLoaderIter.__init__`` draws the iterator's base seed from the global generator there. A
+# loader that starts its DataLoader lazily (LitData's ``StreamingDataLoader.__iter__`` is a generator) draws it at
+# its first batch, not when Lightning calls ``iter()``.
+def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback()`` after ``loader`` next creates an iterator (once); returns a function that undoes it."""
+    original = loader._get_iterator
+
+    def get_iterator() -> Any:
+        iterator = original()
+        undo()
+        callback()
+        return iterator
+
+    def undo() -> None:
+        if loader.__dict__.get("_get_iterator") is get_iterator:
+            del loader.__dict__["_get_iterator"]
+
+    loader._get_iterator = get_iterator
+    return undo

@@ -38,21 +38,15 @@ from torch.distributed.checkpoint.state_dict import (
 from typing_extensions import override
 
 from lightning_dcp._compat import (
-    fit_loop_loader_states,
     install_flag_only_sigterm_handler,
-    replace_fit_loop_loader_states,
     restore_modules_and_callbacks,
-    set_sampler_epoch,
-    train_epoch_in_progress,
     trainer_run_arguments,
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.loaders import refuse
-from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
-from lightning_dcp.trainer.callbacks import ElasticResume
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
 __all__ = [
     "DCPDDPStrategy",
@@ -163,9 +157,7 @@ class DCPStrategyMixin:
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
             install_flag_only_sigterm_handler(self.lightning_module.trainer)
-        deferred, self._dcp_deferred_rng = getattr(self, "_dcp_deferred_rng", None), None
-        if deferred is not None:  # saved mid-epoch: after the epoch's iterator drew its seed (see _restore_rank_state)
-            restore_rng_states(deferred)
+        self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
 
     @override
     def teardown(self) -> None:
@@ -214,17 +206,13 @@ class DCPStrategyMixin:
         """
         if not self._dcp_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
-        rank_state = {"rng": collect_rng_states(), "mid_epoch": train_epoch_in_progress(self.lightning_module.trainer)}
-        loaders = fit_loop_loader_states(checkpoint)  # this rank's stateful train loaders (the blob keeps rank 0's)
-        if loaders is not None:
-            rank_state["loaders"] = loaders
         self._dcp_io.save_checkpoint(
             checkpoint,
             filepath,
             storage_options=storage_options,
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
-            rank_state=rank_state,
+            rank_state=collect_rank_state(self.lightning_module.trainer, checkpoint),  # RNG, this rank's loaders
         )
 
     @override
@@ -260,74 +248,28 @@ class DCPStrategyMixin:
             strict=self.lightning_module.strict_loading,
             collective=True,
         )
-        self._restore_rank_state(checkpoint, str(checkpoint_path))
+        self._dcp_rank_resume.restore(
+            self.lightning_module.trainer,
+            checkpoint,
+            path=str(checkpoint_path),
+            world_size=self.world_size,
+            rank=self.global_rank,
+        )
         return checkpoint
 
-    def _restore_rank_state(self, checkpoint: dict[str, Any], path: str) -> None:
-        info = checkpoint.get(layout.INFO_KEY, {})
-        state = info.get("rank_state")
-        if not state or "rng" not in state:
-            return
-        self._restore_loader_states(checkpoint, info, state, path)
-        if info.get("rank_state_exact"):
-            if state.get("mid_epoch") and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-                # The resumed fit creates the epoch's data iterator after this load, drawing a seed from the global
-                # generator that the uninterrupted run drew before the save: restore after it, in on_train_start.
-                self._dcp_deferred_rng = state["rng"]
-            else:
-                restore_rng_states(state["rng"])
-            return
-        derive_rng_states(state["rng"], rank=self.global_rank)
-        rank_zero_warn(
-            f"The checkpoint was saved at world size {info.get('world_size')} and is resumed at {self.world_size}:"
-            " per-rank random states cannot carry over one-to-one, so each rank's generators (torch, numpy, python)"
-            " are re-seeded deterministically from rank 0's saved state and the rank. Random streams (dropout,"
-            " augmentation) differ from an uninterrupted run; model, optimizer and loop state are exact."
-        )
-
-    def _restore_loader_states(
-        self, checkpoint: dict[str, Any], info: dict[str, Any], state: dict[str, Any], path: str
-    ) -> None:
-        """Give each rank its own stateful train loaders' states (Lightning would give every rank rank 0's).
-
-        At the same world size each rank's saved states replace rank 0's in the fit loop's state, which Lightning
-        hands to the loaders before the epoch's iterator is created. At another world size, a mid-epoch position
-        cannot map one-to-one: rank 0's states are withheld from Lightning and left to :class:`ElasticResume`
-        (``info["loader_resume"]``), which reshards them or raises; without it, this raises. An epoch-boundary
-        checkpoint keeps Lightning's behaviour (rank 0's states on every rank).
-        """
-        if "loaders" not in state or self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
-            return  # saved before loader states were per rank: Lightning's rank-0 copy applies as before
-        if info.get("rank_state_exact"):
-            replace_fit_loop_loader_states(checkpoint, state["loaders"])
-            info["loader_resume"] = {"exact": True}
-            return
-        saved = fit_loop_loader_states(checkpoint)
-        if not saved or not state.get("mid_epoch"):
-            return
-        replace_fit_loop_loader_states(checkpoint, None)
-        info["loader_resume"] = {"exact": False, "states": saved, "saved_world_size": info.get("world_size")}
-        if not any(isinstance(cb, ElasticResume) for cb in self.lightning_module.trainer.callbacks):
-            raise refuse(
-                [f"{len(saved)} train loader(s)"],
-                saved_world_size=info.get("world_size"),
-                world_size=self.world_size,
-                path=path,
-                hint="Add `lightning_dcp.ElasticResume()` to the Trainer's callbacks: it deals the epoch's remaining"
-                " samples to the new ranks and keeps the global batch size (docs/resume.md).",
-            )
+    @property
+    def _dcp_rank_resume(self) -> RankResume:
+        if getattr(self, "_dcp_rank_resume_state", None) is None:
+            self._dcp_rank_resume_state = RankResume()
+        return self._dcp_rank_resume_state
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Set the sampler's epoch to the fit loop's before Lightning gives the loader its saved state.
-
-        A resumed stateful loader (``StatefulDataLoader``, ``num_workers > 0``) draws its sampler's indices when
-        Lightning creates the epoch's iterator, which is before Lightning sets the epoch (``on_advance_start``).
-        """
+        """Sharded, fitting: set the sampler's epoch before Lightning gives the loader its saved state (see
+        :class:`~lightning_dcp.trainer.rank_state.RankResume`)."""
         dataloader = super().process_dataloader(dataloader)
-        module = self.lightning_module
-        if self._dcp_sharded and module is not None and module.trainer.state.fn == TrainerFn.FITTING:
-            set_sampler_epoch(dataloader, module.trainer.fit_loop.epoch_progress.current.processed)
+        if self._dcp_sharded and self.lightning_module is not None:
+            self._dcp_rank_resume.process_dataloader(self.lightning_module.trainer, dataloader)
         return dataloader
 
     @override

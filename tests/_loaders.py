@@ -58,10 +58,13 @@ def _as_tuple(item: dict[str, Any]) -> tuple:
 
 
 def make_loader(kind: str, *, batch_size: int, data: str | None = None, **kwargs: Any) -> Any:
-    """``"sdl0"``/``"sdl2"``: StatefulDataLoader (0 / 2 workers) with a shuffling DistributedSampler (call it with a
-    process group); ``"litdata"``: StreamingDataLoader over
-    ``data`` (from :func:`make_litdata`), shuffled; ``"own"``: :class:`OwnStatefulLoader`. ``kwargs`` go to the DataLoader."""
-    if kind.startswith("sdl"):  # with a DistributedSampler of its own (torchdata's RandomSampler is no DistributedSampler)
+    """A loader of ``kind`` (``kwargs`` go to the DataLoader).
+
+    ``"sdl0"``/``"sdl2"``: StatefulDataLoader (0 / 2 workers) with a shuffling DistributedSampler of its own (call it
+    with a process group; Lightning would wrap torchdata's RandomSampler); ``"litdata"``: StreamingDataLoader over
+    ``data`` (from :func:`make_litdata`), shuffled; ``"own"``: :class:`OwnStatefulLoader`.
+    """
+    if kind.startswith("sdl"):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
         dataset = AugmentedDataset(SAMPLES)
@@ -70,7 +73,12 @@ def make_loader(kind: str, *, batch_size: int, data: str | None = None, **kwargs
         # fork, as under torchrun: the test ranks are spawned, and their children would otherwise be spawned too (slow)
         context = "fork" if workers else None
         return StatefulDataLoader(
-            dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, multiprocessing_context=context, **kwargs
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            num_workers=workers,
+            multiprocessing_context=context,
+            **kwargs,
         )
     if kind == "litdata":
         import litdata

@@ -43,7 +43,7 @@ __all__ = ["RankResume", "collect_rank_state"]
 
 
 def collect_rank_state(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
-    """This rank's own state for ``checkpoint`` (the dict this rank's ``dump_checkpoint`` built)."""
+    """The state this rank saves for itself with ``checkpoint`` (the dict its ``dump_checkpoint`` built)."""
     state = {"rng": collect_rng_states(), "mid_epoch": train_epoch_in_progress(trainer)}
     loaders = fit_loop_loader_states(checkpoint)
     if loaders is not None:
@@ -91,9 +91,11 @@ class RankResume:
     def _loaders(
         self, trainer: Trainer, checkpoint: dict[str, Any], info: dict[str, Any], state: dict[str, Any], **where: Any
     ) -> None:
-        """Each rank's own loader states in place of rank 0's at the same world size; at another, mid-epoch, rank
-        0's go to ElasticResume (``info["loader_resume"]``) instead of Lightning; at an epoch boundary Lightning's
-        behaviour stays (rank 0's states on every rank)."""
+        """Each rank's own loader states in place of rank 0's at the same world size.
+
+        At another world size, mid-epoch, rank 0's go to ElasticResume (``info["loader_resume"]``) instead of
+        Lightning; at an epoch boundary Lightning's behaviour stays (rank 0's states on every rank).
+        """
         if info.get("rank_state_exact"):
             replace_fit_loop_loader_states(checkpoint, state["loaders"])
             info["loader_resume"] = {"exact": True}
@@ -113,9 +115,11 @@ class RankResume:
             )
 
     def process_dataloader(self, trainer: Trainer, dataloader: Any) -> None:
-        """Before Lightning hands a train loader its saved state and creates the epoch's iterator: set the sampler's
-        epoch (Lightning sets it only later, after a resumed ``StatefulDataLoader`` with workers drew indices), and
-        watch for the iterator's creation while RNG states wait for it."""
+        """Prepare a loader before Lightning hands it its saved state and creates the epoch's iterator.
+
+        Sets the sampler's epoch (Lightning sets it only later, after a resumed ``StatefulDataLoader`` with workers
+        drew indices), and watches for the iterator's creation while RNG states wait for it.
+        """
         if trainer.state.fn != TrainerFn.FITTING:
             return
         set_sampler_epoch(dataloader, trainer.fit_loop.epoch_progress.current.processed)
@@ -128,8 +132,10 @@ class RankResume:
             self._restore_rng()
 
     def on_train_start(self) -> None:
-        """Restore mid-epoch RNG states now if the epoch's iterator exists (after every hook that re-creates it),
-        else when a lazily started loader creates it."""
+        """Restore mid-epoch RNG states now if the epoch's iterator exists, else when a lazy loader creates it.
+
+        Called after every other ``on_train_start`` hook (ElasticResume may re-create the iterator there).
+        """
         if self._rng is None:
             return
         if self._created or not self._disarm:

@@ -27,7 +27,6 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -265,8 +264,10 @@ class DCPStrategyMixin:
 
     @override
     def process_dataloader(self, dataloader: Any) -> Any:
-        """Sharded, fitting: set the sampler's epoch before Lightning gives the loader its saved state (see
-        :class:`~lightning_dcp.trainer.rank_state.RankResume`)."""
+        """Sharded, fitting: set the sampler's epoch before Lightning gives the loader its saved state.
+
+        See :class:`~lightning_dcp.trainer.rank_state.RankResume`.
+        """
         dataloader = super().process_dataloader(dataloader)
         if self._dcp_sharded and self.lightning_module is not None:
             self._dcp_rank_resume.process_dataloader(self.lightning_module.trainer, dataloader)

@@ -150,10 +150,8 @@ def test_stateful_loaders_resume_mid_epoch(tmp_path):
             assert sorted(steps) == list(range(STEPS)), (kind, world_size)
             assert all(sum(c.values()) == GLOBAL_BATCH for c in steps.values()), (kind, world_size)
             assert all(c == Counter(range(SAMPLES)) for c in _by(first + resumed, 0).values()), (kind, world_size)
-            if kind != "litdata":  # the same world-size-independent order: the same samples in every step
-                assert steps == full_steps, (kind, world_size)
+            assert steps == full_steps, (kind, world_size)  # a world-size-independent order: same samples per step
             assert all(r["global_step"] == STEPS for r in resumed), (kind, world_size)
-
 
     # Fabric: the loader in the saved state; 4 steps of 12 samples, saved after step 2.
     for kind in KINDS:

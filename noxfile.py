@@ -20,16 +20,24 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install(session: nox.Session, extras: str) -> None:
+# LitData declares torchvision, and resolving that replaces the CPU torch by a CUDA build: LitData is installed without
+# dependencies, its runtime ones (all but torchvision, which it does not need here) in the same resolution as the
+# package, so that boto3 agrees with the botocore that s3fs pins.
+LITDATA = "litdata>=0.2.76,<0.3"
+LITDATA_DEPS = ("boto3", "filelock", "numpy", "obstore", "requests", "tifffile", "urllib3")
+
+
+def _install(session: nox.Session, extras: str, *more: str) -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+    session.install("-e", f".[{extras}]", *more)
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Unit, distributed (gloo, 2-4 ranks) and integration tests. Azurite (the Azure Blob emulator, npm ``azurite``)
     is installed into ``.azurite/`` first where Node.js and npm exist; without them the Azure tests skip, saying why."""
-    _install(session, "test")
+    _install(session, "test", *LITDATA_DEPS)
+    session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 

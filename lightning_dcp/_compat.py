@@ -58,6 +58,7 @@ __all__ = [
     "TORCH_GREATER_EQUAL_2_9",
     "check_private_api",
     "dtensor_over",
+    "fit_loop_loader_states",
     "flatten_state_dict",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
@@ -67,15 +68,19 @@ __all__ = [
     "lightning_hooks_installed",
     "lightning_upgrade",
     "narrow_tensor_by_index",
+    "on_iterator_created",
     "rebuild_tensor",
     "rebuild_tensor_v3",
+    "replace_fit_loop_loader_states",
     "restart_train_iterator",
     "restore_modules_and_callbacks",
     "set_element",
+    "set_sampler_epoch",
     "sharded_tensor_over",
     "shift_epoch_batches",
     "storage_type_name",
     "tensor_version",
+    "train_loaders",
     "train_epoch_in_progress",
     "trainer_run_arguments",
     "unflatten_state_dict",
@@ -465,3 +470,60 @@ def trainer_run_arguments(trainer: object) -> tuple[Any, bool | None] | None:
 def restore_modules_and_callbacks(trainer: object, ckpt_path: Any, weights_only: bool | None) -> None:
     """Lightning's restore of model, datamodule and callback state (it loads the checkpoint through the strategy)."""
     trainer._checkpoint_connector._restore_modules_and_callbacks(ckpt_path, weights_only)
+
+
+# Lightning 2.6.6 keeps the ``state_dict()`` of every train loader that has one (torchdata's StatefulDataLoader,
+# LitData's StreamingDataLoader) in the fit loop's state, ``checkpoint["loops"]["fit_loop"]["state_dict"]
+# ["combined_loader"]``: a list in the order of the stateful loaders of ``CombinedLoader.flattened``
+# (``FitLoop.on_save_checkpoint``). ``FitLoop.setup_data`` hands it back (``_load_combined_loader_states``) after
+# ``strategy.process_dataloader`` and before it creates the epoch's iterator; the sampler's epoch is set only later
+# (``FitLoop.on_advance_start``). Every rank builds the dict, the checkpoint keeps rank 0's.
+def fit_loop_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
+    """The train loaders' states in a Trainer checkpoint dict (``None``: none recorded)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    return loop.get("combined_loader") if isinstance(loop, dict) else None
+
+
+def replace_fit_loop_loader_states(checkpoint: dict[str, Any], states: list[Any] | None) -> None:
+    """Put ``states`` in place of the recorded loader states (``None``: remove them, the loaders start afresh)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    if not isinstance(loop, dict):
+        return
+    loop.pop("combined_loader", None)
+    if states:
+        loop["combined_loader"] = states
+
+
+def train_loaders(trainer: object) -> list[Any]:
+    """The fit loop's train loaders (``CombinedLoader.flattened``); empty before ``FitLoop.setup_data``."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """Lightning's own ``_set_sampler_epoch``: ``set_epoch`` on the loader's sampler and batch sampler's sampler."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(dataloader, epoch)
+
+
+# torch 2.13 ``DataLoader.__iter__`` creates an iterator through ``DataLoader._get_iterator`` (StatefulDataLoader
+# overrides it); ``_BaseDataLoaderIter.__init__`` draws the iterator's base seed from the global generator there. A
+# loader that starts its DataLoader lazily (LitData's ``StreamingDataLoader.__iter__`` is a generator) draws it at
+# its first batch, not when Lightning calls ``iter()``.
+def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback()`` after ``loader`` next creates an iterator (once); returns a function that undoes it."""
+    original = loader._get_iterator
+
+    def get_iterator() -> Any:
+        iterator = original()
+        undo()
+        callback()
+        return iterator
+
+    def undo() -> None:
+        if loader.__dict__.get("_get_iterator") is get_iterator:
+            del loader.__dict__["_get_iterator"]
+
+    loader._get_iterator = get_iterator
+    return undo

@@ -12,6 +12,11 @@ Trainer; resharding to the current world size) and single ``torch.save`` files (
   optimizers nobody asked for left unread). A requested key the checkpoint lacks is an error unless
   ``strict=False``; so are differing module keys. Everything is checked before anything is loaded;
 - a module (``fabric.load_raw``): its weights, from a raw state-dict file or from the one module of a checkpoint.
+
+A stateful data loader in the state (a ``DataLoader`` with ``state_dict()``: torchdata's ``StatefulDataLoader``,
+LitData's ``StreamingDataLoader``) is saved by every rank as its own (``rank_states.{rank}``, with the RNG states) and
+given back to the same rank at the same world size. At another world size LitData's loader gets rank 0's state and
+restripes the epoch's rest itself; any other loader is refused (:func:`lightning_dcp.engine.loaders.refuse`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from torch.optim import Optimizer
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
+from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.loading import probe, torch_load_error
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
+    LOADERS_INFO,
     check_requested,
     is_stateful,
     load_targets,
@@ -66,12 +73,16 @@ def save_state(
     Raises:
         CheckpointError: Writing failed on some rank (nothing was committed), or the state cannot be split.
     """
-    tree, objects, layout_info = split_state(state, filters=filters)
+    loaders = {key: obj.state_dict() for key, obj in state.items() if is_stateful_loader(obj)}
+    tree, objects, layout_info = split_state({k: v for k, v in state.items() if k not in loaders}, filters=filters)
+    rank_objects: dict[str, Any] = {"rng": collect_rng_states()}
+    if loaders:  # each rank's own position (and workers' state): per rank, never rank 0's for all
+        rank_objects["loaders"], layout_info[LOADERS_INFO] = loaders, sorted(loaders)
     checkpointer.save(
         tree,
         path,
         objects=objects,
-        rank_objects={"rng": collect_rng_states()},
+        rank_objects=rank_objects,
         info={**(info or {}), **layout_info},
         storage_options=storage_options,
         collective=True,
@@ -119,13 +130,42 @@ def load_state(
             " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     head = checkpointer.load(found.url, target={}, strict=False, collective=True, weights_only=weights_only)
-    roles = layout.tree_roles(head.objects.pop(layout.INFO_KEY, {}))
+    info = head.objects.pop(layout.INFO_KEY, {})
+    roles = layout.tree_roles(info)
     if isinstance(state, Module):
         _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
         return {}
-    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only)
+    loaders = _loader_states(found.url, state, head, info.get(LOADERS_INFO, []))  # refused before anything loads
+    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders)
+    for key, value in loaders.items():
+        if key in state:
+            state[key].load_state_dict(value)
+        else:
+            remainder[key] = value
     _restore_rng(head)
     return remainder
+
+
+def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str]) -> dict[str, Any]:
+    """The saved loader states to give back: this rank's own, or rank 0's to a loader that reshards itself.
+
+    Raises:
+        CheckpointError: At another world size, a requested loader that cannot reshard its position.
+    """
+    saved = (head.rank_objects or {}).get("loaders", {})
+    if head.rank_objects_exact or not saved:
+        return dict(saved)
+    refused = [k for k in keys if k in state and is_stateful_loader(state[k]) and not reshards_itself(state[k])]
+    if refused:
+        raise refuse(
+            [repr(k) for k in refused],
+            saved_world_size=head.saved_world_size,
+            world_size=rank_and_world(True)[1],
+            path=url,
+            hint="Or leave these keys out of the state given to `fabric.load`: their loaders then start the epoch"
+            " afresh.",
+        )
+    return {k: v for k, v in saved.items() if k in state and reshards_itself(state[k])}
 
 
 # ------------------------------------------------------------------------------------------------ directories
@@ -180,10 +220,11 @@ def _load_dict(
     roles: layout.TreeRoles,
     strict: bool,
     weights_only: bool,
+    loaders: Mapping[str, Any],
 ) -> dict[str, Any]:
     saved = saved_keys(metadata)
     objects = dict(head.objects)
-    check_requested(url, state, [*saved, *objects], strict=strict)
+    check_requested(url, state, [*saved, *objects, *loaders], strict=strict)
     unasked = [k for k in saved if k not in state and k not in roles.modules and k not in roles.optimizers]
     targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked)
     tree: dict[str, Any] = {}

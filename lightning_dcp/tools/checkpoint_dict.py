@@ -13,15 +13,19 @@ shards are read as full tensors).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.loading import probe
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.source import Source
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.errors import NotACheckpointError
 
@@ -44,6 +48,8 @@ def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[st
     location = Location(path, storage_options=storage_options)
     if location.local and not os.path.lexists(location.path):
         return False
+    if _is_http(location):  # a static file server may neither list directories nor answer a HEAD of one
+        return location.is_committed()
     resolved = location.resolve()
     return resolved.exists() and resolved.isdir()
 
@@ -86,7 +92,14 @@ def load_checkpoint(
         CheckpointError: The non-tensor state holds objects that ``weights_only`` unpickling refuses.
     """
     check_storage_options(storage_options)
-    found = probe(Location(path, storage_options=storage_options))
+    location = Location(path, storage_options=storage_options)
+    if _is_http(location):
+        with _downloaded(location) as local:
+            return load_checkpoint(
+                local, map_location=map_location, weights_only=weights_only, model_weights=model_weights,
+                batch_bytes=batch_bytes,
+            )  # fmt: skip
+    found = probe(location)
     if found.kind == "file":
         raise NotACheckpointError(
             f"{found.url!r} is a single-file checkpoint, not a checkpoint directory: load it with `torch.load` or"
@@ -106,6 +119,29 @@ def load_checkpoint(
     checkpoint[layout.MODEL_KEY] = state_dict
     checkpoint.pop(layout.OPTIMIZER_KEY, None)
     return checkpoint
+
+
+def _is_http(location: Location) -> bool:
+    return location.url.startswith(("http://", "https://"))
+
+
+@contextlib.contextmanager
+def _downloaded(location: Location) -> Iterator[str]:
+    """A committed checkpoint served over HTTP(S), downloaded into a temporary directory (removed afterwards).
+
+    Its ``.commit`` marker names every file, so the server need not list directories or answer range requests
+    (Python's ``http.server`` does neither); as Lightning downloads a single-file URL with ``torch.hub`` before
+    loading it. The files are checked against their checksums when they are loaded.
+    """
+    marker = read_commit(location)
+    if marker is None:
+        raise NotACheckpointError(f"{location.url!r} has no {COMMIT_FILE!r} marker: it is no committed checkpoint.")
+    with tempfile.TemporaryDirectory(prefix="lightning_dcp-http-") as tmp:
+        local = os.path.join(tmp, location.name or "checkpoint")
+        os.makedirs(local)
+        for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:
+            location.fs.get_file(location.join(name), os.path.join(local, name))
+        yield local
 
 
 def _model_path(source: Source, key: str) -> str | None:

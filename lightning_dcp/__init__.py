@@ -7,6 +7,7 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.codec import add_safe_globals
 from lightning_dcp.engine.integrity import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -56,6 +57,7 @@ __all__ = [
     "NotACheckpointError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "add_safe_globals",
     "consolidate",
     "inspect_checkpoint",
     "install_lightning_hooks",

@@ -47,6 +47,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 __all__ = [
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
+    "HYDRA_PARTIAL_ATTRIBUTES",
     "DCPFsspecFileSystem",
     "FsspecReader",
     "FsspecWriter",
@@ -60,6 +61,7 @@ __all__ = [
     "check_private_api",
     "dtensor_over",
     "flatten_state_dict",
+    "hydra_partial_class",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
     "install_load_from_checkpoint_hook",
@@ -584,3 +586,26 @@ def _omegaconf_flags(node: Any, tree: tuple[Any, ...]) -> None:
             _omegaconf_flags(node._get_node(key), child)
     for name, value in flags.items():
         node._set_flag(name, value)
+
+
+# ------------------------------------------------------------------------------------------ Hydra
+# Hydra 1.3.8 returns ``_partial_: true`` targets as ``hydra._internal.target_policy._DeferredTarget``, a private
+# ``functools.partial`` subclass that authorizes its target again when called; it carries the attributes
+# ``_hydra_resolved_from`` (the target's dotted name) and ``_hydra_full_key`` (its key in the config). The codec keeps
+# the type, so a loaded optimizer factory is called under Hydra's policy as before. Checked against hydra-core 1.3.8.
+HYDRA_PARTIAL_ATTRIBUTES = ("_hydra_resolved_from", "_hydra_full_key")
+_HYDRA_PARTIAL = ("hydra._internal.target_policy", "_DeferredTarget")
+
+
+def hydra_partial_class(*, load: bool = False) -> type | None:
+    """Hydra's deferred-target partial class, or ``None`` (Hydra older than 1.3.8, or not imported and not ``load``)."""
+    import sys
+
+    module = sys.modules.get(_HYDRA_PARTIAL[0])
+    if module is None and load:
+        try:
+            module = importlib.import_module(_HYDRA_PARTIAL[0])
+        except ImportError:
+            return None
+    cls = getattr(module, _HYDRA_PARTIAL[1], None)
+    return cls if isinstance(cls, type) and issubclass(cls, functools.partial) else None

@@ -131,8 +131,10 @@ def _decoded(state: Any, *, path: str, entry: str | None) -> Any:
 
 
 def load_stock_file(load: Callable[[], Any], *, path: str) -> Any:
-    """Run ``load`` (a ``torch.load(..., weights_only=True)`` of a single-file checkpoint that stock Lightning or
-    ``torch.save`` wrote) with the codec's kinds allowed, and rebuild what it gives through the codec.
+    """Run ``load`` with the codec's kinds allowed, and rebuild what it gives through the codec.
+
+    ``load`` is a ``torch.load(..., weights_only=True)`` of a single-file checkpoint that stock Lightning or
+    ``torch.save`` wrote.
 
     A plain ``torch.save`` pickles a Hydra config as OmegaConf's internal node classes and a partial optimizer as
     ``functools.partial``; ``weights_only`` loading refuses them. For the duration of ``load`` they (and what
@@ -142,22 +144,45 @@ def load_stock_file(load: Callable[[], Any], *, path: str) -> Any:
     codec would not store (a partial of a function outside the allow-list) fails like a crafted blob.
 
     Raises:
-        CheckpointError: The file holds a value outside the allow-list (``load``'s own errors pass through).
+        CheckpointError: The file names or holds something outside the allow-list (``load``'s other errors pass
+            through).
     """
     with _allowed_for_stock_files():
-        loaded = load()
+        try:
+            loaded = load()
+        except pickle.UnpicklingError as err:
+            reason = _unpickling_reason(err)
+            if "GLOBAL" not in reason.upper():
+                raise CheckpointError(
+                    f"The checkpoint file {path!r} cannot be read with weights-only unpickling ({reason})."
+                ) from None
+            raise CheckpointError(
+                f"The checkpoint file {path!r} names a class or function outside lightning_dcp's allow-list and"
+                f" torch's safe globals ({reason}), so it was not loaded. If you trust this file, allow it with"
+                " `lightning_dcp.add_safe_globals([...])` (dataclasses, named tuples, enums, callables of"
+                " functools.partial) or `torch.serialization.add_safe_globals([...])`, or load with"
+                " `weights_only=False`."
+            ) from None
     try:
         stored = codec.encode(loaded)
     except codec.UnstorableValue as err:
         raise CheckpointError(
-            f"The checkpoint file {path!r} holds {err.culprit} at {err.path or 'the top level'}, outside lightning_dcp's"
-            f" allow-list, so it was not loaded. {err.hint}"
+            f"The checkpoint file {path!r} holds {err.culprit} at {err.path or 'the top level'}, outside"
+            f" lightning_dcp's allow-list, so it was not loaded. {err.hint}"
         ) from None
     except Exception as err:  # objects the unpickler built from crafted state may fail in any way when walked
         raise CheckpointError(
             f"The checkpoint file {path!r} holds a value that cannot be checked ({err!s:.160})."
         ) from None
     return _decoded(stored, path=path, entry=None)
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights-only error that says what was refused (its other lines are advice)."""
+    advice = ("Weights only load failed", "Check the documentation", "(1)", "(2)", "Please file an issue")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reasons = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines if not line.startswith(advice)]
+    return next((r for r in reasons if r), None) or describe_load_error(err)
 
 
 def _allowed_for_stock_files() -> contextlib.AbstractContextManager:

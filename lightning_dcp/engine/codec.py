@@ -184,13 +184,17 @@ def decode(value: Any) -> Any:
 
 
 def stock_pickle_globals() -> list[Any]:
-    """What a plain ``torch.save`` of the codec's kinds names: the globals a stock Lightning ``.ckpt`` holding
-    Hydra configs, partial optimizers, paths, ... needs allowed for ``weights_only`` loading (see
-    :func:`lightning_dcp.engine.blob.load_stock_file`, which rebuilds the result through this codec).
+    """The globals a plain ``torch.save`` of the codec's kinds names.
+
+    A stock Lightning ``.ckpt`` holding Hydra configs, partial optimizers, paths, ... needs them allowed for
+    ``weights_only`` loading (see :func:`lightning_dcp.engine.blob.load_stock_file`, which rebuilds the result through
+    this codec).
     """
     found: list[Any] = [functools.partial, argparse.Namespace, *_PATHS.values(), *_DATETIMES.values()]
+    hydra_partial = _compat.hydra_partial_class(load=_installed("hydra"))
+    found += [hydra_partial] if hydra_partial is not None else []
     found += [datetime.timedelta, datetime.timezone, frozenset, *_partial_callables().values(), *_registered.values()]
-    if "omegaconf" in sys.modules or _omegaconf_installed():
+    if _installed("omegaconf"):
         import typing
         from collections import defaultdict
 
@@ -213,12 +217,8 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
         return _tag("enum", _allowed(kind, "enum class", isinstance(kind, type)), value.name)
     if isinstance(value, type):
         return _tag("type", _allowed(value, "class", True), None)
-    if kind is functools.partial:
-        if value.__dict__:
-            raise UnstorableValue("", "functools.partial", "A partial with attributes set on it cannot be stored.")
-        func = _allowed(value.func, "callable of functools.partial", True, step=".func")
-        args = _within(".args", value.args)
-        return _tag("partial", func, (args, _within(".keywords", dict(value.keywords))))
+    if kind is functools.partial or (kind is _compat.hydra_partial_class() and kind is not None):
+        return _partial_tag(value)
     if kind is argparse.Namespace:
         return _tag("namespace", None, encode(dict(vars(value))))
     if _PATHS.get(kind.__name__) is kind:
@@ -252,6 +252,18 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
             raise UnstorableValue("", type(value).__name__, f"Its tree cannot be read ({err}).") from None
         return _tag("omegaconf", None, (encode(tree), encode(node_path)))
     return None
+
+
+def _partial_tag(value: functools.partial) -> dict[str, Any]:
+    """``(args, keywords)``, plus ``{"hydra": {attribute: str}}`` for Hydra's own partial (``_partial_: true``)."""
+    hydra = type(value) is not functools.partial
+    attributes = dict(value.__dict__)
+    extras = {"hydra": {a: attributes.pop(a, None) for a in _compat.HYDRA_PARTIAL_ATTRIBUTES}} if hydra else {}
+    if attributes or not all(isinstance(v, str) for v in extras.get("hydra", {}).values()):
+        raise UnstorableValue("", _name_of(type(value)), "A partial with attributes set on it cannot be stored.")
+    func = _allowed(value.func, "callable of functools.partial", True, step=".func")
+    args, keywords = _within(".args", value.args), _within(".keywords", dict(value.keywords))
+    return _tag("partial", func, (args, keywords, extras) if extras else (args, keywords))
 
 
 def _tag(kind: str, name: str | None, payload: Any) -> dict[str, Any]:
@@ -288,7 +300,8 @@ def _hint(value: Any) -> str:
         )
     return (
         "Store plain values there (dict, list, str, numbers, tensors; e.g. `dataclasses.asdict(...)`); dataclasses,"
-        " named tuples and enums are stored once their class is registered with `lightning_dcp.add_safe_globals([...])`."
+        " named tuples and enums are stored once their class is registered with"
+        " `lightning_dcp.add_safe_globals([...])`."
     )
 
 
@@ -367,11 +380,22 @@ def _decode_partial(name: Any, payload: Any) -> Any:
     func = _lookup(name) if type(name) is str else None
     if func is None:
         raise DisallowedName(str(name), "callable of functools.partial")
-    args, keywords = _need(payload, tuple, 2)
+    args, keywords, *extras = _need(payload, tuple, 3 if type(payload) is tuple and len(payload) == 3 else 2)
     keywords = decode(_need(keywords, dict))
     if not all(type(k) is str for k in keywords):
         raise MalformedTag("a partial's keyword names are not all strings")
-    return functools.partial(func, *decode(_need(args, tuple)), **keywords)
+    hydra = _need(extras[0], dict, 1)["hydra"] if extras else None
+    if hydra is None:
+        return functools.partial(func, *decode(_need(args, tuple)), **keywords)
+    cls = _compat.hydra_partial_class(load=True)
+    names = _compat.HYDRA_PARTIAL_ATTRIBUTES
+    if cls is None:
+        raise MalformedTag("a Hydra partial (hydra-core >= 1.3.8), but Hydra is not installed")
+    if type(hydra) is not dict or sorted(hydra) != sorted(names) or not all(type(v) is str for v in hydra.values()):
+        raise MalformedTag(f"a Hydra partial's attributes are {str(hydra)[:80]!r}")
+    partial = cls(func, *decode(_need(args, tuple)), **keywords)
+    partial.__dict__.update(hydra)
+    return partial
 
 
 def _decode_namespace(name: Any, payload: Any) -> Any:
@@ -508,7 +532,7 @@ def _name_of(obj: Any) -> str | None:
 
 def _lookup(name: str) -> Any:
     """The allowed object named ``name`` (built-in, registered here, or with torch), or ``None``."""
-    if name in _OMEGACONF_CLASSES and "omegaconf" not in sys.modules and _omegaconf_installed():
+    if name in _OMEGACONF_CLASSES and _installed("omegaconf"):
         import omegaconf  # noqa: F401 - ``type(hparams)`` of a config saved by Lightning: the codec's own support
     found = _builtin_names().get(name) or _registered.get(name)
     if found is not None:
@@ -550,7 +574,8 @@ def _is_omegaconf(value: Any) -> bool:
     return module is not None and isinstance(value, (module.DictConfig, module.ListConfig))
 
 
-def _omegaconf_installed() -> bool:
+def _installed(module: str) -> bool:
+    """Whether ``module`` is imported or importable (found without importing it)."""
     import importlib.util
 
-    return importlib.util.find_spec("omegaconf") is not None
+    return module in sys.modules or importlib.util.find_spec(module) is not None

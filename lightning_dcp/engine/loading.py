@@ -206,9 +206,10 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
 
 
 def load_torch_file(f: Any, *, url: str, map_location: Any, weights_only: bool) -> Any:
-    """``torch.load`` of an open single-file checkpoint; with ``weights_only``, what stock Lightning pickles in
-    hyperparameters (Hydra configs, partial optimizers, ...) is allowed and rebuilt by the codec
-    (:func:`~lightning_dcp.engine.blob.load_stock_file`).
+    """``torch.load`` of an open single-file checkpoint.
+
+    With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
+    is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.blob.load_stock_file`).
     """
     if not weights_only:
         return torch.load(f, map_location=map_location, weights_only=False)

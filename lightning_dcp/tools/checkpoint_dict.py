@@ -28,6 +28,7 @@ from lightning_dcp.engine.source import Source
 from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.errors import NotACheckpointError
+from lightning_dcp.tools.progress import progress_bar
 
 __all__ = ["DEFAULT_BATCH_BYTES", "is_checkpoint_directory", "load_checkpoint"]
 
@@ -62,6 +63,7 @@ def load_checkpoint(
     weights_only: bool | None = True,
     model_weights: bool = True,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint directory into the dict a single-file Lightning checkpoint holds, without optimizer states.
 
@@ -77,6 +79,8 @@ def load_checkpoint(
         weights_only: Unpickle the non-tensor state with ``torch.load(weights_only=True)`` (``None`` means ``True``).
         model_weights: Read the model weights (``False`` for a ``LightningDataModule``: ``"state_dict"`` is ``{}``).
         batch_bytes: Bytes of weights read per ``dcp.load`` call.
+        progress: Show a progress bar over the weights' bytes (tqdm, on stderr), as ``consolidate`` does. Default:
+            only when stderr is a terminal.
 
     Returns:
         ``{"state_dict": {fqn: tensor}, **trainer_state}``: full (unsharded) tensors of the saved dtypes, plus every
@@ -97,7 +101,7 @@ def load_checkpoint(
         with _downloaded(location) as local:
             return load_checkpoint(
                 local, map_location=map_location, weights_only=weights_only, model_weights=model_weights,
-                batch_bytes=batch_bytes,
+                batch_bytes=batch_bytes, progress=progress,
             )  # fmt: skip
     found = probe(location)
     if found.kind == "file":
@@ -111,8 +115,13 @@ def load_checkpoint(
     state_dict: dict[str, Any] = {}
     if model_weights:
         entries = [e for e in source.entries if e.weight]
-        for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
-            state_dict[entry.name] = _mapped(tensor, map_location)
+        bar = progress_bar(sum(e.nbytes for e in entries), progress, desc=location.name)
+        try:
+            for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
+                state_dict[entry.name] = _mapped(tensor, map_location)
+                bar.update(entry.nbytes)
+        finally:
+            bar.close()
         small = [k for k in source.byte_keys if _model_path(source, k) is not None]
         for key, value in source.read_values(small, weights_only=weights_only).items():
             state_dict[_model_path(source, key)] = value  # non-tensor model state (e.g. ``_extra_state``)

@@ -381,7 +381,8 @@ CODEC_NAMES = [
     # allowed: torch's optimizers and schedulers, config classes, builtins as values, the fuzz's registered classes
     "torch.optim.adamw.AdamW", "torch.optim.lr_scheduler.ReduceLROnPlateau", "omegaconf.dictconfig.DictConfig",
     "omegaconf.listconfig.ListConfig", "builtins.dict", "builtins.int", "argparse.Namespace", "PosixPath",
-    "PureWindowsPath", "tests.chaos.readers.FuzzColor", "tests.chaos.readers.FuzzConfig", "tests.chaos.readers.FuzzPoint",
+    "PureWindowsPath", "tests.chaos.readers.FuzzColor", "tests.chaos.readers.FuzzConfig",
+    "tests.chaos.readers.FuzzPoint",
     # outside the allow-list: what a crafted checkpoint would name to run or import something
     "os.system", "posix.system", "builtins.eval", "builtins.exec", "builtins.open", "builtins.__import__",
     "builtins.getattr", "subprocess.Popen", "importlib.import_module", "pickle.loads", "torch.load", "shutil.rmtree",

@@ -128,15 +128,17 @@ def lightning_tests(session: nox.Session) -> None:
     ``$LIGHTNING_REPO`` (default: GitHub; a local clone or mirror works) into ``.lightning-tests/``. Not in CI.
     Arguments after ``--`` go to pytest (e.g. ``-k hparams``)."""
     _install(session, "test")
-    session.install("cloudpickle", "scikit-learn", "pandas", "psutil")
+    session.install("cloudpickle", "scikit-learn", "pandas", "psutil", "tensorboard")
     src = os.path.abspath(f".lightning-tests/{LIGHTNING_TESTS_TAG}")
     if not os.path.isdir(os.path.join(src, "tests", "tests_pytorch")):  # only the tests and pytest's settings
         repo = os.environ.get("LIGHTNING_REPO", "https://github.com/Lightning-AI/pytorch-lightning")
         shutil.rmtree(src, ignore_errors=True)
         git = ("git", "-C", src)
-        session.run("git", "clone", "--quiet", "--no-checkout", "--branch", LIGHTNING_TESTS_TAG, repo, src, external=True)
+        tag = LIGHTNING_TESTS_TAG
+        session.run("git", "clone", "--quiet", "--no-checkout", "--branch", tag, repo, src, external=True)
         session.run(*git, "sparse-checkout", "set", "--no-cone", "/pyproject.toml", "/tests/tests_pytorch/", external=True)
-        session.run(*git, "checkout", "--quiet", LIGHTNING_TESTS_TAG, external=True, success_codes=[0, 1, 128])
+        session.run(*git, "checkout", "--quiet", tag, external=True, success_codes=[0, 1, 128])  # a mirror may lack
+        # blobs outside the sparse set: git then reports them, yet checks out the tests
     os.makedirs("outputs", exist_ok=True)
     env = {
         "PYTHONPATH": os.pathsep.join([os.path.abspath("tests/lightning_suite"), os.path.join(src, "tests")]),

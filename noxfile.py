@@ -136,7 +136,8 @@ def lightning_tests(session: nox.Session) -> None:
         git = ("git", "-C", src)
         tag = LIGHTNING_TESTS_TAG
         session.run("git", "clone", "--quiet", "--no-checkout", "--branch", tag, repo, src, external=True)
-        session.run(*git, "sparse-checkout", "set", "--no-cone", "/pyproject.toml", "/tests/tests_pytorch/", external=True)
+        wanted = ("/pyproject.toml", "/tests/tests_pytorch/")  # pytest's settings and the tests, nothing else
+        session.run(*git, "sparse-checkout", "set", "--no-cone", *wanted, external=True)
         session.run(*git, "checkout", "--quiet", tag, external=True, success_codes=[0, 1, 128])  # a mirror may lack
         # blobs outside the sparse set: git then reports them, yet checks out the tests
     os.makedirs("outputs", exist_ok=True)

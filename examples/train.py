@@ -144,7 +144,7 @@ def _explain_resume_warning() -> None:
         show(message, category, filename, lineno, file, line)
         if _NOT_RESUMABLE in str(message):
             print(
-                "lightning_dcp demo: what this means here: model, optimizer, scheduler, step and RNG states were"
+                "lightning_dcp demo: what this means here: model, optimizer, scheduler and step counters were"
                 " restored exactly from the checkpoint; only the position inside the interrupted epoch was not (the"
                 " DataLoader has no state). This run starts that epoch again from its first batch: it sees those"
                 " batches a second time and the epoch's last ones not at all (at another process count the batches"

@@ -136,10 +136,10 @@ def encode(value: Any) -> Any:
     if kind is dict or kind is OrderedDict:
         out = kind()
         for key, item in value.items():
-            out[key] = _within(f"[{key!r}]", item)
+            out[key] = _within(key, item)
         return out
     if kind is list or kind is tuple:
-        items = [_within(f"[{i}]", item) for i, item in enumerate(value)] if value else []
+        items = [_within(i, item) for i, item in enumerate(value)] if value else []
         return items if kind is list else tuple(items)
     tagged = _encode_object(value)
     if tagged is not None:
@@ -149,15 +149,18 @@ def encode(value: Any) -> Any:
     raise UnstorableValue("", _name_of(kind) or repr(kind), _hint(value))
 
 
-def _within(step: str, value: Any) -> Any:
-    """:func:`encode` of an item; a refusal's key path gets ``step`` in front (built only when refused)."""
+def _within(step: Any, value: Any, *, attribute: bool = False) -> Any:
+    """:func:`encode` of the item at key or index ``step`` (or of the ``attribute`` named ``step``).
+
+    A refusal's key path gets the step in front; it is only formatted then.
+    """
     kind = type(value)
     if kind in _PLAIN or kind is torch.Tensor:
         return value
     try:
         return encode(value)
     except UnstorableValue as err:
-        err.path = step + err.path
+        err.path = (f".{step}" if attribute else f"[{step!r}]") + err.path
         raise
 
 
@@ -225,7 +228,7 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
         return _tag("path", kind.__name__, str(value))
     if kind in (datetime.datetime, datetime.time):
         fields = [getattr(value, f) for f in _fields_of(kind)]
-        return _tag(kind.__name__, None, (*fields, value.fold, _within(".tzinfo", value.tzinfo)))
+        return _tag(kind.__name__, None, (*fields, value.fold, _within("tzinfo", value.tzinfo, attribute=True)))
     if kind is datetime.date:
         return _tag("date", None, (value.year, value.month, value.day))
     if kind is datetime.timedelta:
@@ -234,16 +237,18 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
         offset, *name = value.__getinitargs__()  # (offset,) or (offset, name): utc is timezone(timedelta(0))
         return _tag("timezone", name[0] if name else None, (offset.days, offset.seconds, offset.microseconds))
     if kind is frozenset:
-        return _tag("frozenset", None, [_within("[...]", v) for v in value])
+        return _tag("frozenset", None, [_within("<item>", v, attribute=True) for v in value])
     if isinstance(value, tuple) and hasattr(kind, "_fields"):
         name = _allowed(kind, "named tuple class", True)
-        return _tag("namedtuple", name, [_within(f".{f}", v) for f, v in zip(kind._fields, value, strict=True)])
+        return _tag(
+            "namedtuple", name, [_within(f, v, attribute=True) for f, v in zip(kind._fields, value, strict=True)]
+        )
     if dataclasses.is_dataclass(value):
         name = _allowed(kind, "dataclass", True)
         return _tag(
             "dataclass",
             name,
-            {f.name: _within(f".{f.name}", getattr(value, f.name)) for f in dataclasses.fields(value)},
+            {f.name: _within(f.name, getattr(value, f.name), attribute=True) for f in dataclasses.fields(value)},
         )
     if _is_omegaconf(value):
         try:
@@ -262,7 +267,8 @@ def _partial_tag(value: functools.partial) -> dict[str, Any]:
     if attributes or not all(isinstance(v, str) for v in extras.get("hydra", {}).values()):
         raise UnstorableValue("", _name_of(type(value)), "A partial with attributes set on it cannot be stored.")
     func = _allowed(value.func, "callable of functools.partial", True, step=".func")
-    args, keywords = _within(".args", value.args), _within(".keywords", dict(value.keywords))
+    args = _within("args", value.args, attribute=True)
+    keywords = _within("keywords", dict(value.keywords), attribute=True)
     return _tag("partial", func, (args, keywords, extras) if extras else (args, keywords))
 
 

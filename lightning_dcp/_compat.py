@@ -368,8 +368,9 @@ def _directory_aware_load(
         # Lightning 2.6.6 ``cloud_io._load``: ``weights_only=None`` is torch's default (True) for paths, False for
         # http(s) URLs (``torch.hub``); only weights-only loads go through ``load_file``
         remote = str(path).startswith("http")
-        if load_file is None or weights_only is False or (weights_only is None and remote):
-            return load()
+        forced_off = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+        if load_file is None or weights_only is False or (weights_only is None and (remote or forced_off)):
+            return load()  # torch.load's default is not weights-only for this call: Lightning's load as it is
         return load_file(load, str(path))
 
     @functools.wraps(original)

@@ -7,7 +7,7 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.codec import add_safe_globals
+from lightning_dcp.engine.allowlist import add_safe_globals
 from lightning_dcp.engine.integrity import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,

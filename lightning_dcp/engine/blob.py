@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from lightning_dcp.engine import codec
+from lightning_dcp.engine import allowlist, codec
 from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.engine.codec import UnstorableValue
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
@@ -188,7 +188,7 @@ def _unpickling_reason(err: Exception) -> str:
 def _allowed_for_stock_files() -> contextlib.AbstractContextManager:
     """Torch's own ``safe_globals`` scope over the codec's stock globals that torch does not already allow."""
     present = {id(g[0] if isinstance(g, tuple) else g) for g in torch.serialization.get_safe_globals()}
-    added = {id(g): g for g in codec.stock_pickle_globals() if id(g) not in present}
+    added = {id(g): g for g in allowlist.stock_pickle_globals() if id(g) not in present}
     return torch.serialization.safe_globals(list(added.values()))
 
 

@@ -43,6 +43,7 @@ from typing import Any
 import torch
 
 from lightning_dcp import _compat
+from lightning_dcp.engine import allowlist
 
 try:  # numpy is optional for lightning_dcp
     import numpy as np
@@ -55,10 +56,8 @@ __all__ = [
     "DisallowedName",
     "MalformedTag",
     "UnstorableValue",
-    "add_safe_globals",
     "decode",
     "encode",
-    "stock_pickle_globals",
     "weights_only_loads",
 ]
 
@@ -72,9 +71,6 @@ _DATETIMES = {"datetime": datetime.datetime, "date": datetime.date, "time": date
 _PATHS = {
     c.__name__: c for c in (pathlib.PurePosixPath, pathlib.PureWindowsPath, pathlib.PosixPath, pathlib.WindowsPath)
 }
-_OMEGACONF_CLASSES = ("omegaconf.dictconfig.DictConfig", "omegaconf.listconfig.ListConfig")
-_registered: dict[str, Any] = {}
-"""Objects registered with :func:`add_safe_globals`, by dotted name."""
 
 
 class UnstorableValue(ValueError):
@@ -100,29 +96,6 @@ class DisallowedName(ValueError):
         self.name, self.kind = name, kind
 
 
-def add_safe_globals(objects: Iterable[Any]) -> None:
-    """Allow classes and functions in checkpoints' non-tensor state, for saving and for loading.
-
-    Registered, a dataclass or named tuple class has its instances stored field by field, an enum class its members
-    by name; any class or function may be the callable of a ``functools.partial`` (``partial(MyOptimizer,
-    lr=...)``, Hydra's ``_partial_: true``) or a value itself. Unlike ``torch.serialization.add_safe_globals``
-    (which lightning_dcp also honours), this does not change what ``torch.load`` accepts elsewhere. Register in the
-    module that defines the objects, so that every process that saves or loads (also processes a strategy launches)
-    has them.
-
-    Args:
-        objects: Classes and functions, each with a ``__module__`` and ``__qualname__``.
-
-    Raises:
-        TypeError: An object that is not a class or function with a dotted name.
-    """
-    for obj in objects:
-        name = _name_of(obj)
-        if name is None or not callable(obj):
-            raise TypeError(f"add_safe_globals takes classes and functions, got {type(obj).__name__} {obj!r:.60}")
-        _registered[name] = obj
-
-
 def encode(value: Any) -> Any:
     """``value`` with every object the codec knows replaced by its tag; other values pass through unchanged.
 
@@ -146,7 +119,7 @@ def encode(value: Any) -> Any:
         return tagged
     if weights_only_loads(value):  # other tensor types, sets, torch.Size / dtype / device, torch-registered classes
         return value
-    raise UnstorableValue("", _name_of(kind) or repr(kind), _hint(value))
+    raise UnstorableValue("", allowlist.name_of(kind) or repr(kind), _hint(value))
 
 
 def _within(step: Any, value: Any, *, attribute: bool = False) -> Any:
@@ -184,30 +157,6 @@ def decode(value: Any) -> Any:
     if kind is tuple:
         return tuple(decode(v) for v in value)
     return value
-
-
-def stock_pickle_globals() -> list[Any]:
-    """The globals a plain ``torch.save`` of the codec's kinds names.
-
-    A stock Lightning ``.ckpt`` holding Hydra configs, partial optimizers, paths, ... needs them allowed for
-    ``weights_only`` loading (see :func:`lightning_dcp.engine.blob.load_stock_file`, which rebuilds the result through
-    this codec).
-    """
-    found: list[Any] = [functools.partial, argparse.Namespace, *_PATHS.values(), *_DATETIMES.values()]
-    hydra_partial = _compat.hydra_partial_class(load=_installed("hydra"))
-    found += [hydra_partial] if hydra_partial is not None else []
-    found += [datetime.timedelta, datetime.timezone, frozenset, *_partial_callables().values(), *_registered.values()]
-    if _installed("omegaconf"):
-        import typing
-        from collections import defaultdict
-
-        import omegaconf
-        from omegaconf import base, nodes
-
-        found += [omegaconf.DictConfig, omegaconf.ListConfig, base.ContainerMetadata, base.Metadata, typing.Any]
-        found += [getattr(nodes, n) for n in dir(nodes) if n.endswith("Node") and n not in ("Node", "ValueNode")]
-        found += [dict, list, int, str, float, bool, defaultdict]
-    return found
 
 
 # ---------------------------------------------------------------------------------------------- encoding
@@ -265,7 +214,9 @@ def _partial_tag(value: functools.partial) -> dict[str, Any]:
     attributes = dict(value.__dict__)
     extras = {"hydra": {a: attributes.pop(a, None) for a in _compat.HYDRA_PARTIAL_ATTRIBUTES}} if hydra else {}
     if attributes or not all(isinstance(v, str) for v in extras.get("hydra", {}).values()):
-        raise UnstorableValue("", _name_of(type(value)), "A partial with attributes set on it cannot be stored.")
+        raise UnstorableValue(
+            "", allowlist.name_of(type(value)), "A partial with attributes set on it cannot be stored."
+        )
     func = _allowed(value.func, "callable of functools.partial", True, step=".func")
     args = _within("args", value.args, attribute=True)
     keywords = _within("keywords", dict(value.keywords), attribute=True)
@@ -283,8 +234,8 @@ def _fields_of(kind: type) -> tuple[str, ...]:
 
 def _allowed(obj: Any, what: str, condition: bool, *, step: str = "") -> str:
     """The dotted name of ``obj`` when the allow-list holds it under that name."""
-    name = _name_of(obj)
-    if not condition or name is None or _lookup(name) is not obj:
+    name = allowlist.name_of(obj)
+    if not condition or name is None or allowlist.lookup(name) is not obj:
         raise UnstorableValue(step, name or repr(obj), _register_hint(name, what))
     return name
 
@@ -362,7 +313,7 @@ def _ints(values: Iterable[Any]) -> list[int]:
 
 
 def _class(name: Any, test: Callable[[Any], bool], what: str) -> Any:
-    cls = _lookup(name) if type(name) is str else None
+    cls = allowlist.lookup(name) if type(name) is str else None
     if cls is None:
         raise DisallowedName(str(name), what)
     if not (isinstance(cls, type) and test(cls)):
@@ -376,14 +327,14 @@ def _decode_enum(name: Any, payload: Any) -> Any:
 
 
 def _decode_type(name: Any, payload: Any) -> Any:
-    obj = _lookup(name) if type(name) is str else None
+    obj = allowlist.lookup(name) if type(name) is str else None
     if obj is None or not isinstance(obj, type):
         raise DisallowedName(str(name), "class")
     return obj
 
 
 def _decode_partial(name: Any, payload: Any) -> Any:
-    func = _lookup(name) if type(name) is str else None
+    func = allowlist.lookup(name) if type(name) is str else None
     if func is None:
         raise DisallowedName(str(name), "callable of functools.partial")
     args, keywords, *extras = _need(payload, tuple, 3 if type(payload) is tuple and len(payload) == 3 else 2)
@@ -528,60 +479,6 @@ def _numpy_value(tag: Any) -> Any:
         raise MalformedTag(f"a numpy {dtype} scalar holds {payload!r} ({err})") from None
 
 
-# ---------------------------------------------------------------------------------------------- the allow-list
-def _name_of(obj: Any) -> str | None:
-    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
-    if not (isinstance(module, str) and isinstance(qualname, str)) or "<" in qualname:
-        return None  # lambdas and local classes have no name another process could look up
-    return f"{module}.{qualname}"
-
-
-def _lookup(name: str) -> Any:
-    """The allowed object named ``name`` (built-in, registered here, or with torch), or ``None``."""
-    if name in _OMEGACONF_CLASSES and _installed("omegaconf"):
-        import omegaconf  # noqa: F401 - ``type(hparams)`` of a config saved by Lightning: the codec's own support
-    found = _builtin_names().get(name) or _registered.get(name)
-    if found is not None:
-        return found
-    for entry in torch.serialization.get_safe_globals():
-        obj, entry_name = entry if isinstance(entry, tuple) else (entry, _name_of(entry))
-        if entry_name == name:
-            return obj
-    return None
-
-
-@functools.cache
-def _partial_callables() -> dict[str, Any]:
-    """Torch's optimizers and lr schedulers: what Hydra's ``_partial_: true`` configs hand to a LightningModule."""
-    from torch.optim import lr_scheduler, swa_utils
-
-    bases = (torch.optim.Optimizer, lr_scheduler.LRScheduler, lr_scheduler.ReduceLROnPlateau)
-    found = {}
-    for module in (torch.optim, lr_scheduler, swa_utils):
-        for obj in vars(module).values():
-            if isinstance(obj, type) and issubclass(obj, bases) and _name_of(obj):
-                found[_name_of(obj)] = obj
-    return found
-
-
-def _builtin_names() -> dict[str, Any]:
-    names = dict(_partial_callables())
-    for cls in (dict, list, tuple, set, frozenset, str, int, float, bool, bytes, complex, argparse.Namespace):
-        names[_name_of(cls)] = cls
-    if "omegaconf" in sys.modules:  # a config class as a value: Lightning records ``type(hparams)``
-        from omegaconf import DictConfig, ListConfig
-
-        names.update({_name_of(DictConfig): DictConfig, _name_of(ListConfig): ListConfig})
-    return names
-
-
 def _is_omegaconf(value: Any) -> bool:
     module = sys.modules.get("omegaconf")
     return module is not None and isinstance(value, (module.DictConfig, module.ListConfig))
-
-
-def _installed(module: str) -> bool:
-    """Whether ``module`` is imported or importable (found without importing it)."""
-    import importlib.util
-
-    return module in sys.modules or importlib.util.find_spec(module) is not None

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp import DCPCheckpointIO, _compat, add_safe_globals, consolidate, inspect_checkpoint, verify_checkpoint
-from lightning_dcp.engine import codec
+from lightning_dcp.engine import allowlist, codec
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
@@ -451,8 +451,8 @@ class CodecReader(Reader):
 
     @staticmethod
     def _named(obj: Any) -> None:
-        name = codec._name_of(obj)
-        if name is None or codec._lookup(name) is not obj:
+        name = allowlist.name_of(obj)
+        if name is None or allowlist.lookup(name) is not obj:
             raise Finding("wrong-load", f"a load returned {obj!r:.80}, which is outside the allow-list")
 
 

@@ -18,7 +18,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import lightning_dcp
 from lightning_dcp import CheckpointError, CorruptCheckpointError
-from lightning_dcp.engine import codec
+from lightning_dcp.engine import allowlist, codec
 from lightning_dcp.engine.blob import decode_extra, encode_extra, load_stock_file
 
 
@@ -54,7 +54,7 @@ def make_factory(scale: float) -> float:
 
 @pytest.fixture(autouse=True)
 def registered(monkeypatch):
-    monkeypatch.setattr(codec, "_registered", {})
+    monkeypatch.setattr(allowlist, "_registered", {})
     lightning_dcp.add_safe_globals([Color, Mode, Schedule, Point, make_factory])
 
 

@@ -119,6 +119,47 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
+LIGHTNING_TESTS_TAG = "2.6.5"
+LIGHTNING_TESTS = [
+    "tests_pytorch/checkpointing",
+    "--ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py",  # needs Lightning's legacy checkpoint archive
+    "tests_pytorch/models/test_restore.py",
+    "tests_pytorch/trainer/connectors/test_checkpoint_connector.py",
+]
+
+
+@nox.session(python=PYTHON)
+def lightning_tests(session: nox.Session) -> None:
+    """Lightning's own checkpoint tests (tag 2.6.5) with ``DCPCheckpointIO`` swapped into every Trainer that picks no
+    strategy or CheckpointIO of its own (tests/lightning_suite/swap_plugin.py); prints passed / format-bound /
+    behavioural counts and writes outputs/lightning_tests.json. The tests come from a git clone of
+    ``$LIGHTNING_REPO`` (default: GitHub; a local clone or mirror works) into ``.lightning-tests/``. Not in CI.
+    Arguments after ``--`` go to pytest (e.g. ``-k hparams``)."""
+    _install(session, "test")
+    session.install("cloudpickle", "scikit-learn", "pandas", "psutil", "tensorboard")
+    src = os.path.abspath(f".lightning-tests/{LIGHTNING_TESTS_TAG}")
+    if not os.path.isdir(os.path.join(src, "tests", "tests_pytorch")):  # only the tests and pytest's settings
+        repo = os.environ.get("LIGHTNING_REPO", "https://github.com/Lightning-AI/pytorch-lightning")
+        shutil.rmtree(src, ignore_errors=True)
+        git = ("git", "-C", src)
+        tag = LIGHTNING_TESTS_TAG
+        session.run("git", "clone", "--quiet", "--no-checkout", "--branch", tag, repo, src, external=True)
+        wanted = ("/pyproject.toml", "/tests/tests_pytorch/")  # pytest's settings and the tests, nothing else
+        session.run(*git, "sparse-checkout", "set", "--no-cone", *wanted, external=True)
+        session.run(*git, "checkout", "--quiet", tag, external=True, success_codes=[0, 1, 128])  # a mirror may lack
+        # blobs outside the sparse set: git then reports them, yet checks out the tests
+    os.makedirs("outputs", exist_ok=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join([os.path.abspath("tests/lightning_suite"), os.path.join(src, "tests")]),
+        "LIGHTNING_SUITE_REPORT": os.path.abspath("outputs/lightning_tests.json"),
+    }
+    with session.chdir(os.path.join(src, "tests")):
+        session.run(
+            "python", "-m", "pytest", "-q", "-p", "swap_plugin", "-p", "no:cacheprovider", *LIGHTNING_TESTS,
+            *session.posargs, env=env, success_codes=[0, 1],
+        )
+
+
 @nox.session(python=PYTHON)
 def kill_tiered(session: nox.Session) -> None:
     """kill -9 campaign over tiered saves to S3 (benchmarks/kill_tiered.py; ``-- --kills 30 --seed 1``): prints the

@@ -7,6 +7,7 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.allowlist import add_safe_globals
 from lightning_dcp.engine.lookup import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -62,6 +63,7 @@ __all__ = [
     "StateDictMismatchError",
     "StorageAccessError",
     "StorageUnavailableError",
+    "add_safe_globals",
     "consolidate",
     "inspect_checkpoint",
     "install_lightning_hooks",

@@ -47,12 +47,14 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 __all__ = [
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
+    "HYDRA_PARTIAL_ATTRIBUTES",
     "DCPFsspecFileSystem",
     "FsspecReader",
     "FsspecWriter",
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
+    "OMEGACONF_CHECKED_AGAINST",
     "ShardedTensor",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
@@ -60,6 +62,7 @@ __all__ = [
     "dtensor_over",
     "fit_loop_loader_states",
     "flatten_state_dict",
+    "hydra_partial_class",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
     "install_load_from_checkpoint_hook",
@@ -69,6 +72,8 @@ __all__ = [
     "lightning_upgrade",
     "narrow_tensor_by_index",
     "on_iterator_created",
+    "omegaconf_build",
+    "omegaconf_tree",
     "rebuild_tensor",
     "rebuild_tensor_v3",
     "replace_fit_loop_loader_states",
@@ -312,11 +317,14 @@ def _replace(owner: Any, name: str, new: Any) -> None:
     setattr(owner, name, new)
 
 
-def install_load_from_checkpoint_hook(read_directory: Callable[..., dict[str, Any] | None]) -> bool:
+def install_load_from_checkpoint_hook(
+    read_directory: Callable[..., dict[str, Any] | None], load_file: Callable[..., Any] | None = None
+) -> bool:
     """Route ``LightningModule/LightningDataModule.load_from_checkpoint`` through ``read_directory`` first.
 
     ``read_directory(path, *, map_location, weights_only, storage_options, model_weights)`` returns the checkpoint
-    dict for a checkpoint directory, or ``None`` for anything else, which Lightning then loads unchanged.
+    dict for a checkpoint directory, or ``None`` for anything else, which Lightning then loads, through
+    ``load_file(load, path)`` when given and the load is ``weights_only`` (``load()`` is Lightning's own).
     ``load_from_checkpoint(..., storage_options={...})`` is taken as fsspec options (for directories and files) unless
     the class's ``__init__`` has a parameter of that name (then it stays a hyperparameter, as in Lightning).
     Returns whether the hook is in place.
@@ -331,7 +339,7 @@ def install_load_from_checkpoint_hook(read_directory: Callable[..., dict[str, An
         return False
     for (owner, name), original in zip(targets, originals, strict=True):
         _replace(owner, name, _request_scope(original))
-    _replace(saving, _PL_LOAD[1], _directory_aware_load(pl_load, read_directory))
+    _replace(saving, _PL_LOAD[1], _directory_aware_load(pl_load, read_directory, load_file))
     return True
 
 
@@ -358,7 +366,18 @@ def _request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_from_checkpoint
 
 
-def _directory_aware_load(original: Callable[..., Any], read_directory: Callable[..., Any]) -> Callable[..., Any]:
+def _directory_aware_load(
+    original: Callable[..., Any], read_directory: Callable[..., Any], load_file: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    def weights_only_load(path: Any, weights_only: bool | None, load: Callable[[], Any]) -> Any:
+        # Lightning 2.6.6 ``cloud_io._load``: ``weights_only=None`` is torch's default (True) for paths, False for
+        # http(s) URLs (``torch.hub``); only weights-only loads go through ``load_file``
+        remote = str(path).startswith("http")
+        forced_off = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+        if load_file is None or weights_only is False or (weights_only is None and (remote or forced_off)):
+            return load()  # torch.load's default is not weights-only for this call: Lightning's load as it is
+        return load_file(load, str(path))
+
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         request = _load_request.get() or {}
@@ -377,8 +396,10 @@ def _directory_aware_load(original: Callable[..., Any], read_directory: Callable
                 import fsspec
 
                 with fsspec.open(os.fspath(path_or_url), "rb", **options) as f:
-                    return original(f, map_location=map_location, weights_only=weights_only)
-        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+                    load = functools.partial(original, f, map_location=map_location, weights_only=weights_only)
+                    return weights_only_load(path_or_url, weights_only, load)
+        load = functools.partial(original, path_or_url, map_location=map_location, weights_only=weights_only)
+        return weights_only_load(path_or_url, weights_only, load)
 
     return pl_load
 
@@ -527,3 +548,127 @@ def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[
 
     loader._get_iterator = get_iterator
     return undo
+
+
+# ------------------------------------------------------------------------------------------ OmegaConf
+# The codec (lightning_dcp.engine.codec) stores a DictConfig / ListConfig as the node tree of its root plus the path
+# to the node (interpolations resolve against the same root after a load, as with pickle). OmegaConf has no public
+# API for a node's own flags or its place in the tree: these read ``node._metadata.flags`` (the flags set on that
+# node, not inherited), ``_get_parent()``, ``_key()`` and ``_get_node(key)``, and set flags with ``_set_flag``
+# (what ``OmegaConf.set_struct`` / ``set_readonly`` call). Checked against omegaconf 2.3.
+OMEGACONF_CHECKED_AGAINST = "2.3"
+_OMEGACONF_MAX_DEPTH = 1000
+
+
+def omegaconf_tree(node: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    """``(tree, path)``: the tree of ``node``'s root and the keys from the root down to ``node``.
+
+    A tree node is ``(kind, flags, content)``: kind ``"dict"`` (content: ``[[key, child], ...]``), ``"list"``
+    (``[child, ...]``) or ``"value"`` (the raw value: interpolations as their ``${...}`` string, ``"???"`` for a
+    missing value); a container that is missing, an interpolation or ``None`` has that raw value as its content.
+    ``flags`` holds only the flags set on that node (``struct``, ``readonly``, ...).
+    """
+    from omegaconf import Container
+
+    path: list[Any] = []
+    root = node
+    while root._get_parent() is not None:
+        if len(path) >= _OMEGACONF_MAX_DEPTH:
+            raise ValueError("an OmegaConf node nested deeper than 1000 levels (or in a cycle)")
+        path.append(root._key())
+        root = root._get_parent()
+    if not isinstance(root, Container):
+        raise ValueError(f"an OmegaConf node whose root is a {type(root).__name__}")
+    return _omegaconf_node(root), path[::-1]
+
+
+def _omegaconf_node(node: Any) -> tuple[Any, ...]:
+    from omegaconf import DictConfig, ListConfig
+
+    flags = dict(node._metadata.flags)
+    if isinstance(node, (DictConfig, ListConfig)):
+        kind = "dict" if isinstance(node, DictConfig) else "list"
+        if node._is_missing() or node._is_interpolation() or node._is_none():
+            return kind, flags, node._value()
+        if kind == "dict":
+            return kind, flags, [[key, _omegaconf_node(node._get_node(key))] for key in node.keys()]
+        return kind, flags, [_omegaconf_node(node._get_node(i)) for i in range(len(node))]
+    return "value", flags, node._value()
+
+
+def omegaconf_build(tree: tuple[Any, ...], path: list[Any]) -> Any:
+    """The node at ``path`` of a config rebuilt from :func:`omegaconf_tree`'s ``tree`` (flags set as recorded).
+
+    Raises:
+        ValueError: ``tree`` is not such a tree, or ``path`` does not lead to a container in it.
+    """
+    from omegaconf import Container, OmegaConf
+
+    kind, flags, content = _omegaconf_check(tree)
+    if kind == "value" or not isinstance(content, list):
+        raise ValueError("an OmegaConf root must be a dict or list config with content")
+    root = OmegaConf.create(_omegaconf_plain(tree), flags={"allow_objects": True})
+    if (kind == "dict") != OmegaConf.is_dict(root):
+        raise ValueError(f"an OmegaConf {kind} config came back as {type(root).__name__}")
+    root._set_flag("allow_objects", None)
+    _omegaconf_flags(root, tree)
+    node = root
+    for key in path:
+        node = node._get_node(key) if isinstance(node, Container) else None
+        if not isinstance(node, Container):
+            raise ValueError(f"an OmegaConf path {path!r} that leads to no container")
+    return node
+
+
+def _omegaconf_check(tree: Any) -> tuple[str, dict[str, bool], Any]:
+    if not (type(tree) is tuple and len(tree) == 3 and tree[0] in ("dict", "list", "value")):
+        raise ValueError(f"an OmegaConf node is {type(tree).__name__} {str(tree)[:60]!r}, not (kind, flags, content)")
+    kind, flags, content = tree
+    if type(flags) is not dict or not all(type(k) is str and type(v) is bool for k, v in flags.items()):
+        raise ValueError(f"OmegaConf flags are {str(flags)[:60]!r}, not names and booleans")
+    if kind == "dict" and type(content) is list:
+        if not all(type(item) is list and len(item) == 2 for item in content):
+            raise ValueError("OmegaConf dict items are not [key, node] pairs")
+    return kind, flags, content
+
+
+def _omegaconf_plain(tree: Any) -> Any:
+    kind, _, content = _omegaconf_check(tree)
+    if kind == "value" or type(content) is not list:
+        return content
+    if kind == "dict":
+        return {key: _omegaconf_plain(child) for key, child in content}
+    return [_omegaconf_plain(child) for child in content]
+
+
+def _omegaconf_flags(node: Any, tree: tuple[Any, ...]) -> None:
+    kind, flags, content = tree
+    if kind != "value" and type(content) is list:
+        children = content if kind == "dict" else enumerate(content)
+        for key, child in children:
+            _omegaconf_flags(node._get_node(key), child)
+    for name, value in flags.items():
+        node._set_flag(name, value)
+
+
+# ------------------------------------------------------------------------------------------ Hydra
+# Hydra 1.3.8 returns ``_partial_: true`` targets as ``hydra._internal.target_policy._DeferredTarget``, a private
+# ``functools.partial`` subclass that authorizes its target again when called; it carries the attributes
+# ``_hydra_resolved_from`` (the target's dotted name) and ``_hydra_full_key`` (its key in the config). The codec keeps
+# the type, so a loaded optimizer factory is called under Hydra's policy as before. Checked against hydra-core 1.3.8.
+HYDRA_PARTIAL_ATTRIBUTES = ("_hydra_resolved_from", "_hydra_full_key")
+_HYDRA_PARTIAL = ("hydra._internal.target_policy", "_DeferredTarget")
+
+
+def hydra_partial_class(*, load: bool = False) -> type | None:
+    """Hydra's deferred-target partial class, or ``None`` (Hydra older than 1.3.8, or not imported and not ``load``)."""
+    import sys
+
+    module = sys.modules.get(_HYDRA_PARTIAL[0])
+    if module is None and load:
+        try:
+            module = importlib.import_module(_HYDRA_PARTIAL[0])
+        except ImportError:
+            return None
+    cls = getattr(module, _HYDRA_PARTIAL[1], None)
+    return cls if isinstance(cls, type) and issubclass(cls, functools.partial) else None

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.blob import load_stock_file
 from lightning_dcp.engine.integrity import check_checkpoint
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
@@ -41,6 +42,7 @@ __all__ = [
     "fit_target",
     "lightning_model_key",
     "load_file",
+    "load_torch_file",
     "probe",
     "read_lightning_meta",
     "torch_load_error",
@@ -99,9 +101,12 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     Raises:
         CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
     """
+    where = f"{location.url}/{LIGHTNING_META_FILE}"
     try:
         with location.open(LIGHTNING_META_FILE) as f:
-            state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+            state = load_torch_file(io.BytesIO(f.read()), url=where, map_location="cpu", weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
     if not isinstance(state, dict):
@@ -118,7 +123,9 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
     """
     try:
         with location.open() as f:
-            checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+            checkpoint = load_torch_file(f, url=location.url, map_location=map_location, weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(location.url, err) from None
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
@@ -126,6 +133,17 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
         )
     return checkpoint
+
+
+def load_torch_file(f: Any, *, url: str, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load`` of an open single-file checkpoint.
+
+    With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
+    is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.blob.load_stock_file`).
+    """
+    if not weights_only:
+        return torch.load(f, map_location=map_location, weights_only=False)
+    return load_stock_file(lambda: torch.load(f, map_location=map_location, weights_only=True), path=url)
 
 
 def torch_load_error(where: str, err: Exception) -> CheckpointError:

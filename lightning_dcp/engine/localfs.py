@@ -137,7 +137,8 @@ def _move(src: str, dst: str) -> None:
 
     The copy is written under a hidden name beside ``dst`` (``.{name}.tmp-copy-{token}``, on ``dst``'s filesystem),
     synced, and renamed into place; only then is ``src`` deleted. A crash leaves ``src`` intact and at most a hidden
-    partial copy, which the next save to that name removes with the other staging leftovers.
+    partial copy, which the next save to that name removes with the other staging leftovers. The copy takes the
+    data and links only, no permission bits: mounts that refuse ``chmod`` (some network and FUSE filesystems) take it.
     """
     try:
         os.rename(src, dst)
@@ -148,13 +149,29 @@ def _move(src: str, dst: str) -> None:
     parent, name = os.path.split(os.path.abspath(dst))
     tmp = os.path.join(parent, f".{name}{STAGING_INFIX}copy-{new_token()}")
     try:
-        shutil.copytree(src, tmp, symlinks=True)
+        _copy_tree(src, tmp)
         _fsync_tree(tmp)
         os.rename(tmp, dst)
     except BaseException:
         remove_path(tmp)
         raise
     remove_path(src)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Copy the directory ``src`` to the new ``dst``: file data and links only.
+
+    No modes or times: ``shutil.copytree`` sets both, and fails where ``chmod`` is refused.
+    """
+    os.makedirs(dst)
+    for entry in os.scandir(src):
+        target = os.path.join(dst, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            _copy_tree(entry.path, target)
+        else:
+            shutil.copyfile(entry.path, target)
 
 
 def _fsync_tree(root: str) -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -38,7 +37,7 @@ from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
-from lightning_dcp.engine.loading import probe, torch_load_error
+from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
@@ -289,7 +288,9 @@ def _load_file(
     """A ``torch.save`` file, read whole on every rank (as Fabric does), applied as full state dicts."""
     try:
         with location.open() as f:
-            checkpoint = torch.load(f, map_location="cpu", weights_only=weights_only)
+            checkpoint = load_torch_file(f, url=location.url, map_location="cpu", weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(location.url, err) from None
     full = StateDictOptions(full_state_dict=True, strict=strict)

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import torch
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
@@ -146,6 +147,8 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         check_storage_options(storage_options)
+        if _is_bare_state_dict(checkpoint):  # Lightning's ddp_spawn hands rank 0's weights back to the main process
+            checkpoint, info = {layout.MODEL_KEY: checkpoint}, {**(info or {}), _BARE: True}
         tree, objects, layout_info = layout.split_checkpoint(checkpoint)
         self.checkpointer.save(
             tree,
@@ -219,6 +222,8 @@ class DCPCheckpointIO(CheckpointIO):
             layout.require_trainer_layout(loaded.url, loaded.objects.get(layout.INFO_KEY, {}))
         checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place)
         info = checkpoint[layout.INFO_KEY]
+        if info.get(_BARE):
+            return checkpoint[layout.MODEL_KEY]
         if loaded.in_place:
             info.update(missing_keys=loaded.missing_keys, unexpected_keys=loaded.unexpected_keys)
         if loaded.rank_objects is not None:
@@ -256,3 +261,20 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: The background save failed (naming the rank and the path); it was not committed.
         """
         self.checkpointer.wait(collective=collective)
+
+
+_BARE = "bare_state_dict"
+"""Recorded for a checkpoint that was a module's bare state dict, which a load gives back as it was saved."""
+
+
+def _is_bare_state_dict(checkpoint: Mapping[str, Any]) -> bool:
+    """A module's state dict rather than Lightning's checkpoint dict: ``{fqn: tensor}`` and no ``"state_dict"``.
+
+    Lightning's ``ddp_spawn`` launcher saves rank 0's ``model.state_dict()`` through the CheckpointIO and loads it
+    back in the main process with ``load_checkpoint`` (``_MultiProcessingLauncher``).
+    """
+    return (
+        layout.MODEL_KEY not in checkpoint
+        and bool(checkpoint)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in checkpoint.items())
+    )

@@ -36,7 +36,13 @@ from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.tiers import Tiers
-from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError, checkpoint_failure
+from lightning_dcp.errors import (
+    CheckpointError,
+    InvalidPathError,
+    NotACheckpointError,
+    StateDictMismatchError,
+    checkpoint_failure,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -129,11 +135,19 @@ class Checkpointer:
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
         Raises:
+            InvalidPathError: The checkpoint's name starts with ``.`` (hidden names are staging), or the path cannot
+                round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
         started = time.perf_counter()
         location = self.location(path, storage_options)
+        if location.name.startswith("."):
+            raise InvalidPathError(
+                f"The checkpoint name of {location.url!r} starts with '.': hidden names belong to this library's"
+                " staging and upload directories, which every listing passes over, so the checkpoint would never be"
+                " found again. Choose a name without the leading '.'."
+            )
         remote = location if self.tiers is not None and self.tiers.covers(location) else None
         if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
             location = self.tiers.local_twin(remote)

@@ -234,13 +234,14 @@ class Checkpointer:
     def _next_counter(self, location: Location) -> int:
         """The save counter of the next save into ``location``'s directory: one more than any this process saw.
 
-        The first save into a directory reads the counters of its committed checkpoints (both tiers when tiered);
-        later saves count on from there. Rank 0 only.
+        The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
+        as far as the tier knows (no remote call in the training loop: :meth:`Tiers.known_checkpoints`). Later saves
+        count on from there. Rank 0 only.
         """
         directory = location.parent()
         if directory.url not in self._counters:
             tiered = self.tiers is not None and self.tiers.covers(location)
-            found = self.tiers.checkpoints(directory) if tiered else committed_checkpoints(directory)
+            found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
             self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
         self._counters[directory.url] += 1
         return self._counters[directory.url]

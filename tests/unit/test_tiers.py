@@ -15,6 +15,7 @@ import torch
 from lightning_dcp import CheckpointError, DCPCheckpointIO, verify_checkpoint
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tier_journal import JOURNAL_FILE
 from lightning_dcp.engine.tiers import MANIFEST_FILE
 from lightning_dcp.engine.upload import SNAPSHOT_PREFIX
 
@@ -48,7 +49,7 @@ def test_a_save_commits_locally_then_uploads_the_same_checkpoint(tmp_path, remot
         assert f.read() == (local / COMMIT_FILE).read_bytes()  # byte for byte: recognisably the same checkpoint
     assert copy.sizes() == {name: os.path.getsize(local / name) for name in os.listdir(local)}
     verify_checkpoint(copy.url)  # every record against its checksum
-    assert sorted(os.listdir(local_dir)) == [MANIFEST_FILE, "a.ckpt"]  # no upload snapshot left behind
+    assert sorted(os.listdir(local_dir)) == [JOURNAL_FILE, MANIFEST_FILE, "a.ckpt"]  # no upload snapshot left behind
     assert json.loads((local_dir / MANIFEST_FILE).read_text()) == {"remote": remote}
 
     # Loads prefer the local copy of the same checkpoint; a machine with an empty local tier reads the remote one.

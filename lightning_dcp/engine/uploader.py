@@ -206,15 +206,15 @@ class Uploader:
             delay = min(self.retry.first_delay * 2 ** (self.outage.attempts - 1), self.retry.max_delay)
             self.queue.appendleft(task)
             log.warning(
-                "lightning_dcp: the remote store cannot be reached (%s of %r, attempt %d, for %.0f s): %s. Retrying in"
-                " %.1f s; checkpoints stay committed in the local tier %s meanwhile.",
+                "lightning_dcp: the remote store cannot be reached (%s of %r, attempt %d, for %.0f s); retrying in"
+                " %.1f s, checkpoints stay committed in the local tier %s meanwhile. %s",
                 task.kind,
                 task.name,
                 self.outage.attempts,
                 time.monotonic() - self.outage.since,
-                err,
                 delay,
                 self.local.url,
+                err,
             )
             self.cond.wait_for(lambda: self._stop, timeout=delay)
 

@@ -159,8 +159,8 @@ def campaign(
 ) -> dict:
     """Run the campaign in ``workdir`` (on ``server``, a started ``tests._s3.S3Server``, or a new one). Returns counts.
 
-    Kills aim at ``phases`` in turn. ``compare=False`` skips the uninterrupted reference run (and the bit-for-bit comparison of the final weights);
-    a resume from an older checkpoint still shows as ``resaved``.
+    Kills aim at ``phases`` in turn. ``compare=False`` skips the uninterrupted reference run (and the bit-for-bit
+    comparison of the final weights); a resume from an older checkpoint still shows as ``resaved``.
     """
     import torch
 

@@ -90,6 +90,10 @@ class TierJournal:
             if self._opened:
                 return
             self._opened = True
+            directory, prefix = os.path.split(self.path)
+            for name in os.listdir(directory) if os.path.isdir(directory) else ():
+                if name.startswith(f"{prefix}{STAGING_INFIX}"):  # a compaction cut short by a kill
+                    os.unlink(os.path.join(directory, name))
             try:
                 with open(self.path, "rb") as f:
                     lines = f.read().splitlines()

@@ -18,7 +18,7 @@ hold committed, after any kill or at the end), ``resurrected`` (a checkpoint pru
 end, a checkpoint top-k keeps that the remote does not hold committed), ``last_wrong`` (at the end, a remote
 ``last.ckpt`` that does not designate the newest checkpoint).
 
-    python benchmarks/kill_tiered.py --kills 30 --seed 1          # ~8 min on 2 cores
+    python benchmarks/kill_tiered.py --kills 30 --seed 1 --epochs 60          # ~15 min on 2 cores
     python -m nox -s kill_tiered -- --kills 30 --seed 1
 """
 
@@ -194,21 +194,24 @@ def campaign(
         ever: dict[str, tuple] = {}  # name -> order key of every checkpoint seen committed
         pruned: set[str] = set()  # seen committed once, then on no tier
         for k in range(kills):
-            target, skip = phases[k % len(phases)], rng.randint(0, 2)  # kill at the 1st to 3rd time it is seen
+            # Kill at the 1st to 3rd time the phase begins, or after 0-0.5 s inside it (a phase can last long).
+            target, skip, dwell = phases[k % len(phases)], rng.randint(0, 2), rng.uniform(0, 0.5)
             proc = _run(run_dir, epochs, remote_url, options)
-            deadline, seen, before = time.monotonic() + 120, 0, False
+            deadline, seen, since = time.monotonic() + 120, 0, None
             while proc.poll() is None and time.monotonic() < deadline:
-                now = target in watch.phases()
-                if now and not before:
-                    seen += 1
-                    if seen > skip:
-                        break
-                before = now
+                if target not in watch.phases():
+                    since = None
+                elif since is None:
+                    since, seen = time.monotonic(), seen + 1
+                if since is not None and (seen > skip or time.monotonic() - since > dwell):
+                    break
                 time.sleep(0.002)
             if proc.poll() is not None:  # ended before the kill: it must not have failed
                 if proc.returncode != 0:
                     counts["unresumable"] += 1
                     log(f"kill {k}: run exited with {proc.returncode}: {proc.stderr.read().decode()[-2000:]}")
+                else:
+                    log(f"kill {k}: the run ended before {target} was seen")
                 continue
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=60)

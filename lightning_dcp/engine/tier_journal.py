@@ -79,6 +79,8 @@ class TierJournal:
         """Pointers the remote directory is known to hold: name -> the name it designates."""
         self.listed = False
         """Whether ``remote`` and ``pointers`` come from a full listing (in this run or an earlier one)."""
+        self.skipped = 0
+        """Records that :meth:`open` skipped as unreadable (cut short by a kill, or not written by lightning_dcp)."""
         self._lock = threading.RLock()
         self._seq = 0
         self._appended = 0
@@ -99,15 +101,16 @@ class TierJournal:
                     lines = f.read().splitlines()
             except FileNotFoundError:
                 return
-            skipped = 0
             for line in lines:
                 try:
                     record = json.loads(line)
                     self._apply(record)
                 except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-                    skipped += 1
-            if skipped:
-                log.warning("lightning_dcp: skipped %d unreadable record(s) of the tier journal %s", skipped, self.path)
+                    self.skipped += 1
+            if self.skipped:
+                log.warning(
+                    "lightning_dcp: skipped %d unreadable record(s) of the tier journal %s", self.skipped, self.path
+                )
             self._compact()
 
     # ------------------------------------------------------------------------------------------------ records

@@ -133,3 +133,22 @@ def test_one_local_tier_mirrors_one_remote_directory(tmp_path, remote):
         DCPCheckpointIO(local_dir=tmp_path / "x", local_keep=0)
     with pytest.raises(ValueError, match="local disk"):
         DCPCheckpointIO(local_dir="memory://not-local")
+
+
+def test_outages_are_told_from_refusals_as_s3fs_raises_them():
+    botocore = pytest.importorskip("botocore.exceptions")
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+    from lightning_dcp.engine.stores import is_unreachable
+
+    def client_error(status: int, code: str) -> Exception:  # what s3fs raises for an HTTP error answer
+        answer = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return s3fs_errors.translate_boto_error(botocore.ClientError(answer, "PutObject"))
+
+    assert is_unreachable(botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert is_unreachable(botocore.ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert is_unreachable(client_error(500, "InternalError")) and is_unreachable(client_error(503, "SlowDown"))
+    assert not is_unreachable(client_error(403, "AccessDenied")) and not is_unreachable(client_error(404, "NoSuchKey"))
+    looped = OSError("a")
+    looped.__context__ = ValueError("b")
+    looped.__context__.__context__ = looped  # a chain that loops ends the search
+    assert not is_unreachable(looped)

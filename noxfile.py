@@ -162,7 +162,17 @@ def lightning_tests(session: nox.Session) -> None:
 
 @nox.session(python=PYTHON)
 def kill_tiered(session: nox.Session) -> None:
-    """kill -9 campaign over tiered saves to S3 (benchmarks/kill_tiered.py; ``-- --kills 30 --seed 1``): prints the
-    counts of unresumable runs and lost, corrupt or re-saved checkpoints (all must be 0)."""
+    """kill -9 campaign over tiered saves to S3 with top-k pruning (benchmarks/kill_tiered.py; ``-- --kills 30 --seed
+    1``): prints the counts of unresumable runs, corrupt, re-saved, orphaned or resurrected checkpoints and stale
+    ``last.ckpt`` pointers (all must be 0)."""
     _install(session, "test")
     session.run("python", "benchmarks/kill_tiered.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def remote_faults(session: nox.Session) -> None:
+    """Store outages during tiered training (tests/chaos/remote.py; ``-- --outages 20 --seed 1``): SeaweedFS stopped
+    and restarted, connections refused, reset or hung, HTTP 5xx and latency through a fault proxy; prints the counts of
+    crashed fits, lost or extra checkpoints and stale pointers (all must be 0)."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos.remote", *session.posargs)

@@ -32,6 +32,7 @@ from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
+from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
@@ -135,18 +136,18 @@ class Checkpointer:
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
         Raises:
-            InvalidPathError: The checkpoint's name starts with ``.`` (hidden names are staging), or the path cannot
-                round-trip through its store.
+            InvalidPathError: The checkpoint's name is one of this library's own hidden names (staging, upload
+                snapshots), or the path cannot round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
         started = time.perf_counter()
         location = self.location(path, storage_options)
-        if location.name.startswith("."):
+        if is_internal_name(location.name):
             raise InvalidPathError(
-                f"The checkpoint name of {location.url!r} starts with '.': hidden names belong to this library's"
-                " staging and upload directories, which every listing passes over, so the checkpoint would never be"
-                " found again. Choose a name without the leading '.'."
+                f"The checkpoint name of {location.url!r} is one this library gives its own staging and upload"
+                f" directories ('.<name>{STAGING_INFIX}<token>', '{SNAPSHOT_PREFIX}...'): listings pass over them and"
+                " clean-ups delete them. Choose another name."
             )
         remote = location if self.tiers is not None and self.tiers.covers(location) else None
         if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
@@ -245,13 +246,14 @@ class Checkpointer:
     def _next_counter(self, location: Location) -> int:
         """The save counter of the next save into ``location``'s directory: one more than any this process saw.
 
-        The first save into a directory reads the counters of its committed checkpoints (both tiers when tiered);
-        later saves count on from there. Rank 0 only.
+        The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
+        as far as the tier knows (no remote call in the training loop: :meth:`Tiers.known_checkpoints`). Later saves
+        count on from there. Rank 0 only.
         """
         directory = location.parent()
         if directory.url not in self._counters:
             tiered = self.tiers is not None and self.tiers.covers(location)
-            found = self.tiers.checkpoints(directory) if tiered else committed_checkpoints(directory)
+            found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
             self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
         self._counters[directory.url] += 1
         return self._counters[directory.url]

@@ -17,6 +17,7 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
+from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
@@ -121,13 +122,14 @@ def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
     The order is the one recorded in each ``.commit`` (:func:`~lightning_dcp.engine.marker.order_key`: the
     directory's save counter, then the global step), never a wall clock.
 
-    Only real directories with a ``.commit`` marker count: hidden entries (staging), symlinks (``save_last="link"``)
+    Only real directories with a ``.commit`` marker count: this library's hidden entries (staging, upload
+    snapshots), symlinks (``save_last="link"``)
     and pointer objects are skipped, so a link can never lead the choice outside ``directory``. A directory whose
     marker is malformed is skipped with a warning. Rank 0 only (or any single process).
     """
     found = []
     for name, kind in directory.entries(follow_links=False):
-        if kind != "directory" or name.startswith("."):
+        if kind != "directory" or is_internal_name(name):
             continue
         try:
             candidate = directory.child(name)

@@ -17,9 +17,11 @@ import uuid
 from typing import BinaryIO
 
 __all__ = [
+    "SNAPSHOT_PREFIX",
     "STAGING_INFIX",
     "NotARegularFile",
     "fsync_dir",
+    "is_internal_name",
     "new_token",
     "open_regular",
     "remove_path",
@@ -28,6 +30,17 @@ __all__ = [
 
 STAGING_INFIX = ".tmp-"
 """Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
+SNAPSHOT_PREFIX = ".upload-"
+"""In a local tier, ``.upload-{name}-{token}``: the hard-link snapshot of a checkpoint being uploaded."""
+
+
+def is_internal_name(name: str) -> bool:
+    """Whether ``name`` is one this library gives its own hidden entries (staging, snapshots), never a checkpoint.
+
+    Listings pass over them and clean-ups delete them, so no checkpoint may be saved under such a name.
+    """
+    return name.startswith(".") and (STAGING_INFIX in name or name.startswith(SNAPSHOT_PREFIX))
+
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2

@@ -66,7 +66,7 @@ class Checkpointer:
             done, and a tensor changed in place by anything else before its copy is made fails that save (reported
             at the next call; never a checkpoint mixing two steps). Leave off when parameters are changed outside
             optimizer steps right after a save (weight clipping, manual updates).
-        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.Tiers`): a save to a remote
+        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
             committed checkpoint of the same directory when its bytes are unchanged (local disks; see

@@ -268,6 +268,13 @@ class Checkpointer:
             os.makedirs(location.path, exist_ok=True)
         return True
 
+    def resumable(self, *, collective: bool = False) -> bool:
+        """Whether the memory tier or its durable directory holds a committed checkpoint (``True`` without a tier).
+
+        Collective: call on all ranks when ``collective=True``.
+        """
+        return self.memory is None or memory_io.anything(self, collective=collective)
+
     def next_counter(self, location: Location) -> int:
         """The save counter of the next save into ``location``'s directory (see :meth:`_next_counter`). Rank 0."""
         return self._next_counter(location)

@@ -30,7 +30,7 @@ from lightning_dcp.errors import CheckpointError, StateDictMismatchError, checkp
 if TYPE_CHECKING:
     from lightning_dcp.engine.checkpointer import Checkpointer
 
-__all__ = ["bind", "covers", "load_newest", "save_to_memory"]
+__all__ = ["anything", "bind", "covers", "load_newest", "save_to_memory"]
 
 
 def bind(checkpointer: Checkpointer, directory: Location, *, persist_keep: int = 2) -> None:
@@ -124,6 +124,16 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
     loaded.tier = "durable"
     _warn(failures, loaded.url)
     return loaded
+
+
+def anything(checkpointer: Checkpointer, *, collective: bool) -> bool:
+    """Whether any tier (memory, or the durable directory) holds a committed checkpoint to resume. Collective."""
+    memory = checkpointer.memory
+    memory.wait()
+    memory.setup(distributed=distributed(collective))
+    if recovery.restorable(memory):
+        return True
+    return on_rank0(collective, lambda: _newest_durable(checkpointer, checkpointer.memory_directory)) is not None
 
 
 def _newest_durable(checkpointer: Checkpointer, directory: Location | None) -> tuple | None:

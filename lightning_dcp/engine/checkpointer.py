@@ -36,6 +36,7 @@ from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_inte
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
+from lightning_dcp.engine.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import (
     CheckpointError,
@@ -212,11 +213,15 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0:
                 abandon()
-            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed", rank=rank) from err
+            raise checkpoint_failure(
+                err, f"Saving the checkpoint to {location.url!r} failed", rank=rank, unreachable=_outage(location)
+            ) from err
         try:
             on_rank0(collective, commit)
         except Exception as err:  # storage refused the commit (rename, copy or marker): nothing new is visible
-            raise checkpoint_failure(err, f"Committing the checkpoint to {location.url!r} failed", rank=0) from err
+            raise checkpoint_failure(
+                err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=_outage(location)
+            ) from err
         self._record(started, location, "saved")
 
     def _writes_in_place(self, location: Location) -> bool:
@@ -423,6 +428,11 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _outage(location: Location):
+    """How failures of a save to ``location`` are told to be outages (remote stores only)."""
+    return None if location.local else is_unreachable
+
+
 def _first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
     """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
     if not distributed(collective):

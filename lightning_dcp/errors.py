@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "BucketNotFoundError",
@@ -159,7 +159,13 @@ class StateDictMismatchError(CheckpointError, ValueError):
         super().__init__(" ".join(lines))
 
 
-def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = None) -> Exception:
+def checkpoint_failure(
+    err: BaseException,
+    context: str,
+    *,
+    rank: int | None = None,
+    unreachable: Callable[[BaseException], bool] | None = None,
+) -> Exception:
     """Turn a failed save or load into one ``Exception`` whose message says where it failed and how to fix it.
 
     Args:
@@ -167,30 +173,43 @@ def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = N
             failing rank's is used and named.
         context: What failed, e.g. ``"Saving the checkpoint to 's3://b/x' failed"`` (no rank in it).
         rank: The rank that saw ``err`` when it is not a ``CheckpointException``, to name it.
+        unreachable: Tells a storage outage (the server cannot be reached) from other failures: such a failure
+            becomes a :class:`StorageUnavailableError` (storage libraries are optional, so the caller knows them).
     """
     failures = getattr(err, "failures", None)
     if not isinstance(failures, dict):
         if isinstance(err, CheckpointError):
             return err
         where = f" on rank {rank}" if rank is not None else ""
-        return _error_type(err)(f"{context}{where}: {describe_failure(err)}")
+        return _error_type(err, unreachable)(f"{context}{where}: {describe_failure(err, unreachable)}")
     for failed_rank, wrapped in sorted(failures.items()):
         failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
         if isinstance(failure, CheckpointError):
             return failure
         if isinstance(failure, Exception):
-            return _error_type(failure)(f"{context} on rank {failed_rank}: {describe_failure(failure)}")
+            return _error_type(failure, unreachable)(
+                f"{context} on rank {failed_rank}: {describe_failure(failure, unreachable)}"
+            )
     return CheckpointError(f"{context}: {err}")
 
 
-def _error_type(err: BaseException) -> type[CheckpointError]:
-    """The ``CheckpointError`` subclass a failure becomes: a refused permission stays a ``PermissionError``."""
-    return StorageAccessError if isinstance(err, PermissionError) else CheckpointError
+def _error_type(err: BaseException, unreachable: Callable[[BaseException], bool] | None) -> type[CheckpointError]:
+    """The ``CheckpointError`` subclass a failure becomes: refused permissions and outages keep their builtin type."""
+    if isinstance(err, PermissionError):
+        return StorageAccessError
+    if unreachable is not None and unreachable(err):
+        return StorageUnavailableError
+    return CheckpointError
 
 
-def describe_failure(err: BaseException) -> str:
+def describe_failure(err: BaseException, unreachable: Callable[[BaseException], bool] | None = None) -> str:
     """``Type: message`` plus the fix, for the failures a user can act on."""
     text = f"{type(err).__name__}: {err}"
+    if unreachable is not None and unreachable(err):
+        return (
+            f"the storage server cannot be reached ({text}). Check the endpoint and the network; earlier checkpoints"
+            " are intact, and with `local_dir` saves go on locally while the store is down."
+        )
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
     elif isinstance(err, PermissionError):

@@ -37,6 +37,7 @@ from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_inte
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
+from lightning_dcp.engine.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
@@ -164,8 +165,14 @@ class Checkpointer:
         location = self.location(path, storage_options)
         if self._into_memory:
             memory_io.save_to_memory(
-                self, tree, location, objects=objects, rank_objects=rank_objects, info={**(info or {}), **_versions()},
-                collective=collective, step=step,
+                self,
+                tree,
+                location,
+                objects=objects,
+                rank_objects=rank_objects,
+                info={**(info or {}), **_versions()},
+                collective=collective,
+                step=step,
             )
             return
         if is_internal_name(location.name):
@@ -237,11 +244,15 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0:
                 abandon()
-            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed", rank=rank) from err
+            raise checkpoint_failure(
+                err, f"Saving the checkpoint to {location.url!r} failed", rank=rank, unreachable=_outage(location)
+            ) from err
         try:
             on_rank0(collective, commit)
         except Exception as err:  # storage refused the commit (rename, copy or marker): nothing new is visible
-            raise checkpoint_failure(err, f"Committing the checkpoint to {location.url!r} failed", rank=0) from err
+            raise checkpoint_failure(
+                err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=_outage(location)
+            ) from err
         self._record(started, location, "saved")
 
     def _writes_in_place(self, location: Location) -> bool:
@@ -481,6 +492,11 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _outage(location: Location):
+    """How failures of a save to ``location`` are told to be outages (remote stores only)."""
+    return None if location.local else is_unreachable
+
+
 def _first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
     """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
     if not distributed(collective):

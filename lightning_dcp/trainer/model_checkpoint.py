@@ -213,7 +213,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 tiers.bind(directory)  # its remote calls (clean-up, uploads) run in the tier's uploader
             removed = self.remove_incomplete(trainer)
             if removed:
-                rank_zero_info(f"Removed {len(removed)} incomplete checkpoint(s) from {self.dirpath}: {removed}")
+                rank_zero_info(_removed_message(removed))
             known = tiers.known_checkpoints(directory, wait=False) if tiers is not None else None
             if self.save_top_k != 0 and (known if known is not None else committed_checkpoints(directory)):
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
@@ -292,6 +292,18 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if not newest.local:
             self._stat_defaults.set(newest.url, self._options(trainer))
         return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+
+
+def _removed_message(removed: list[str]) -> str:
+    """One line per directory cleaned: what interrupted saves (and, in a local tier, uploads) left there."""
+    by_directory: dict[str, list[str]] = {}
+    for url in removed:
+        parent, _, name = url.rstrip("/").rpartition("/")
+        by_directory.setdefault(parent or ".", []).append(name)
+    return "\n".join(
+        f"Removed what interrupted saves or uploads left in {parent} (never committed, never loaded): {sorted(names)}"
+        for parent, names in by_directory.items()
+    )
 
 
 class _StatDefaults:

@@ -169,9 +169,11 @@ def memory_checkpoint_of(trainer: pl.Trainer) -> MemoryCheckpoint | None:
 
 def is_memory_sentinel(path: Any) -> bool:
     """Whether ``path`` is a memory area's ``last`` entry (what ``ckpt_path="last"`` gives with a memory tier)."""
-    return isinstance(path, (str, os.PathLike)) and os.path.basename(os.fspath(path)) == LAST_ENTRY and Location(
-        os.fspath(path)
-    ).local
+    return (
+        isinstance(path, (str, os.PathLike))
+        and os.path.basename(os.fspath(path)) == LAST_ENTRY
+        and Location(os.fspath(path)).local
+    )
 
 
 setattr(MemoryCheckpoint, _compat.MODEL_CHECKPOINT_FIND_LAST, MemoryCheckpoint._find_last)

@@ -36,7 +36,9 @@ def _save(rank: int, world_size: int, base: str) -> None:
     for step in (1, 2, 3):
         tier.async_save = step == 3  # the last one in the background
         with checkpointer.into_memory():
-            checkpointer.save(_tree(step), f"{base}/durable/step={step}", objects={"step": step}, collective=True, step=step)
+            checkpointer.save(
+                _tree(step), f"{base}/durable/step={step}", objects={"step": step}, collective=True, step=step
+            )
     checkpointer.wait(collective=True)
     assert tier.topology.nodes == 2 and tier.topology.node == rank // 2
     assert set(tier.timings) >= {"write", "replicate"}

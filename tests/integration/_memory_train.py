@@ -42,7 +42,10 @@ def _flat(obj, prefix=""):
         for i, v in enumerate(obj):
             yield from _flat(v, f"{prefix}/{i}")
     elif isinstance(obj, torch.Tensor):
-        yield prefix, hashlib.sha256(obj.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+        yield (
+            prefix,
+            hashlib.sha256(obj.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16],
+        )
     else:
         yield prefix, obj
 
@@ -77,14 +80,23 @@ def main(argv=None) -> None:
     seed()
     every = 2
     memory = MemoryCheckpoint(
-        args.memory, every_n_train_steps=every, replicas=1, persist_every=3, async_save=not args.sync,
+        args.memory,
+        every_n_train_steps=every,
+        replicas=1,
+        persist_every=3,
+        async_save=not args.sync,
         dirpath=args.durable,
     )
     rank = int(os.environ.get("NODE_RANK", "0")) * args.devices + int(os.environ.get("LOCAL_RANK", "0"))
     recorder = Recorder(os.path.join(args.workdir, f"log-{rank}.jsonl"), every)
     trainer = make_trainer(
-        args.devices, num_nodes=args.nodes, max_steps=args.max_steps, max_epochs=-1,
-        callbacks=[memory, recorder], plugins=[DCPCheckpointIO()], limit_val_batches=0,
+        args.devices,
+        num_nodes=args.nodes,
+        max_steps=args.max_steps,
+        max_epochs=-1,
+        callbacks=[memory, recorder],
+        plugins=[DCPCheckpointIO()],
+        limit_val_batches=0,
     )
     trainer.fit(DropoutModel(hidden=args.hidden), datamodule=RandomDataModule(n=64, batch_size=4), ckpt_path="last")
 

@@ -2,8 +2,8 @@
 
 A save to a remote path (``s3://bucket/run/epoch=3.ckpt``) is written and committed in the local tier
 (``local_dir/epoch=3.ckpt``) at disk speed, synchronously or in the background as any save; once committed there, the
-tier's uploader (one thread on rank 0, :mod:`lightning_dcp.engine.tiers.uploader`) copies it to the remote path, verifies it
-and commits it there (:mod:`lightning_dcp.engine.tiers.upload`). The protocol of
+tier's uploader (one thread on rank 0, :mod:`lightning_dcp.engine.tiers.uploader`) copies it to the remote path,
+verifies it and commits it there (:mod:`lightning_dcp.engine.tiers.upload`). The protocol of
 :class:`~lightning_dcp.engine.checkpointer.Checkpointer` is unchanged: it calls :meth:`Tiers.prepare` before a save,
 :meth:`Tiers.committed` after the local commit, and routes loads and removals of remote paths here.
 
@@ -41,10 +41,10 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.storage import STAGING_INFIX, Location, new_token
+from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
 from lightning_dcp.engine.tiers.uploader import Retry, Task, Uploader, local_marker

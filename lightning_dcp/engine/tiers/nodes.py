@@ -40,7 +40,7 @@ class Topology:
 
     @property
     def local_rank(self) -> int:
-        """This rank's index among its node's ranks."""
+        """The index of this rank among its node's ranks."""
         return self.ranks[self.node].index(self.rank)
 
     @property
@@ -76,7 +76,9 @@ def discover(memory_dir: str, *, group: dist.ProcessGroup | None) -> Topology:
     for r, key in enumerate(keys):
         order.setdefault(tuple(key), []).append(r)
     ranks = tuple(tuple(rs) for rs in order.values())
-    return Topology(rank=rank, world_size=world_size, node=next(i for i, rs in enumerate(ranks) if rank in rs), ranks=ranks)
+    return Topology(
+        rank=rank, world_size=world_size, node=next(i for i, rs in enumerate(ranks) if rank in rs), ranks=ranks
+    )
 
 
 def single_process() -> Topology:

@@ -174,4 +174,3 @@ def _check_sizes(location: Location, saved: Saved) -> None:
     wrong = {f: sizes.get(f) for f, size in saved.files.items() if sizes.get(f) != size}
     if wrong:
         raise CorruptCheckpointError(f"{location.url!r}: files missing or of the wrong size after the copy: {wrong}.")
-

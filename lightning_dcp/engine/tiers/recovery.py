@@ -91,6 +91,7 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
                 raise CheckpointError(f"No node's memory area holds {f} of {name!r} any more.")
             src_ranks, dst_ranks = topology.ranks[owners[node % len(owners)]], topology.ranks[node]
             transfers.append(Transfer(src_ranks[i % len(src_ranks)], dst_ranks[i % len(dst_ranks)], f, files[f]))
+
     def prepare() -> None:
         if not topology.leader:
             return
@@ -109,7 +110,9 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
 
     try:
         _step(tier, name, prepare)  # the directory exists on every node before anything is received into it
-        _step(tier, name, lambda: run_transfers(transfers, rank=topology.rank, sources=held, into=into, group=tier.group))
+        _step(
+            tier, name, lambda: run_transfers(transfers, rank=topology.rank, sources=held, into=into, group=tier.group)
+        )
         _step(tier, name, check)
     except CheckpointError:
         if topology.leader:

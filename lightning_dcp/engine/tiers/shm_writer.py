@@ -141,6 +141,7 @@ class ShmWriter(FileSystemWriter):
         self.written: tuple[str, int] | None = None
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Copy this rank's items into its data file in the memory area, each record with its digest."""
         rank = int(plan.storage_data.prefix.strip("_").split("_")[0])
         name = data_file(rank)
         slots, end = _layout(plan.items, planner)
@@ -152,7 +153,9 @@ class ShmWriter(FileSystemWriter):
             for slot in slots:
                 digest = _write_record(view, target, slot)
                 info = StorageInfo(name, slot.offset, slot.length)
-                results.append(WriteResult(index=slot.item.index, size_in_bytes=slot.length, storage_data=(info, digest)))
+                results.append(
+                    WriteResult(index=slot.item.index, size_in_bytes=slot.length, storage_data=(info, digest))
+                )
         finally:
             del target
             view.release()
@@ -164,6 +167,7 @@ class ShmWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write the metadata file; build the marker with each file's records (the memory tier commits it)."""
         files: dict[str, dict[str, Any]] = {}
         plain = []
         for rank_results in results:

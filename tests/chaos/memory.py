@@ -7,9 +7,10 @@ with ``ckpt_path="last"`` and checks, from the resumed run's own record:
 - ``whole_job``: every process killed; the resume must start at the newest checkpoint complete in the areas when the
   job died (0 lost committed memory checkpoints) with the state hashed at its save (0 torn states);
 - ``node_loss``: one node's processes killed and its memory area wiped (the survivors are then killed, as a job
-  restart does); the durable directory is moved away first, so the resume can only come from the peers' replicas;
+  restart does): the lost node's part can only come from the peers' replicas;
 - ``resize``: a node loss as above, then the resume runs on one node fewer (another world size, from a replica).
 
+In every kind the durable directory is moved away before the resume, so it can only come from the memory areas.
 Kills land anywhere: during saves, replication and persistence, which run every few steps. The oracle is the areas
 themselves: the newest checkpoint whose every part is committed on some surviving area
 (:func:`lightning_dcp.engine.tiers.parts.complete`).
@@ -85,10 +86,22 @@ def trial(workdir: str, kind: str, rng: random.Random, *, nodes: int = 2, hidden
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
     areas = [f"/dev/shm/lightning_dcp-chaos-{os.getpid()}-{node}" for node in range(nodes)]
+    started: list[subprocess.Popen] = []
+    try:
+        return _trial(workdir, kind, rng, areas, started, nodes=nodes, hidden=hidden, timeout=timeout)
+    finally:  # nothing outlives a trial: no process, no memory area
+        for proc in started:
+            kill(proc)
+        for area in areas:
+            shutil.rmtree(area, ignore_errors=True)
+
+
+def _trial(workdir, kind, rng, areas, started, *, nodes, hidden, timeout) -> dict:
     for area in areas:
         shutil.rmtree(area, ignore_errors=True)
     sync = rng.random() < 0.3
     procs = start(workdir, areas, nodes=nodes, max_steps=400, hidden=hidden, sync=sync)
+    started += procs
     deadline = time.monotonic() + timeout
     want = rng.randint(3, 8)  # memory saves seen before the kill, then a random extra dwell
     while sum(r["event"] == "saved" for r in records(workdir)) < want * 2 * nodes and time.monotonic() < deadline:
@@ -107,13 +120,14 @@ def trial(workdir: str, kind: str, rng: random.Random, *, nodes: int = 2, hidden
     expected = newest_complete(surviving)
     saved = {r["step"]: r["hash"] for r in records(workdir) if r["event"] == "saved"}
     durable = os.path.join(workdir, "durable")
-    if kind != "whole_job" and os.path.isdir(durable):
-        os.rename(durable, durable + ".hidden")  # the resume may not read the durable tiers
+    if os.path.isdir(durable):
+        os.rename(durable, durable + ".hidden")  # the resume may only read the memory areas
     before = len(records(workdir))
     resume_nodes = nodes - 1 if kind == "resize" else nodes
     resume_areas = surviving if kind == "resize" else areas
     stop = (expected[0] if expected else 0) + 2
     procs = start(workdir, resume_areas, nodes=resume_nodes, max_steps=stop, hidden=hidden, sync=sync)
+    started += procs
     codes = [p.wait(timeout=timeout) for p in procs]
     resumed = [r for r in records(workdir)[before:] if r["event"] == "resumed"]
     steps = {r["step"] for r in resumed}
@@ -122,8 +136,6 @@ def trial(workdir: str, kind: str, rng: random.Random, *, nodes: int = 2, hidden
     result["lost"] = int(expected is not None and step != expected[0])
     result["torn"] = int(step is not None and step > 0 and any(r["hash"] != saved.get(step) for r in resumed))
     result["failed"] = int(any(codes) or not resumed)
-    for area in areas:
-        shutil.rmtree(area, ignore_errors=True)
     return result
 
 

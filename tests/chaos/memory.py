@@ -62,13 +62,25 @@ def kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
-def records(workdir: str) -> list[dict]:
+def records(workdir: str, *, after: dict[str, int] | None = None) -> list[dict]:
+    """Every rank's records (``log-{rank}.jsonl``), skipping the first ``after[file]`` lines of each file."""
     out = []
+    for name in sorted(os.listdir(workdir)):
+        if name.startswith("log-"):
+            with open(os.path.join(workdir, name)) as f:
+                lines = [line for line in f if line.strip()]
+            out += [json.loads(line) for line in lines[(after or {}).get(name, 0) :]]
+    return out
+
+
+def line_counts(workdir: str) -> dict[str, int]:
+    """How many records each rank's file holds now (what a later launch's records come after)."""
+    counts = {}
     for name in os.listdir(workdir):
         if name.startswith("log-"):
             with open(os.path.join(workdir, name)) as f:
-                out += [json.loads(line) for line in f if line.strip()]
-    return out
+                counts[name] = sum(1 for line in f if line.strip())
+    return counts
 
 
 def newest_complete(areas: list[str]) -> tuple | None:
@@ -122,20 +134,20 @@ def _trial(workdir, kind, rng, areas, started, *, nodes, hidden, timeout) -> dic
     durable = os.path.join(workdir, "durable")
     if os.path.isdir(durable):
         os.rename(durable, durable + ".hidden")  # the resume may only read the memory areas
-    before = len(records(workdir))
+    before = line_counts(workdir)  # the resumed launch's records come after these, in each rank's file
     resume_nodes = nodes - 1 if kind == "resize" else nodes
     resume_areas = surviving if kind == "resize" else areas
     stop = (expected[0] if expected else 0) + 2
     procs = start(workdir, resume_areas, nodes=resume_nodes, max_steps=stop, hidden=hidden, sync=sync)
     started += procs
     codes = [p.wait(timeout=timeout) for p in procs]
-    resumed = [r for r in records(workdir)[before:] if r["event"] == "resumed"]
+    resumed = [r for r in records(workdir, after=before) if r["event"] == "resumed"]
     steps = {r["step"] for r in resumed}
     result = {"kind": kind, "sync": sync, "expected": expected, "resumed_steps": sorted(steps), "exit": codes}
     step = next(iter(steps)) if len(steps) == 1 else None
     result["lost"] = int(expected is not None and step != expected[0])
     result["torn"] = int(step is not None and step > 0 and any(r["hash"] != saved.get(step) for r in resumed))
-    result["failed"] = int(any(codes) or not resumed)
+    result["failed"] = int(any(codes) or len(resumed) != resume_nodes * 2)  # every rank of the launch resumed
     return result
 
 

@@ -39,7 +39,7 @@ def tests(session: nox.Session) -> None:
     _install(session, "test", *LITDATA_DEPS)
     session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
-    session.run("python", "-m", "pytest", "-q", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "--durations=15", *session.posargs)
 
 
 @nox.session(python=PYTHON)

@@ -66,7 +66,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("use_async", "kills", "sig"), [(False, 12, signal.SIGKILL), (True, 8, signal.SIGKILL), (True, 2, signal.SIGTERM)]
+    ("use_async", "kills", "sig"), [(False, 6, signal.SIGKILL), (True, 5, signal.SIGKILL), (True, 2, signal.SIGTERM)]
 )
 def test_killed_saves_never_break_resume(tmp_path, reference, use_async, kills, sig):
     rng = random.Random(1234 + kills + int(use_async))

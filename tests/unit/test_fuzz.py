@@ -14,13 +14,13 @@ from tests.chaos.fuzz import fuzz_reader
 
 SEED = 20261123
 EXAMPLES = {
-    "commit": 40,
-    "metadata": 40,
-    "pointer": 25,
-    "blob": 40,
-    "record": 25,
-    "codec": 25,
-}  # ~1 min in all; nox -s chaos: 2000 each
+    "commit": 20,
+    "metadata": 20,
+    "pointer": 15,
+    "blob": 20,
+    "record": 15,
+    "codec": 15,
+}  # ~1 min in all on 2 cores; nox -s chaos: 2000 each
 
 
 @pytest.mark.parametrize(("reader", "examples"), EXAMPLES.items(), ids=EXAMPLES.keys())

@@ -176,3 +176,12 @@ def remote_faults(session: nox.Session) -> None:
     crashed fits, lost or extra checkpoints and stale pointers (all must be 0)."""
     _install(session, "test")
     session.run("python", "-m", "tests.chaos.remote", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def chaos_memory(session: nox.Session) -> None:
+    """The memory tier's chaos pass (tests/chaos/memory.py; ``-- --trials 42 --seed 1``): whole-job kill -9, node loss
+    with its memory area wiped and the durable tiers hidden, resume on one node fewer; prints the counts of lost
+    committed memory checkpoints, torn states and failed resumes (all must be 0)."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos.memory", *session.posargs)

@@ -9,6 +9,7 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 from lightning_dcp import _compat
 from lightning_dcp.engine.allowlist import add_safe_globals
 from lightning_dcp.engine.lookup import verify_checkpoint
+from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
@@ -30,6 +31,7 @@ from lightning_dcp.trainer.callbacks import ElasticResume
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.export import ExportCallback
 from lightning_dcp.trainer.hooks import install_lightning_hooks, uninstall_lightning_hooks
+from lightning_dcp.trainer.memory import MemoryCheckpoint
 from lightning_dcp.trainer.model_checkpoint import DCPModelCheckpoint
 from lightning_dcp.trainer.strategies import (
     DCPDDPStrategy,
@@ -58,6 +60,8 @@ __all__ = [
     "ExportCallback",
     "InvalidPathError",
     "LoadReport",
+    "MemoryCheckpoint",
+    "MemoryTier",
     "NotACheckpointError",
     "OutputExistsError",
     "StateDictMismatchError",

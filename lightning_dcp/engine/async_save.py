@@ -29,7 +29,7 @@ from lightning_dcp.engine.staging import Deferred, Stager
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import checkpoint_failure
 
-__all__ = ["DEFER_FROM", "AsyncSaves"]
+__all__ = ["DEFER_FROM", "STEP_GATE", "AsyncSaves"]
 
 DEFER_FROM = 1 << 20
 """CPU tensors from this size on are staged in the background (parameters and optimizer state, in practice)."""
@@ -138,6 +138,9 @@ class _StepGate:
 
 
 _GATE = _StepGate()
+STEP_GATE = _GATE
+"""The gate every optimizer step passes: ``hold(event)`` makes steps wait until ``event`` is set, ``done(event)``
+releases it (the memory tier's async saves copy into shared memory behind it too)."""
 
 
 class AsyncSaves:

@@ -14,11 +14,12 @@ once every rank finished; loads reshard to the current world size and verify eve
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -37,7 +38,8 @@ from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.stores import is_unreachable
-from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.engine.tiers import Tiers, memory_io
+from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
     CheckpointError,
     InvalidPathError,
@@ -67,11 +69,14 @@ class Checkpointer:
             done, and a tensor changed in place by anything else before its copy is made fails that save (reported
             at the next call; never a checkpoint mixing two steps). Leave off when parameters are changed outside
             optimizer steps right after a save (weight clipping, manual updates).
-        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.Tiers`): a save to a remote
+        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
             committed checkpoint of the same directory when its bytes are unchanged (local disks; see
             :mod:`lightning_dcp.engine.incremental`). Every checkpoint stays complete on its own.
+        memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): saves made inside
+            :meth:`into_memory` go to host shared memory (replicated, persisted every Mth to the save's directory),
+            and a load of ``last`` in that directory takes the newest checkpoint across memory and the durable tiers.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -87,6 +92,7 @@ class Checkpointer:
         defer_staging: bool = False,
         tiers: Tiers | None = None,
         incremental: bool = False,
+        memory: MemoryTier | None = None,
     ) -> None:
         if not isinstance(thread_count, int) or thread_count < 1:
             raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
@@ -102,6 +108,19 @@ class Checkpointer:
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
         self._counters: dict[str, int] = {}  # directory URL -> the last save counter used there (rank 0)
         self.tiers = tiers
+        self.memory = memory
+        self.memory_directory: Location | None = None
+        """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
+        self._into_memory = False
+
+    @contextlib.contextmanager
+    def into_memory(self) -> Iterator[None]:
+        """Saves made inside go to the memory tier (a no-op without one). Use around one collective save."""
+        self._into_memory = self.memory is not None
+        try:
+            yield
+        finally:
+            self._into_memory = False
 
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
         """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
@@ -144,6 +163,18 @@ class Checkpointer:
         self._await_pending(collective)
         started = time.perf_counter()
         location = self.location(path, storage_options)
+        if self._into_memory:
+            memory_io.save_to_memory(
+                self,
+                tree,
+                location,
+                objects=objects,
+                rank_objects=rank_objects,
+                info={**(info or {}), **_versions()},
+                collective=collective,
+                step=step,
+            )
+            return
         if is_internal_name(location.name):
             raise InvalidPathError(
                 f"The checkpoint name of {location.url!r} is one this library gives its own staging and upload"
@@ -248,6 +279,21 @@ class Checkpointer:
             os.makedirs(location.path, exist_ok=True)
         return True
 
+    def resumable(self, *, collective: bool = False) -> bool:
+        """Whether the memory tier or its durable directory holds a committed checkpoint (``True`` without a tier).
+
+        Collective: call on all ranks when ``collective=True``.
+        """
+        return self.memory is None or memory_io.anything(self, collective=collective)
+
+    def next_counter(self, location: Location) -> int:
+        """The save counter of the next save into ``location``'s directory (see :meth:`_next_counter`). Rank 0."""
+        return self._next_counter(location)
+
+    def record(self, started: float, location: Location, what: str) -> None:
+        """Record a save's stall (:attr:`last_save_seconds`) and log it."""
+        self._record(started, location, what)
+
     def _next_counter(self, location: Location) -> int:
         """The save counter of the next save into ``location``'s directory: one more than any this process saw.
 
@@ -260,6 +306,8 @@ class Checkpointer:
             tiered = self.tiers is not None and self.tiers.covers(location)
             found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
             self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
+            if self.memory is not None:  # what the memory areas hold counts too (a resume from memory saves on)
+                self._counters[directory.url] = max(self._counters[directory.url], self.memory.highest)
         self._counters[directory.url] += 1
         return self._counters[directory.url]
 
@@ -315,22 +363,32 @@ class Checkpointer:
             CheckpointError: Non-tensor state that ``weights_only`` refuses.
         """
         self._await_pending(collective)
+        location = self.location(path)
         options = dict(
             target=target,
             strict=strict,
-            collective=collective,
             weights_only=weights_only,
             only=only,
             exclude=exclude,
             map_location=map_location,
             model_key=model_key,
         )
-        urls = on_rank0(collective, lambda: self._candidates(self.location(path)))
+        if self.memory is not None and memory_io.covers(self, location):
+            return memory_io.load_newest(self, location, collective=collective, **options)
+        return self.load_candidates(location, collective=collective, **options)
+
+    def load_candidates(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
+        """Load the first loadable of the durable checkpoints ``location`` designates (see :meth:`load`).
+
+        Collective: call on all ranks when ``collective=True``.
+        """
+        path = location.url
+        urls = on_rank0(collective, lambda: self._candidates(location))
         failures: list[tuple[str, CheckpointError]] = []
         for url in urls:
             loaded, failure = None, None
             try:
-                loaded = load_one(self.location(url), **options)
+                loaded = load_one(self.location(url), collective=collective, **options)
             except StateDictMismatchError:
                 raise  # about the target, not the checkpoint: an older checkpoint would not fit either
             except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)
@@ -405,13 +463,19 @@ class Checkpointer:
                 (those checkpoints stay committed locally).
         """
         try:
-            if self._async is not None:
-                self._async.close()
+            if self.memory is not None:
+                self.memory.close()
         finally:
-            if self.tiers is not None:
-                self.tiers.wait()
+            try:
+                if self._async is not None:
+                    self._async.close()
+            finally:
+                if self.tiers is not None:
+                    self.tiers.wait()
 
     def _await_pending(self, collective: bool) -> None:
+        if self.memory is not None:
+            self.memory.wait()
         if self._async is None or self._async.in_flight is None:
             return
         error: CheckpointError | None = None

@@ -65,11 +65,15 @@ def load_one(
     exclude: Sequence[str],
     map_location: Any | None,
     model_key: str,
+    node_local: bool = False,
 ) -> Loaded:
     """Load the one checkpoint at ``location`` (pointers followed by :func:`probe`) into ``target`` or as new tensors.
 
     The arguments are those of :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load`, which tries its
     candidates (a ``last`` fallback) with this function one by one.
+
+    ``node_local``: every rank reads its own copy of the same checkpoint at its own ``location`` (the memory tier
+    assembles one per node); rank 0's copy is probed for all.
 
     Collective: call on all ranks when ``collective``.
 
@@ -78,7 +82,8 @@ def load_one(
             ``target`` does not fit it.
     """
     found = on_rank0(collective, lambda: probe(location))
-    location = Location(found.url, storage_options=location.storage_options)
+    if not node_local:
+        location = Location(found.url, storage_options=location.storage_options)
     if found.kind == "file":
         objects = load_file(location, map_location=map_location, weights_only=weights_only)
         return Loaded(url=location.url, kind="file", tree={}, objects=objects)

@@ -277,6 +277,8 @@ class DCPModelCheckpoint(ModelCheckpoint):
         Lightning stats a remote candidate with a bare filesystem: the options of this callback become fsspec's
         defaults for its protocol until ``setup`` (see the class note).
         """
+        if any(getattr(c, "tier", None) is not None and c is not self for c in trainer.callbacks):
+            return set()  # a MemoryCheckpoint answers for every tier, this directory included
         directory = self._directory(trainer)
         found = self._committed(trainer, directory)
         if not found:

@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -45,6 +46,7 @@ from lightning_dcp._compat import (
 from lightning_dcp.engine import layout
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.memory import is_memory_sentinel
 from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
 __all__ = [
@@ -136,7 +138,13 @@ class DCPStrategyMixin:
             return
         arguments = trainer_run_arguments(trainer)
         if arguments is not None and arguments[0]:
-            restore_modules_and_callbacks(trainer, *arguments)
+            if is_memory_sentinel(arguments[0]) and not self._dcp_io.checkpointer.resumable(collective=True):
+                rank_zero_warn(  # what Lightning says when "last" finds nothing: a first run starts fresh
+                    '`.fit(ckpt_path="last")`: nothing is committed in the memory tier or its directory yet;'
+                    " starting from scratch."
+                )
+            else:
+                restore_modules_and_callbacks(trainer, *arguments)
             self._dcp_restored_at_setup = True
 
     @property

@@ -21,7 +21,7 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
-from lightning_dcp.engine.uploader import Retry
+from lightning_dcp.engine.tiers.uploader import Retry
 from tests._models import DropoutModel, RandomDataModule
 from tests._trainer import make_trainer, seed
 

@@ -125,6 +125,7 @@ def test_block_runs(block, loopback, fast, tmp_path_factory, request, monkeypatc
         warnings.simplefilter("ignore")
         if block.language == "python":
             code = block.code.replace('"/local_nvme/', f'"{state["cwd"]}/local_nvme/')  # a path outside the sandbox
+            code = code.replace('"/dev/shm/', f'"{state["cwd"]}/dev_shm/')  # a memory area of this test's own
             exec(compile(code, block.id, "exec"), state["namespace"])
         elif block.language in _docs.SHELLS:
             if not state["prepared"]:

@@ -18,7 +18,7 @@ from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, StorageUnavailabl
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.uploader import Retry
+from lightning_dcp.engine.tiers.uploader import Retry
 from tests._faults import FaultProxy
 from tests._models import RandomDataModule, TinyModel
 from tests._trainer import make_trainer, seed

@@ -11,7 +11,7 @@ import torch
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, verify_checkpoint
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.uploader import Retry
+from lightning_dcp.engine.tiers.uploader import Retry
 from lightning_dcp.errors import StorageUnavailableError
 from tests._models import RandomDataModule, TinyModel
 from tests._spawn import spawn

@@ -17,8 +17,8 @@ import torch
 from lightning_dcp import DCPCheckpointIO
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.tier_journal import JOURNAL_FILE, TierJournal, version_of
-from lightning_dcp.engine.uploader import local_marker
+from lightning_dcp.engine.tiers.journal import JOURNAL_FILE, TierJournal, version_of
+from lightning_dcp.engine.tiers.uploader import local_marker
 
 
 def _ckpt(value: float) -> dict:

@@ -15,9 +15,9 @@ import torch
 from lightning_dcp import CheckpointError, DCPCheckpointIO, verify_checkpoint
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.tier_journal import JOURNAL_FILE
-from lightning_dcp.engine.tiers import MANIFEST_FILE
-from lightning_dcp.engine.upload import SNAPSHOT_PREFIX
+from lightning_dcp.engine.tiers.journal import JOURNAL_FILE
+from lightning_dcp.engine.tiers.local import MANIFEST_FILE
+from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX
 
 
 def _ckpt(value: float) -> dict:

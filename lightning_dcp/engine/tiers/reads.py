@@ -7,9 +7,9 @@ Two kinds of answers, for two moments of a run:
   they go on from the local tier, with a warning; with nothing local, the store's error is raised.
 - Questions asked inside the training loop (:func:`known`, :func:`exists`) never call the remote store: they are
   answered from the local tier, the uploader's queue and the journal's record of the remote directory
-  (:mod:`lightning_dcp.engine.tier_journal`).
+  (:mod:`lightning_dcp.engine.tiers.journal`).
 
-Every function takes the :class:`~lightning_dcp.engine.tiers.Tiers` it reads. Rank 0 only.
+Every function takes the :class:`~lightning_dcp.engine.tiers.local.Tiers` it reads. Rank 0 only.
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from lightning_dcp.engine.lookup import candidates as one_tier_candidates
 from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.marker import COMMIT_FILE, order_key
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.uploader import local_marker
+from lightning_dcp.engine.tiers.uploader import local_marker
 
 if TYPE_CHECKING:
-    from lightning_dcp.engine.tiers import Tiers
+    from lightning_dcp.engine.tiers.local import Tiers
 
 __all__ = ["both", "candidates", "exists", "known"]
 

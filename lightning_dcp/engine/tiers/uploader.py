@@ -1,11 +1,11 @@
 """The local tier's uploader: one background thread on rank 0 that does, in order, every remote call of the tier.
 
-The training loop only queues work here (:class:`~lightning_dcp.engine.tiers.Tiers` does, and journals removals and
-pointer writes first: :mod:`lightning_dcp.engine.tier_journal`). The thread takes one task at a time:
+The training loop only queues work here (:class:`~lightning_dcp.engine.tiers.local.Tiers` does, and journals removals
+and pointer writes first: :mod:`lightning_dcp.engine.tiers.journal`). The thread takes one task at a time:
 
 - ``listing``: what the remote directory holds (its committed checkpoints and pointers), for the journal;
-- ``upload``: copy one committed local checkpoint and commit it remotely (:mod:`lightning_dcp.engine.upload`), then
-  ``evict`` local copies beyond ``keep`` that the remote store holds;
+- ``upload``: copy one committed local checkpoint and commit it remotely (:mod:`lightning_dcp.engine.tiers.upload`),
+  then ``evict`` local copies beyond ``keep`` that the remote store holds;
 - ``remove``: delete a checkpoint's remote copy (its local copy went when the removal was released), unless the
   remote copy is a version saved after the removal was asked for;
 - ``link``: write a pointer, once the checkpoint it designates is committed remotely;
@@ -38,8 +38,15 @@ from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import order_key
 from lightning_dcp.engine.storage import Location, new_token
 from lightning_dcp.engine.stores import is_unreachable
-from lightning_dcp.engine.tier_journal import TierJournal
-from lightning_dcp.engine.upload import SNAPSHOT_PREFIX, marker_of, remove_committed, same_checkpoint, snapshot, upload
+from lightning_dcp.engine.tiers.journal import TierJournal
+from lightning_dcp.engine.tiers.upload import (
+    SNAPSHOT_PREFIX,
+    marker_of,
+    remove_committed,
+    same_checkpoint,
+    snapshot,
+    upload,
+)
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["Outage", "Retry", "Task", "Uploader", "local_marker"]

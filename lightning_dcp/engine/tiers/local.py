@@ -2,8 +2,8 @@
 
 A save to a remote path (``s3://bucket/run/epoch=3.ckpt``) is written and committed in the local tier
 (``local_dir/epoch=3.ckpt``) at disk speed, synchronously or in the background as any save; once committed there, the
-tier's uploader (one thread on rank 0, :mod:`lightning_dcp.engine.uploader`) copies it to the remote path, verifies it
-and commits it there (:mod:`lightning_dcp.engine.upload`). The protocol of
+tier's uploader (one thread on rank 0, :mod:`lightning_dcp.engine.tiers.uploader`) copies it to the remote path,
+verifies it and commits it there (:mod:`lightning_dcp.engine.tiers.upload`). The protocol of
 :class:`~lightning_dcp.engine.checkpointer.Checkpointer` is unchanged: it calls :meth:`Tiers.prepare` before a save,
 :meth:`Tiers.committed` after the local commit, and routes loads and removals of remote paths here.
 
@@ -15,7 +15,7 @@ What holds, whatever is killed when, and whatever the remote store does:
   on, each save warns, the uploader retries with bounded backoff, and ``teardown`` raises
   ``StorageUnavailableError`` if the store stays unreachable (every checkpoint stays committed locally).
 - Removals and pointer writes are journaled in ``local_dir`` before they are acted on
-  (:mod:`lightning_dcp.engine.tier_journal`); the next run finishes them. Uploads need no journal: the next run
+  (:mod:`lightning_dcp.engine.tiers.journal`); the next run finishes them. Uploads need no journal: the next run
   uploads every committed local checkpoint whose remote copy is not the same checkpoint (at its first save or load, or
   when ``DCPModelCheckpoint`` sets up). A checkpoint asked to go never comes back, and a remote pointer never
   designates a checkpoint the remote store does not hold.
@@ -41,13 +41,13 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine import tier_reads
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.storage import STAGING_INFIX, Location, new_token
-from lightning_dcp.engine.tier_journal import TierJournal, version_of
-from lightning_dcp.engine.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
-from lightning_dcp.engine.uploader import Retry, Task, Uploader, local_marker
+from lightning_dcp.engine.tiers import reads as tier_reads
+from lightning_dcp.engine.tiers.journal import TierJournal, version_of
+from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
+from lightning_dcp.engine.tiers.uploader import Retry, Task, Uploader, local_marker
 from lightning_dcp.errors import CheckpointError, StorageUnavailableError
 
 __all__ = ["MANIFEST_FILE", "Retry", "Tiers"]
@@ -63,7 +63,7 @@ class Tiers:
         local_dir: Local directory of the fast tier (created when needed).
         keep: Committed checkpoints the local tier keeps (the newest); older ones are evicted once uploaded.
         storage_options: fsspec options of the remote store, for uploads resumed before the first save.
-        retry: How the uploader waits out an unreachable store (:class:`~lightning_dcp.engine.uploader.Retry`).
+        retry: How the uploader waits out an unreachable store (:class:`~lightning_dcp.engine.tiers.uploader.Retry`).
 
     Raises:
         ValueError: ``local_dir`` is not a local path, or ``keep`` is not a positive integer.

@@ -1,0 +1,396 @@
+"""The memory tier: checkpoints in host shared memory, one area per node, replicated to peer nodes.
+
+A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these steps, over the tier's own gloo group:
+
+1. rank 0 picks a token (and whether this save is persisted); each node's leader takes a staging directory in its
+   area (a free slot when there is one: its files and pages are reused);
+2. planning (:func:`lightning_dcp.engine.saving.prepare`); with ``async_save`` the call returns here, objects and
+   small tensors copied, large tensors copied in the background while optimizer steps wait for them;
+3. each rank copies its records into its mapped data file (:mod:`~lightning_dcp.engine.tiers.shm_writer`), hashing
+   each as it goes; the coordinator writes ``.metadata`` and makes the ``.commit`` marker, which every node receives;
+4. each node's leader commits its part (:class:`~lightning_dcp.engine.tiers.parts.PartStore`): the checkpoint is
+   committed in memory once every node did (a synchronous save returns here);
+5. in the background: every part is copied to ``replicas`` other nodes and committed there once whole
+   (:mod:`~lightning_dcp.engine.tiers.replication`); older parts are evicted; every ``persist_every``-th checkpoint
+   (or the first after ``persist_every_seconds``) is persisted to the durable tiers
+   (:mod:`~lightning_dcp.engine.tiers.persist`).
+
+At most one save is in flight; the next save, :meth:`wait`, a load and :meth:`close` wait for it and raise its error.
+Restores are in :mod:`~lightning_dcp.engine.tiers.recovery`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from lightning_dcp._compat import tensor_version
+from lightning_dcp.engine import saving
+from lightning_dcp.engine.async_save import DEFER_FROM, STEP_GATE
+from lightning_dcp.engine.dcp_io import save_planner
+from lightning_dcp.engine.localfs import new_token, remove_path
+from lightning_dcp.engine.marker import parse_commit
+from lightning_dcp.engine.staging import StagingRaceError
+from lightning_dcp.engine.tiers.nodes import Topology, discover, single_process
+from lightning_dcp.engine.tiers.parts import Part, PartStore, identity
+from lightning_dcp.engine.tiers.replication import replicate
+from lightning_dcp.engine.tiers.shm_writer import Mappings, ShmWriter
+from lightning_dcp.errors import CheckpointError, checkpoint_failure
+
+__all__ = ["LAST_ENTRY", "MemoryTier", "Saved"]
+
+LAST_ENTRY = "last"
+"""A file in every memory area that designates "the newest checkpoint across the tiers" (``ckpt_path="last"``)."""
+
+log = logging.getLogger(__name__)
+
+Persister = Callable[["Saved", Part], None]
+
+
+class Saved:
+    """A checkpoint committed in memory by this run: what replication and persistence need to know of it."""
+
+    def __init__(self, name: str, metadata: bytes, marker: bytes, topology: Topology) -> None:
+        self.name, self.metadata, self.marker = name, metadata, marker
+        self.parsed = parse_commit(marker)
+        self.identity = identity(self.parsed)
+        self.files = {f: e["size"] for f, e in self.parsed["files"].items()}
+        self.node_files = {
+            j: sorted(f for f in self.files if any(f.startswith(f"__{r}_") for r in ranks))
+            for j, ranks in enumerate(topology.ranks)
+        }
+        self.persisted = False
+
+
+class _InFlight:
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.copied = threading.Event()
+        self.finished = threading.Event()
+        self.error: BaseException | None = None
+        self.versions: list[tuple[str, torch.Tensor, int]] = []
+
+    def on_copied(self) -> None:
+        for fqn, source, version in self.versions:
+            if tensor_version(source) != version:
+                raise StagingRaceError(
+                    f"{fqn!r} was modified in place while a memory-tier save was copying it, outside an optimizer step"
+                    " (which waits for the copies); the save was dropped rather than written torn."
+                )
+
+
+class _Captured:
+    """The planner's data as the save call saw it: objects and small tensors copied, large tensors referenced."""
+
+    def __init__(self, planner: Any, items: list, inflight: _InFlight) -> None:
+        self.data: dict[Any, Any] = {}
+        for item in items:
+            data = planner.resolve_data(item)
+            if item.type != WriteItemType.BYTE_IO:
+                source = data.detach()
+                if source.device.type == "cpu" and source.nbytes >= DEFER_FROM:
+                    inflight.versions.append((item.index.fqn, source, tensor_version(source)))
+                    data = source
+                else:
+                    data = source.to("cpu", copy=True)
+            self.data[item.index] = data
+
+    def resolve_data(self, item: Any) -> Any:
+        return self.data[item.index]
+
+
+class MemoryTier:
+    """Checkpoints in a node-local shared-memory area, replicated to ``replicas`` other nodes.
+
+    Args:
+        memory_dir: A directory on a tmpfs (``/dev/shm/...``, or a tmpfs the user mounts), one per node; created
+            when needed. It outlives the training processes (a crash or ``kill -9`` of the whole job keeps it) and
+            goes with the machine (a reboot or a lost node).
+        replicas: K, the other nodes that hold a copy of each node's part; losing K nodes loses nothing committed
+            in memory. 0 keeps a node's part on that node only.
+        keep: Checkpoints kept in memory (the newest); older ones are evicted once a newer one is committed and
+            replicated.
+        persist_every: Persist every this-many-th memory checkpoint to the durable tiers (``0``: never on a count).
+        persist_every_seconds: Also persist the first checkpoint saved this many seconds after the last persisted
+            one (``None``: no time schedule).
+        async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait
+            for them). ``False``: return once the checkpoint is committed in memory (replicas follow behind).
+
+    Memory per node: ``(keep + 1) x (1 + replicas) x`` the node's part of a checkpoint (a part of the newest, one
+    being written, and as much again for the replicas of other nodes' parts).
+
+    Raises:
+        ValueError: A count that is not a non-negative integer (``keep`` positive).
+    """
+
+    def __init__(
+        self,
+        memory_dir: str | os.PathLike,
+        *,
+        replicas: int = 1,
+        keep: int = 1,
+        persist_every: int = 10,
+        persist_every_seconds: float | None = None,
+        async_save: bool = True,
+    ) -> None:
+        for label, value, least in (("replicas", replicas, 0), ("keep", keep, 1), ("persist_every", persist_every, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise ValueError(f"`{label}` must be an integer >= {least}, got {value!r}.")
+        self.memory_dir = os.path.abspath(os.fspath(memory_dir))
+        self.replicas, self.keep, self.async_save = replicas, keep, async_save
+        self.persist_every, self.persist_every_seconds = persist_every, persist_every_seconds
+        self.store = PartStore(self.memory_dir)
+        sentinel = os.path.join(self.memory_dir, LAST_ENTRY)
+        if not os.path.exists(sentinel):
+            with open(sentinel, "w") as f:
+                f.write("lightning_dcp memory tier: loading this path loads the newest checkpoint of every tier.\n")
+        self.mappings = Mappings()
+        self.topology: Topology | None = None
+        self.group: dist.ProcessGroup | None = None
+        self.distributed = False
+        self.highest = 0
+        """The largest save counter of any checkpoint in the areas when the tier was set up."""
+        self.persister: Persister | None = None
+        """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over :attr:`group`."""
+        self.saved: list[Saved] = []
+        """Checkpoints committed in memory by this run, oldest first (the newest ``keep``)."""
+        self.timings: dict[str, float] = {}
+        """Seconds of each step of the last save: ``write`` (copies and commit), ``replicate``, ``persist``."""
+        self._inflight: _InFlight | None = None
+        self._saves = 0
+        self._persisted_at = time.monotonic()
+
+    # ----------------------------------------------------------------------------------------------- setup
+    def setup(self, *, distributed: bool) -> Topology:
+        """Join the tier's gloo group and find the nodes, once. Collective when ``distributed``."""
+        if self.topology is not None:
+            return self.topology
+        self.distributed = distributed
+        if distributed:
+            self.group = dist.new_group(backend="gloo")
+            self.topology = discover(self.memory_dir, group=self.group)
+        else:
+            self.topology = single_process()
+        if self.topology.leader:
+            self.store.remove_stale()
+        own = max((part.key[0] for part in self.store.parts()), default=0)
+        self.highest = max(self.gather(own))
+        return self.topology
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's ``value`` (rank order). Collective over the tier's group."""
+        if not self.distributed:
+            return [value]
+        out: list[Any] = [None] * self.topology.world_size
+        dist.all_gather_object(out, value, group=self.group)
+        return out
+
+    def broadcast(self, value: Any, *, src: int = 0) -> Any:
+        """Rank ``src``'s ``value`` on every rank. Collective over the tier's group."""
+        if not self.distributed:
+            return value
+        payload = [value]
+        dist.broadcast_object_list(payload, src=src, group=self.group)
+        return payload[0]
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, state: dict[str, Any], *, name: str, counter: int, step: int | None, distributed: bool) -> None:
+        """Save the DCP state dict ``state`` as the checkpoint ``name`` in memory (see the module docstring).
+
+        Args:
+            state: The state dict as built for DCP (tensors, objects, rank objects).
+            name: The checkpoint's name (its name in the durable directory when persisted).
+            counter: Its save counter (recorded in ``.commit``; decides what is newest).
+            step: The training step, recorded beside the counter.
+            distributed: Whether every rank of the default group takes part.
+
+        Collective: call on all ranks when ``distributed``.
+
+        Raises:
+            CheckpointError: The previous save failed (raised at this call), or this one failed (synchronous saves;
+                nothing of it is committed).
+        """
+        self.wait()
+        topology = self.setup(distributed=distributed)
+        token, persist = self.broadcast((new_token(), self._persist_due()) if topology.rank == 0 else None)
+        staging = self.store.staging(name, topology.node, token)
+        self.mappings.prune()
+        if topology.leader:
+            self.store.take_slot(staging)
+        inflight = _InFlight(name)
+        writer = ShmWriter(staging, mappings=self.mappings, on_copied=inflight.on_copied)
+        writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
+        planner = save_planner(writers=topology.world_size)
+        started = time.perf_counter()
+        try:
+            prepared = saving.prepare(state, writer=writer, planner=planner, group=self.group, distributed=distributed)
+        except saving.RankFailure as err:
+            raise checkpoint_failure(err, f"Saving {name!r} to the memory tier failed") from err
+        if not self.async_save:
+            try:
+                saved = self._write(prepared, writer, name, staging)
+            except saving.RankFailure as err:
+                raise checkpoint_failure(err, f"Saving {name!r} to the memory tier failed") from err
+            self.timings = {"write": time.perf_counter() - started}
+        else:
+            prepared.planner = _Captured(planner, prepared.plan.items, inflight)
+            saved = None
+            if inflight.versions:
+                STEP_GATE.hold(inflight.copied)
+        self._inflight = inflight
+        thread = threading.Thread(
+            target=self._background,
+            args=(inflight, prepared, writer, name, staging, saved, persist, started),
+            name="lightning_dcp-memory",
+            daemon=True,
+        )
+        thread.start()
+
+    def _persist_due(self) -> bool:
+        self._saves += 1
+        due = self.persist_every > 0 and self._saves % self.persist_every == 0
+        late = self.persist_every_seconds is not None
+        return due or (late and time.monotonic() - self._persisted_at >= self.persist_every_seconds)
+
+    def _write(self, prepared: Any, writer: ShmWriter, name: str, staging: str) -> Saved:
+        """Steps 3-4: copy, exchange, commit every node's part. Collective; raises ``RankFailure`` everywhere."""
+        saving.write(prepared)
+        metadata, marker = self.broadcast((writer.metadata_bytes, writer.marker) if self.topology.rank == 0 else None)
+        saved = Saved(name, metadata, marker, self.topology)
+        error = None
+        if self.topology.leader:
+            try:
+                self.store.commit(
+                    staging,
+                    name=name,
+                    node=self.topology.node,
+                    nodes=self.topology.nodes,
+                    files=saved.node_files[self.topology.node],
+                    metadata=metadata,
+                    marker=marker,
+                )
+            except Exception as err:
+                error = err
+        saving.agree(error, group=self.group, distributed=self.distributed)
+        self.saved = [*self.saved, saved][-self.keep :]
+        return saved
+
+    def _background(
+        self,
+        inflight: _InFlight,
+        prepared: Any,
+        writer: ShmWriter,
+        name: str,
+        staging: str,
+        saved: Saved | None,
+        persist: bool,
+        started: float,
+    ) -> None:
+        try:
+            if saved is None:
+                try:
+                    saved = self._write(prepared, writer, name, staging)
+                finally:
+                    inflight.copied.set()
+                    STEP_GATE.done(inflight.copied)
+                self.timings = {"write": time.perf_counter() - started}
+            self._after_commit(saved, persist=persist)
+        except BaseException as err:
+            inflight.error = err
+        finally:
+            inflight.copied.set()
+            STEP_GATE.done(inflight.copied)
+            inflight.finished.set()
+
+    def _after_commit(self, saved: Saved, *, persist: bool) -> None:
+        """Step 5: replicas, eviction, persistence. Collective over the tier's group (background thread)."""
+        topology = self.topology
+        if topology.nodes > 1 and self.replicas > 0:
+            began = time.perf_counter()
+            replicate(
+                self.store,
+                topology,
+                name=saved.name,
+                files=saved.files,
+                node_files=saved.node_files,
+                replicas=self.replicas,
+                own_dir=os.path.join(self.store.root, f"{saved.name}@{topology.node}"),
+                metadata=saved.metadata,
+                marker=saved.marker,
+                token=self.broadcast(new_token() if topology.rank == 0 else None),
+                group=self.group,
+            )
+            self.timings["replicate"] = time.perf_counter() - began
+        self.gather(None)  # every node holds its replicas before anything older goes
+        if topology.leader:
+            self.evict()
+        if persist:
+            self.persist(saved)
+
+    def evict(self) -> None:
+        """Remove this node's parts of every checkpoint but the newest ``keep`` this run committed (leader)."""
+        keep = {(s.name, s.identity) for s in self.saved}
+        for part in self.store.parts():
+            if (part.name, part.identity) in keep:
+                continue
+            if part.node == self.topology.node:
+                self.store.free(part, slots=1)
+            else:
+                self.store.uncommit(part.path)
+                remove_path(part.path)
+
+    def persist(self, saved: Saved) -> None:
+        """Copy ``saved`` to the durable tiers (:attr:`persister`). Collective over the tier's group."""
+        if self.persister is None or saved.persisted:
+            return
+        began = time.perf_counter()
+        part = self.store.read(f"{saved.name}@{self.topology.node}")
+        if part is None:
+            raise CheckpointError(f"The memory tier lost its part of {saved.name!r} before it was persisted.")
+        self.persister(saved, part)
+        saved.persisted = True
+        self._persisted_at = time.monotonic()
+        self.timings["persist"] = time.perf_counter() - began
+
+    def persist_newest(self) -> str | None:
+        """Persist the newest checkpoint committed in memory by this run, unless it was (what SIGTERM calls).
+
+        Collective: call on all ranks (after the save in flight, which it waits for). Returns its name.
+        """
+        self.wait()
+        if not self.saved:
+            return None
+        newest = self.saved[-1]
+        self.persist(newest)
+        return newest.name
+
+    # ------------------------------------------------------------------------------------------- waiting
+    def wait(self) -> None:
+        """Block until the save in flight (if any) has finished every step; raise its error.
+
+        Raises:
+            CheckpointError: The background part of the save failed (naming the checkpoint).
+        """
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            return
+        inflight.finished.wait()
+        if inflight.error is not None:
+            raise checkpoint_failure(
+                inflight.error, f"The memory-tier save of {inflight.name!r} failed in the background"
+            ) from None
+
+    def close(self) -> None:
+        """Wait for the save in flight, then unmap the files (they stay in the area). Raises like :meth:`wait`."""
+        try:
+            self.wait()
+        finally:
+            self.mappings.close()

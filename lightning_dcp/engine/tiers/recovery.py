@@ -1,0 +1,140 @@
+"""Restoring from the memory tier: which checkpoint the areas can restore, and assembling it on every node.
+
+:func:`restorable` gathers what every node's area holds (its own parts and the replicas of its peers' parts) and
+lists the checkpoints whose every part is held somewhere, newest first. :func:`assemble` then gives every node the
+whole checkpoint in a hidden directory of its area (``.load-{token}``): hard links to the files it holds, and the
+files it lacks fetched from the nodes that hold them (:func:`~lightning_dcp.engine.tiers.replication.run_transfers`),
+so a replacement node with an empty area receives its part from a peer. Each node then loads its own copy (DCP
+reshards to the current world size, and every record read is checked against its checksum in ``.commit``);
+:func:`release` removes the directories. Nothing here reads a durable tier.
+
+Every function is collective over the memory tier's group.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from lightning_dcp.engine.integrity import check_checkpoint
+from lightning_dcp.engine.localfs import new_token, remove_path
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, parse_commit
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers.parts import LOAD_PREFIX, Part, complete
+from lightning_dcp.engine.tiers.replication import Transfer, run_transfers
+from lightning_dcp.errors import CheckpointError
+
+if TYPE_CHECKING:
+    from lightning_dcp.engine.tiers.memory import MemoryTier
+
+__all__ = ["assemble", "release", "restorable"]
+
+_SLIM = ("committed_at", "metadata", "order")
+
+
+def restorable(tier: MemoryTier) -> list[tuple[tuple, str, tuple]]:
+    """``(order key, name, identity)`` of every checkpoint the areas can restore, newest first (every rank alike)."""
+    own = []
+    if tier.topology.leader:
+        for part in tier.store.parts():
+            slim = {k: part.marker[k] for k in _SLIM if k in part.marker}
+            own.append((part.name, part.node, part.nodes, part.files, slim))
+    parts = [
+        (i, Part(name=n, node=j, nodes=count, files=files, marker=slim, path=""))
+        for i, held in enumerate(tier.gather(own))
+        for n, j, count, files, slim in held
+    ]
+    return complete(parts)
+
+
+def _held(tier: MemoryTier, name: str, identity: tuple) -> dict[str, str]:
+    """The files of checkpoint ``name`` this node's area holds, with their paths (own part and replicas)."""
+    held = {}
+    for part in tier.store.parts():
+        if part.name == name and part.identity == identity:
+            held.update({f: os.path.join(part.path, f) for f in part.files})
+            held.setdefault(METADATA_FILE, os.path.join(part.path, METADATA_FILE))
+            held.setdefault(COMMIT_FILE, os.path.join(part.path, COMMIT_FILE))
+    return held
+
+
+def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
+    """Give every node the whole checkpoint ``name``; returns this node's directory holding it.
+
+    Raises:
+        CheckpointError: The areas no longer hold every part, a transfer failed, or an assembled copy fails the fast
+            checks (on any node: every rank raises).
+    """
+    topology = tier.topology
+    held = _held(tier, name, identity)
+    holdings = tier.gather(sorted(held) if topology.leader else None)
+    by_node = {topology.node_of(r): set(files) for r, files in enumerate(holdings) if files is not None}
+    holders = [j for j in range(topology.nodes) if COMMIT_FILE in by_node.get(j, ())]
+    if not holders:
+        raise CheckpointError(f"No node's memory area holds {name!r} any more.")
+    source = topology.ranks[holders[0]][0]
+    payload = None
+    if topology.rank == source:
+        with open(held[METADATA_FILE], "rb") as f, open(held[COMMIT_FILE], "rb") as g:
+            payload = (f.read(), g.read(), new_token())
+    metadata, marker, token = tier.broadcast(payload, src=source)
+    files = {f: e["size"] for f, e in parse_commit(marker)["files"].items()}
+    into = os.path.join(tier.store.root, f"{LOAD_PREFIX}{token}")
+    transfers = []
+    for node in range(topology.nodes):
+        for i, f in enumerate(sorted(files)):
+            if f in by_node.get(node, ()):
+                continue
+            owners = [j for j in range(topology.nodes) if f in by_node.get(j, ())]
+            if not owners:
+                raise CheckpointError(f"No node's memory area holds {f} of {name!r} any more.")
+            src_ranks, dst_ranks = topology.ranks[owners[node % len(owners)]], topology.ranks[node]
+            transfers.append(Transfer(src_ranks[i % len(src_ranks)], dst_ranks[i % len(dst_ranks)], f, files[f]))
+
+    def prepare() -> None:
+        if not topology.leader:
+            return
+        os.makedirs(into)
+        for f, path in held.items():
+            if f in files or f in (METADATA_FILE, COMMIT_FILE):
+                os.link(path, os.path.join(into, f))
+        for f, data in ((METADATA_FILE, metadata), (COMMIT_FILE, marker)):
+            if f not in held:
+                with open(os.path.join(into, f), "wb") as out:
+                    out.write(data)
+
+    def check() -> None:
+        if topology.leader:
+            check_checkpoint(Location(into))
+
+    try:
+        _step(tier, name, prepare)  # the directory exists on every node before anything is received into it
+        _step(
+            tier, name, lambda: run_transfers(transfers, rank=topology.rank, sources=held, into=into, group=tier.group)
+        )
+        _step(tier, name, check)
+    except CheckpointError:
+        if topology.leader:
+            remove_path(into)
+        raise
+    return into
+
+
+def _step(tier: MemoryTier, name: str, fn: Callable[[], object]) -> None:
+    """Run ``fn`` on every rank; raise on every rank if it failed on any."""
+    error = None
+    try:
+        fn()
+    except Exception as err:
+        error = f"node {tier.topology.node} (rank {tier.topology.rank}): {type(err).__name__}: {err}"
+    failed = [e for e in tier.gather(error) if e is not None]
+    if failed:
+        raise CheckpointError(f"Restoring {name!r} from the memory tier failed: {'; '.join(failed)}")
+
+
+def release(tier: MemoryTier, directory: str) -> None:
+    """Remove the assembled ``directory`` once every rank is done with it."""
+    tier.gather(None)
+    if tier.topology.leader:
+        remove_path(directory)

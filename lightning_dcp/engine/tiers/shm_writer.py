@@ -1,0 +1,234 @@
+"""The memory tier's storage writer: each rank's records copied straight from its tensors into a mapped tmpfs file.
+
+A rank writes one data file, ``__{rank}_0.distcp``, in DCP's format (:mod:`lightning_dcp.engine.records`: every
+tensor record is ``prefix + raw bytes + suffix``, so any DCP reader loads it and reshards it). The file is mapped
+into the process and each tensor is copied into its place with one ``copy_`` (piece by piece, each piece hashed
+while it is still in the cache: xxHash3-64 per record, as every writer of this library records in ``.commit``).
+
+Tensors come first, in a stable order, then the serialized objects (their size changes from save to save), so a
+file's tensor records keep their offsets from one save to the next. The file is allocated with some room to spare
+and reused: a save overwrites the file of an evicted part (:class:`~lightning_dcp.engine.tiers.parts.PartStore`
+free slots) through the mapping this process already holds (:class:`Mappings`), at the speed of a memory copy, with
+no page to allocate or fault in. The file may be longer than its records (``.commit`` records the size they span;
+readers accept longer files, and copies to other tiers take the recorded size).
+
+The coordinator's :meth:`ShmWriter.finish` writes ``.metadata`` and keeps the ``.commit`` marker in
+:attr:`ShmWriter.marker` instead of writing it: the memory tier commits each node's part itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import mmap
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
+from lightning_dcp.engine.records import tensor_record
+
+__all__ = ["Mappings", "ShmWriter", "data_file"]
+
+_ALIGN = 64
+_PIECE = 8 << 20  # copied then hashed while in the cache (L2/L3)
+_ROOM = 4 << 20  # spare room for the objects to grow without a new mapping
+_GRANULE = 1 << 20
+
+
+def data_file(rank: int) -> str:
+    """The name of the data file rank ``rank`` writes."""
+    return f"__{rank}_0{DATA_SUFFIX}"
+
+
+class Mappings:
+    """Writable shared mappings of this process's tmpfs files, by inode, kept across saves.
+
+    Mapping a file anew costs a page fault per 4 KiB on first touch (3-4x a memory copy here); a file reused
+    through the mapping already held costs a copy only. Each mapping keeps its file open, so a file deleted since
+    (an evicted part) is noticed and unmapped by :meth:`prune`.
+    """
+
+    def __init__(self) -> None:
+        self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
+
+    def open(self, path: str, size: int) -> mmap.mmap:
+        """A writable mapping of ``path`` of at least ``size`` bytes (the file is created or grown as needed)."""
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        st = os.fstat(fd)
+        key = (st.st_dev, st.st_ino)
+        cached = self._maps.get(key)
+        if cached is not None and len(cached[0]) >= size and st.st_size == len(cached[0]):
+            os.close(fd)
+            return cached[0]
+        try:
+            capacity = -(-(size + _ROOM) // _GRANULE) * _GRANULE
+            if st.st_size < capacity:
+                os.ftruncate(fd, capacity)
+            else:
+                capacity = st.st_size
+            mapped = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(fd)
+            raise
+        if cached is not None:
+            self._drop(key)
+        self._maps[key] = (mapped, fd)
+        return mapped
+
+    def prune(self) -> None:
+        """Unmap the files deleted since they were mapped (their memory goes back to the system)."""
+        for key, (_, fd) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                self._drop(key)
+
+    def _drop(self, key: tuple[int, int]) -> None:
+        mapped, fd = self._maps.pop(key)
+        try:
+            mapped.close()
+        except BufferError:  # a view is still alive: the mapping goes with it
+            pass
+        os.close(fd)
+
+    def close(self) -> None:
+        """Unmap everything (views handed out must be gone)."""
+        for key in list(self._maps):
+            self._drop(key)
+
+
+@dataclasses.dataclass
+class _Slot:
+    item: WriteItem
+    data: Any  # a CPU tensor (contiguous) or the bytes of a serialized object
+    offset: int  # of the record in the file
+    length: int
+    prefix: bytes
+    suffix: bytes
+
+
+class ShmWriter(FileSystemWriter):
+    """DCP storage writer of the memory tier: one mapped data file per rank in a (tmpfs) directory.
+
+    Args:
+        path: The directory (a part's staging directory; it must exist before :meth:`write_data`).
+        mappings: The process's mappings (reused across saves).
+        on_copied: Called on this rank once its tensors are copied (before the results are exchanged): what an
+            async save's optimizer steps wait for.
+
+    Attributes:
+        order: ``{"counter", "step"}`` recorded in ``.commit`` (set before the save).
+        metadata_bytes: The coordinator's ``.metadata`` after :meth:`finish`.
+        marker: The coordinator's ``.commit`` bytes after :meth:`finish` (not written to disk).
+        written: This rank's data file name and the bytes its records span, after :meth:`write_data`.
+    """
+
+    def __init__(self, path: str, *, mappings: Mappings, on_copied: Callable[[], None] | None = None) -> None:
+        super().__init__(path, single_file_per_rank=True, sync_files=False, thread_count=1, overwrite=True)
+        self.mappings = mappings
+        self.on_copied = on_copied
+        self.order: dict[str, Any] | None = None
+        self.metadata_bytes: bytes | None = None
+        self.marker: bytes | None = None
+        self.written: tuple[str, int] | None = None
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Copy this rank's items into its data file in the memory area, each record with its digest."""
+        rank = int(plan.storage_data.prefix.strip("_").split("_")[0])
+        name = data_file(rank)
+        slots, end = _layout(plan.items, planner)
+        mapped = self.mappings.open(os.path.join(os.fspath(self.path), name), end)
+        view = memoryview(mapped)
+        target = torch.frombuffer(mapped, dtype=torch.uint8) if end else None
+        results = []
+        try:
+            for slot in slots:
+                digest = _write_record(view, target, slot)
+                info = StorageInfo(name, slot.offset, slot.length)
+                results.append(
+                    WriteResult(index=slot.item.index, size_in_bytes=slot.length, storage_data=(info, digest))
+                )
+        finally:
+            del target
+            view.release()
+        self.written = (name, end)
+        if self.on_copied is not None:
+            self.on_copied()
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Write the metadata file; build the marker with each file's records (the memory tier commits it)."""
+        files: dict[str, dict[str, Any]] = {}
+        plain = []
+        for rank_results in results:
+            plain.append([])
+            for result in rank_results:
+                info, digest = result.storage_data
+                entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
+                entry["records"].append([info.offset, info.length, digest])
+                entry["size"] = max(entry["size"], info.offset + info.length)
+                plain[-1].append(dataclasses.replace(result, storage_data=info))
+        super().finish(metadata, plain)
+        with open(os.path.join(os.fspath(self.path), METADATA_FILE), "rb") as f:
+            self.metadata_bytes = f.read()
+        self.marker = encode_commit(metadata_bytes=self.metadata_bytes, files=files, order=self.order)
+
+
+def _layout(items: list[WriteItem], planner: SavePlanner) -> tuple[list[_Slot], int]:
+    """Where each record goes: tensors first (stable order, raw bytes 64-byte aligned), then objects."""
+
+    def order(item: WriteItem) -> tuple:
+        offsets = tuple(item.index.offset) if item.index.offset is not None else ()
+        return (item.type == WriteItemType.BYTE_IO, item.index.fqn, offsets)
+
+    slots, position = [], 0
+    for item in sorted(items, key=order):
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data)
+            slots.append(_Slot(item, raw, position, len(raw), b"", b""))
+            position += len(raw)
+            continue
+        tensor = data.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        if not tensor.is_contiguous():
+            tensor = tensor.contiguous()
+        record = tensor_record(tensor.dtype, tuple(tensor.shape))
+        position += -(position + record.data_offset) % _ALIGN
+        slots.append(_Slot(item, tensor, position, record.length, record.prefix, record.suffix))
+        position += record.length
+    return slots, position
+
+
+def _write_record(view: memoryview, target: torch.Tensor | None, slot: _Slot) -> int:
+    """Copy one record into the mapping at its offset, hashing each piece right after it is copied."""
+    hasher = xxhash.xxh3_64()
+    at = slot.offset
+    if isinstance(slot.data, bytes):
+        view[at : at + len(slot.data)] = slot.data
+        hasher.update(view[at : at + len(slot.data)])
+        return hasher.intdigest()
+    view[at : at + len(slot.prefix)] = slot.prefix
+    hasher.update(slot.prefix)
+    at += len(slot.prefix)
+    source = slot.data.reshape(-1).view(torch.uint8) if slot.data.numel() else None
+    nbytes = 0 if source is None else source.numel()
+    for begin in range(0, nbytes, _PIECE):
+        end = min(begin + _PIECE, nbytes)
+        target[at + begin : at + end].copy_(source[begin:end])
+        hasher.update(view[at + begin : at + end])
+    at += nbytes
+    view[at : at + len(slot.suffix)] = slot.suffix
+    hasher.update(slot.suffix)
+    return hasher.intdigest()

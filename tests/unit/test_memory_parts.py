@@ -1,0 +1,56 @@
+"""The memory tier's part format (engine/tiers/parts.py): commit by rename, what counts as restorable, eviction."""
+
+from __future__ import annotations
+
+import os
+
+from lightning_dcp.engine.marker import encode_commit
+from lightning_dcp.engine.tiers.parts import PartStore, complete
+
+
+def _marker(counter: int, files: dict[str, int]) -> bytes:
+    entries = {name: {"size": size, "records": [[0, size, 1]]} for name, size in files.items()}
+    return encode_commit(metadata_bytes=b"meta", files=entries, order={"counter": counter, "step": counter})
+
+
+def _commit(store: PartStore, name: str, node: int, marker: bytes, files: list[str]) -> str:
+    staging = store.staging(name, node, "t0k3n")
+    store.take_slot(staging)
+    for f in files:
+        with open(os.path.join(staging, f), "wb") as out:
+            out.write(b"x" * 4)
+    return store.commit(staging, name=name, node=node, nodes=2, files=files, metadata=b"meta", marker=marker)
+
+
+def test_parts_are_restorable_only_when_every_node_part_is_held(tmp_path):
+    a, b = PartStore(str(tmp_path / "a")), PartStore(str(tmp_path / "b"))
+    one = _marker(1, {"__0_0.distcp": 4, "__1_0.distcp": 4})
+    two = _marker(2, {"__0_0.distcp": 4, "__1_0.distcp": 4})
+    _commit(a, "s1", 0, one, ["__0_0.distcp"])
+    _commit(b, "s1", 1, one, ["__1_0.distcp"])
+    _commit(a, "s2", 0, two, ["__0_0.distcp"])  # node 1 died before committing its part of s2
+    parts = [(0, p) for p in a.parts()] + [(1, p) for p in b.parts()]
+    assert [name for _, name, _ in complete(parts)] == ["s1"]
+    _commit(a, "s2", 1, two, ["__1_0.distcp"])  # a replica of node 1's part on node a
+    assert [name for _, name, _ in complete([(0, p) for p in a.parts()])] == ["s2"]  # s1: part 1 is on b only
+    # a staging directory (a save or replica cut short) is never a part, and is cleaned up
+    os.makedirs(a.staging("s3", 0, "dead"))
+    assert {p.name for p in a.parts()} == {"s1", "s2"}
+    assert len(a.remove_stale()) == 1
+
+
+def test_a_torn_part_is_not_listed_and_an_evicted_one_becomes_a_free_slot(tmp_path):
+    store = PartStore(str(tmp_path))
+    path = _commit(store, "s1", 0, _marker(1, {"__0_0.distcp": 4}), ["__0_0.distcp"])
+    part = store.read("s1@0")
+    assert part is not None and part.files == ["__0_0.distcp"] and part.key[0] == 1
+    store.uncommit(path)  # a removal cut short: the marker goes first
+    assert store.parts() == []
+    path = _commit(store, "s2", 0, _marker(2, {"__0_0.distcp": 4}), ["__0_0.distcp"])
+    store.free(store.read("s2@0"), slots=1)
+    assert store.parts() == [] and len(store.free_slots()) == 1
+    slot_file = os.path.join(store.free_slots()[0], "__0_0.distcp")
+    inode = os.stat(slot_file).st_ino
+    staging = store.staging("s3", 0, "abc")
+    store.take_slot(staging)  # the next save reuses the slot's files (and their pages)
+    assert os.stat(os.path.join(staging, "__0_0.distcp")).st_ino == inode and store.free_slots() == []

@@ -14,14 +14,16 @@ reader loads them. On top of that:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import io
 import os
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -32,7 +34,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_dcp._compat import DCPFsspecFileSystem, FsspecReader, FsspecWriter, StorageInfo, narrow_tensor_by_index
+from lightning_dcp._compat import (
+    DCP_METADATA_VERSION,
+    DCPFsspecFileSystem,
+    FsspecReader,
+    FsspecWriter,
+    StorageInfo,
+    narrow_tensor_by_index,
+)
 from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.engine.datafiles import FileJob, RecordResult, assign_files, write_local, write_stream
 from lightning_dcp.engine.marker import (
@@ -52,7 +61,7 @@ from lightning_dcp.engine.records import tensor_record
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
 
-__all__ = ["save_planner", "storage_reader", "storage_writer"]
+__all__ = ["compact_result", "metadata_pickle", "save_planner", "storage_reader", "storage_writer"]
 
 
 def storage_writer(location: Location, *, thread_count: int, sync_files: bool) -> StorageWriter:
@@ -134,24 +143,78 @@ class _ChecksummingWriter:
             return write_stream(stream, job, planner.resolve_data)
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """DCP's storage-writer contract (coordinator): :meth:`finish_compact` of the results."""
+        self.finish_compact(metadata, [[compact_result(r) for r in rank_results] for rank_results in results])
+
+    def finish_compact(self, metadata: Metadata, results: list[list[tuple]]) -> None:
+        """Write ``.metadata`` (what ``FileSystemWriter.finish`` writes) and then ``.commit`` (coordinator only).
+
+        Args:
+            metadata: The global plan's metadata (not modified).
+            results: Per rank, ``(fqn, offsets, size, file, offset, length, checksum)`` of every record written.
+        """
         files: dict[str, dict[str, Any]] = {}
-        plain = []
         for rank_results in results:
-            plain.append([])
-            for result in rank_results:
-                info, digest = result.storage_data
-                entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
-                entry["records"].append([info.offset, info.length, digest])
-                entry["size"] = max(entry["size"], info.offset + info.length)
-                plain[-1].append(dataclasses.replace(result, storage_data=info))
-        super().finish(metadata, plain)
-        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
-            metadata_bytes = f.read()
-        with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "wb") as f:
-            f.write(encode_commit(metadata_bytes=metadata_bytes, files=files))
-            f.flush()
-            if self.sync_files:
+            for _, _, _, name, offset, length, digest in rank_results:
+                entry = files.get(name)
+                if entry is None:
+                    entry = files[name] = {"size": 0, "records": []}
+                entry["records"].append([offset, length, digest])
+                if offset + length > entry["size"]:
+                    entry["size"] = offset + length
+        metadata_bytes = metadata_pickle(metadata, results)
+        self._put(METADATA_FILE, metadata_bytes, atomic=self.local_files)
+        self._put(COMMIT_FILE, encode_commit(metadata_bytes=metadata_bytes, files=files), atomic=False)
+
+    def _put(self, name: str, data: bytes, *, atomic: bool) -> None:
+        final = self.fs.concat_path(self.path, name)
+        path = self.fs.concat_path(self.path, name + ".tmp") if atomic else final
+        with self.fs.create_stream(path, "wb") as f:
+            f.write(data)
+            if self.sync_files and self.local_files:
+                f.flush()
                 os.fsync(f.fileno())
+        if atomic:
+            self.fs.rename(path, final)
+
+
+def compact_result(result: WriteResult) -> tuple:
+    """``(fqn, offsets, size, file, offset, length, checksum)`` of one record our writer wrote."""
+    info, digest = result.storage_data
+    offset = None if result.index.offset is None else tuple(result.index.offset)
+    return (result.index.fqn, offset, result.size_in_bytes, info.relative_path, info.offset, info.length, digest)
+
+
+_METADATA_CACHE: list[Any] = []  # [(metadata, layout key, bytes)]: the last ``.metadata`` pickled
+
+
+def metadata_pickle(metadata: Metadata, results: list[list[tuple]]) -> bytes:
+    """The bytes of ``.metadata``: ``metadata`` with the records' storage locations, pickled as DCP does.
+
+    A training run saves the same layout every time (the same plan, the same record sizes, the same files): then the
+    bytes of the previous save are reused, because pickling thousands of entries takes longer than writing them.
+    ``storage_meta`` (the path and a random id of the save, which nothing reads) is left out so that the bytes of
+    two saves can be equal; DCP's readers fill it in when they load.
+    """
+    key = tuple(record[:6] for rank_results in results for record in rank_results)
+    if _METADATA_CACHE and _METADATA_CACHE[0][0] is metadata and _METADATA_CACHE[0][1] == key:
+        return _METADATA_CACHE[0][2]
+    storage_data = {
+        MetadataIndex(fqn, None if offset is None else torch.Size(offset)): StorageInfo(name, start, length)
+        for fqn, offset, _, name, start, length in key
+    }
+    final = dataclasses.replace(metadata, storage_data=storage_data, storage_meta=None)
+    if DCP_METADATA_VERSION is not None:
+        final.version = DCP_METADATA_VERSION
+    enabled = gc.isenabled()
+    gc.disable()  # thousands of small objects: collections would run over the whole heap many times
+    try:
+        data = pickle.dumps(final)
+    finally:
+        if enabled:
+            gc.enable()
+    _METADATA_CACHE[:] = [(metadata, key, data)]
+    return data
 
 
 class _LocalWriter(_ChecksummingWriter, FileSystemWriter):

@@ -26,6 +26,7 @@ import pickle
 import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -33,6 +34,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.dcp_io import compact_result
 from lightning_dcp.engine.planning import plan_signature
 
 __all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
@@ -103,9 +105,15 @@ def prepare(
         signature = plan_signature(local)
     if not distributed:
         _raise_first([error])
-        plans, metadata = planner.create_global_plan([local])
-        plan = planner.finish_plan(writer.prepare_global_plan(plans)[0])
-        return PreparedSave(plan, planner, writer, group, False, 0, metadata)
+        key = (type(planner).__name__, type(writer).__name__, None, 1, 0)
+        with _CACHE_LOCK:
+            cached = _CACHE.get(key)
+        if cached is None or cached.signatures != [signature]:
+            plans, metadata = planner.create_global_plan([local])
+            cached = _Cached([signature], writer.prepare_global_plan(plans)[0], metadata)
+            with _CACHE_LOCK:
+                _CACHE[key] = cached
+        return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, False, 0, cached.metadata)
     signatures: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(signatures, (signature, _portable(error)), group=group)
     _raise_first([e for _, e in signatures])
@@ -150,7 +158,7 @@ def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None
         try:
             future = prepared.writer.write_data(prepared.plan, prepared.planner)
             future.wait()
-            compact = [_compact(result) for result in future.value()]
+            compact = [compact_result(result) for result in future.value()]
         except Exception as err:
             error = err
     if not prepared.distributed:
@@ -214,21 +222,19 @@ def save(
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _compact(result: WriteResult) -> tuple:
-    info, digest = result.storage_data
-    offset = None if result.index.offset is None else tuple(result.index.offset)
-    return (result.index.fqn, offset, result.size_in_bytes, info.relative_path, info.offset, info.length, digest)
-
-
 def _finish(prepared: PreparedSave, compact: list[list[tuple]]) -> None:
+    finish_compact = getattr(prepared.writer, "finish_compact", None)
+    if finish_compact is not None:
+        finish_compact(prepared.metadata, compact)
+        return
     results = [
         [
             WriteResult(
-                index=MetadataIndex(fqn, offset),
+                index=MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
                 size_in_bytes=size,
-                storage_data=(StorageInfo(path, start, length), digest),
+                storage_data=StorageInfo(path, start, length),
             )
-            for fqn, offset, size, path, start, length, digest in rank_results
+            for fqn, offset, size, path, start, length, _ in rank_results
         ]
         for rank_results in compact
     ]

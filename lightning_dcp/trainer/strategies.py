@@ -30,8 +30,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -45,6 +43,7 @@ from lightning_dcp._compat import (
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
 from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -190,7 +189,7 @@ class DCPStrategyMixin:
         """Sharded: ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded, nothing is gathered)."""
         if not self._dcp_sharded:
             return super().lightning_module_state_dict()
-        return get_model_state_dict(self._dcp_module(), options=StateDictOptions())
+        return model_state_dict(self._dcp_module())
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -199,7 +198,7 @@ class DCPStrategyMixin:
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self._dcp_module(), optimizer, options=StateDictOptions())
+        return optimizer_state_dict(self._dcp_module(), optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None) -> None:
@@ -241,12 +240,10 @@ class DCPStrategyMixin:
         if not self._dcp_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self._dcp_module()
-        target: dict[str, Any] = {layout.MODEL_KEY: get_model_state_dict(module, options=StateDictOptions())}
+        target: dict[str, Any] = {layout.MODEL_KEY: model_state_dict(module)}
         trainer = self.lightning_module.trainer
         if self.optimizers and trainer.state.fn == TrainerFn.FITTING:
-            target[layout.OPTIMIZER_KEY] = [
-                get_optimizer_state_dict(module, optimizer, options=StateDictOptions()) for optimizer in self.optimizers
-            ]
+            target[layout.OPTIMIZER_KEY] = [optimizer_state_dict(module, optimizer) for optimizer in self.optimizers]
         checkpoint = self._dcp_io.load_checkpoint(
             checkpoint_path,
             weights_only=weights_only,

@@ -15,9 +15,12 @@ every round (A B C A B C ...) so that they see the same machine:
   every ``every`` steps: sync (``sync``), async (``async``), async with deferred staging (``deferred``); reports
   the fit's wall time and each save's stall (the time ``trainer.save_checkpoint`` blocked the loop inside
   ``ModelCheckpoint``). Async fits include the wait for the last save at teardown.
-- ``load``: ``strategy.load_checkpoint`` of a checkpoint saved at world size ``save_world_size`` into the model
-  and AdamW state (what a resume does), with the checkpoint's files evicted from the page cache first (``cold``
-  says whether that worked); and ``read``: a sequential read of the same files, evicted the same way.
+- ``load``: a resume's restore of a checkpoint saved at world size ``save_world_size``: ``strategy.load_checkpoint``
+  into the model and AdamW state, then ``load_model_state_dict`` and ``load_optimizer_state_dict``, with the
+  checkpoint's files evicted from the page cache first (``cold`` says whether that worked); ``stock``: the same
+  restore of stock Lightning DDP's single ``.ckpt`` of the same state (``torch.load`` on every rank, then
+  ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; and
+  ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit).
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -256,31 +259,54 @@ def task_fit(
 def task_load(
     rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
 ) -> dict:
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+
     from lightning_dcp.engine.metadata import _PARSED
 
     path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
+    stock_path = os.path.join(workdir, f"stock-ws{save_world_size}.ckpt")
     trainer, _ = _fitted(world_size, mix, scale)
-    runs: dict[str, list[float]] = {"load": [], "read": []}
+    strategy = trainer.strategy
+    methods = ("load", "stock", "read")
+    runs: dict[str, list[float]] = {m: [] for m in methods}
     cold = True
+
+    def ours() -> None:  # what a resume does: read into the model and optimizer, then apply
+        checkpoint = strategy.load_checkpoint(path)
+        strategy.load_model_state_dict(checkpoint)
+        strategy.load_optimizer_state_dict(checkpoint)
+
+    def stock() -> None:  # stock Lightning DDP: torch.load of the one file on every rank, then apply
+        checkpoint = TorchCheckpointIO().load_checkpoint(stock_path)
+        DDPStrategy.load_model_state_dict(strategy, checkpoint)
+        DDPStrategy.load_optimizer_state_dict(strategy, checkpoint)
+
     for round_ in range(repeats + 1):
-        for method in ("load", "read"):
+        for method in methods:
             _barrier()
             if rank == 0:
-                cold = evict(path) and cold
+                cold = evict(stock_path if method == "stock" else path) and cold
+            _barrier()
             if method == "load":
                 _PARSED.clear()  # as in a fresh process: parse .metadata again
-                _, seconds = _timed(lambda: trainer.strategy.load_checkpoint(path))
+                _, seconds = _timed(ours)
+            elif method == "stock":
+                _, seconds = _timed(stock)
             else:
                 _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)
             if round_ > 0:
                 runs[method].append(seconds)
-    return {"bytes": dir_bytes(path), "runs": runs, "cold": cold}
+    return {"bytes": dir_bytes(path), "stock_bytes": dir_bytes(stock_path), "runs": runs, "cold": cold}
 
 
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
-    """Write the checkpoint the ``load`` task resumes from (saved at this world size)."""
+    """Write the checkpoints the ``load`` task resumes from (saved at this world size): ours and stock DDP's."""
     trainer, _ = _fitted(world_size, mix, scale)
     trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
+    del trainer
+    stock, _ = _fitted(world_size, mix, scale, strategy="ddp")
+    stock.save_checkpoint(os.path.join(workdir, f"stock-ws{world_size}.ckpt"))
     return {}
 
 
@@ -356,6 +382,7 @@ def run(
             res = spawn("load", world_size, loaddir, repeats=repeats, save_world_size=saved, **common)
             out["load"][f"saved_ws{saved}"] = {
                 "bytes": res["bytes"],
+                "stock_bytes": res["stock_bytes"],
                 "cold": res["cold"],
                 **{m: summary(v) for m, v in res["runs"].items()},
             }
@@ -371,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--fit-steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--load-world-sizes", default="2,1", help="world sizes the loaded checkpoints are saved at")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_", dir=os.path.abspath("."))
@@ -384,6 +412,7 @@ def main(argv: list[str] | None = None) -> int:
             tasks=tuple(args.tasks.split(",")),
             fit_steps=args.fit_steps,
             every=args.every,
+            load_world_sizes=tuple(int(n) for n in args.load_world_sizes.split(",")),
         )
         print(json.dumps(result, indent=2))
     finally:

@@ -76,6 +76,9 @@ def assign_files(
     in a stable order (by key and offset), so the same state always lands in the same files. An item for which
     ``own_file`` returns a name gets a file of that name to itself (incremental saves), listed first.
     """
+    key = (id(items), prefix, files, suffix)
+    if own_file is None and _ASSIGNED and _ASSIGNED[0][0] is items and _ASSIGNED[0][1] == key:
+        return [FileJob(job.name, job.items) for job in _ASSIGNED[0][2]]  # the same plan as the last save
     own = [FileJob(name, [item]) for item in items if own_file and (name := own_file(item)) is not None]
     if own:
         mine = {id(job.items[0]) for job in own}
@@ -88,7 +91,13 @@ def assign_files(
         sizes[i] += item_nbytes(item)
     for job in jobs:
         job.items.sort(key=_order)
-    return own + [job for job in jobs if job.items]
+    assigned = own + [job for job in jobs if job.items]
+    if own_file is None:
+        _ASSIGNED[:] = [(items, key, assigned)]
+    return assigned
+
+
+_ASSIGNED: list[tuple] = []  # [(items, key, jobs)] of the last call: a run saves the same plan every time
 
 
 def _order(item: WriteItem) -> tuple:

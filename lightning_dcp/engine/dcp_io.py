@@ -13,6 +13,7 @@ reader loads them. On top of that:
 
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import gc
 import io
@@ -22,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Any
 
 import torch
+import xxhash
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter, StorageReader, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -44,6 +46,7 @@ from lightning_dcp._compat import (
 )
 from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.engine.datafiles import FileJob, RecordResult, assign_files, write_local, write_stream
+from lightning_dcp.engine.fileout import PIECE
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,
@@ -56,7 +59,7 @@ from lightning_dcp.engine.marker import (
 )
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.planning import BalancedSavePlanner
-from lightning_dcp.engine.reading import Source, read_raw
+from lightning_dcp.engine.reading import SMALL_RECORD, Source, read_raw
 from lightning_dcp.engine.records import tensor_record
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
@@ -106,6 +109,23 @@ class _ChecksummingWriter:
     """Set by ``Incremental.attach``: large records in files of their own, unchanged ones linked."""
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """DCP's storage-writer contract: :meth:`write_compact` as ``WriteResult`` objects."""
+        future: Future[list[WriteResult]] = Future()
+        # The checksum rides along to the coordinator and is moved into .commit in finish().
+        future.set_result(
+            [
+                WriteResult(
+                    index=MetadataIndex(fqn, offsets),
+                    size_in_bytes=size,
+                    storage_data=(StorageInfo(name, offset, length), digest),
+                )
+                for fqn, offsets, size, name, offset, length, digest in self.write_compact(plan, planner)
+            ]
+        )
+        return future
+
+    def write_compact(self, plan: SavePlan, planner: SavePlanner) -> list[tuple]:
+        """Write this rank's records; ``(fqn, offsets, size, file, offset, length, checksum)`` for each."""
         own = getattr(self.incremental, "own_file", None)
         jobs = assign_files(
             plan.items, prefix=plan.storage_data.prefix, files=self.thread_count, suffix=DATA_SUFFIX, own_file=own
@@ -116,20 +136,19 @@ class _ChecksummingWriter:
                 per_file = list(pool.map(lambda job: self._write_file(planner, job), jobs))
         else:
             per_file = [self._write_file(planner, job) for job in jobs]
-        future: Future[list[WriteResult]] = Future()
-        # The checksum rides along to the coordinator and is moved into .commit in finish().
-        future.set_result(
-            [
-                WriteResult(
-                    index=r.item.index,
-                    size_in_bytes=r.length,
-                    storage_data=(StorageInfo(r.file, r.offset, r.length), r.digest),
-                )
-                for results in per_file
-                for r in results
-            ]
-        )
-        return future
+        return [
+            (
+                r.item.index.fqn,
+                None if r.item.index.offset is None else tuple(r.item.index.offset),
+                r.length,
+                r.file,
+                r.offset,
+                r.length,
+                r.digest,
+            )
+            for results in per_file
+            for r in results
+        ]
 
     def _write_file(self, planner: SavePlanner, job: FileJob) -> list[RecordResult]:
         path = self.fs.concat_path(self.path, job.name)
@@ -263,6 +282,7 @@ class _VerifyingReader:
         if len(data) > MAX_METADATA_BYTES:
             raise NotACheckpointError(f"{self.path}/{METADATA_FILE} is larger than {MAX_METADATA_BYTES} bytes.")
         metadata = load_metadata(data, where=f"{self.path}/{METADATA_FILE}")
+        self._metadata_bytes = data
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -283,6 +303,16 @@ class _VerifyingReader:
             marker = parse_commit(data)
         except MarkerError as err:
             raise CorruptCheckpointError(f"{self.path}/{COMMIT_FILE} is not valid: {err}.", file=COMMIT_FILE) from None
+        read = getattr(self, "_metadata_bytes", None)
+        if read is not None and (len(read), checksum(read)) != (
+            marker["metadata"]["size"],
+            marker["metadata"]["checksum"],
+        ):
+            raise CorruptCheckpointError(
+                f"{self.path}/{METADATA_FILE} does not match the size and checksum recorded in {COMMIT_FILE}."
+                " Restore the file or resume from another checkpoint.",
+                file=METADATA_FILE,
+            )
         self.checksums = {}
         for name, entry in marker["files"].items():
             for offset, length, digest in entry["records"]:
@@ -290,35 +320,125 @@ class _VerifyingReader:
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         per_file: dict[str, list] = {}
+        storage_data = self.storage_data
         for item in plan.items:
-            per_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
-        for name, items in per_file.items():
+            info = storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, info, item))
+        names = sorted(per_file)
+        # Ranks that read the same files (replicated state) start at different ones: each file comes from the disk
+        # once, read by one rank while another reads another, and from the page cache for the rest.
+        first = (self.rank or 0) % len(names) if names else 0
+        for name in names[first:] + names[:first]:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 source = Source(stream)
                 try:
-                    self._read_file(stream, source, name, items, planner)
+                    self._read_file(stream, source, name, per_file[name], planner)
                 finally:
                     source.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_file(self, stream: IO[bytes], source: Source, name: str, items: list, planner: LoadPlanner) -> None:
+    def _read_file(self, stream: IO[bytes], source: Source, name: str, entries: list, planner: LoadPlanner) -> None:
+        """Read ``entries`` (``(offset, storage info, read item)``) of one file, in file order.
+
+        Runs of small records are read with one call each (up to :data:`~lightning_dcp.engine.fileout.PIECE`
+        bytes) and taken apart in memory; larger records are read one by one, straight into their targets.
+        """
         size = stream.seek(0, os.SEEK_END)
-        for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
-            info = self.storage_data[item.storage_index]
-            expected = self._expected(name, size, info, item)
-            try:
-                if not self._read_in_place(source, name, info, expected, item, planner):
-                    self._apply(self._read_record(stream, name, info, expected, item), item, planner)
-            except CheckpointError:
-                raise
-            except Exception as err:  # a record that is not what the metadata says it is
-                raise CorruptCheckpointError(
-                    f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-                    f" describes it ({describe_load_error(err)}).",
-                    file=name,
-                ) from None
+        entries.sort(key=lambda e: e[0])
+        count, i = len(entries), 0
+        while i < count:
+            offset, info, item = entries[i]
+            if info.length > SMALL_RECORD:
+                self._read_one(stream, source, name, size, info, item, planner)
+                i += 1
+                continue
+            j, end = i, offset
+            while j < count:  # the run: small records, close together, within one buffer
+                start_j, info_j, _ = entries[j]
+                if info_j.length > SMALL_RECORD or start_j - end > _GAP or start_j + info_j.length - offset > PIECE:
+                    break
+                end = max(end, start_j + info_j.length)
+                j += 1
+            for _, info_j, item_j in entries[i:j]:
+                self._expected(name, size, info_j, item_j)  # each record inside the file before reading
+            span, address = source.read_span(offset, end - offset)
+            for start_j, info_j, item_j in entries[i:j]:
+                rel = start_j - offset
+                self._guarded(
+                    name,
+                    item_j,
+                    self._take,
+                    name,
+                    size,
+                    info_j,
+                    item_j,
+                    span[rel : rel + info_j.length],
+                    address + rel,
+                    planner,
+                )
+            i = j
+
+    def _read_one(self, stream, source, name, size, info, item, planner) -> None:
+        expected = self._expected(name, size, info, item)
+
+        def read() -> None:
+            if not self._read_in_place(source, name, info, expected, item, planner):
+                self._apply(self._read_record(stream, name, info, expected, item), item, planner)
+
+        self._guarded(name, item, read)
+
+    def _guarded(self, name: str, item: Any, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except CheckpointError:
+            raise
+        except Exception as err:  # a record that is not what the metadata says it is
+            raise CorruptCheckpointError(
+                f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
+                f" describes it ({describe_load_error(err)}).",
+                file=name,
+            ) from None
+
+    def _take(
+        self, name: str, size: int, info: StorageInfo, item: Any, record: memoryview, address: int, planner: LoadPlanner
+    ) -> None:
+        """Apply one record already in memory (``record``, at ``address``): checked, then copied to its target."""
+        expected = self._expected(name, size, info, item)
+        if len(record) != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
+                file=name,
+            )
+        if expected is not None and _digest(record) != expected:
+            raise self._corrupt(name, item)
+        if item.type == LoadItemType.TENSOR:
+            meta = self._tensor_meta.get(item.storage_index.fqn)
+            sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+            if sizes is not None:
+                layout = tensor_record(meta.properties.dtype, sizes)
+                data, end = layout.data_offset, layout.data_offset + layout.nbytes
+                if info.length == layout.length and record[:data] == layout.prefix and record[end:] == layout.suffix:
+                    self._copy_raw(item, meta.properties.dtype, sizes, address + data, layout.nbytes, planner)
+                    return
+        self._apply(bytes(record), item, planner)
+
+    def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
+            raise TypeError(
+                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
+            )
+        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+        direct = whole and target.device.type == "cpu" and target.is_contiguous()
+        into = target if direct else torch.empty(sizes, dtype=dtype)
+        if nbytes:
+            ctypes.memmove(into.data_ptr(), address, nbytes)
+        if not direct:
+            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
 
     def _read_in_place(
         self, source: Source, name: str, info: StorageInfo, expected: int | None, item: Any, planner: LoadPlanner
@@ -330,7 +450,7 @@ class _VerifyingReader:
         if item.type != LoadItemType.TENSOR:
             return False
         meta = self._tensor_meta.get(item.storage_index.fqn)
-        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index.offset)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
         if sizes is None:
             return False
         dtype = meta.properties.dtype
@@ -357,7 +477,7 @@ class _VerifyingReader:
             planner.load_bytes(item, io.BytesIO(record))
             return
         meta = self._tensor_meta.get(item.storage_index.fqn)
-        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index.offset)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
         if sizes is None:
             raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
         check_archive(record)  # nothing the archive claims is allocated beyond what it holds
@@ -422,13 +542,21 @@ class _VerifyingReader:
         )
 
 
-def _chunk_sizes(meta: TensorStorageMetadata, offsets: Any) -> tuple[int, ...] | None:
-    """The shape of the saved chunk of ``meta`` that starts at ``offsets``."""
-    key = tuple(offsets) if offsets is not None else (0,) * len(meta.size)
+def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:
+    """The shape of the saved chunk of ``meta`` that starts at ``index.offset`` (its ``index`` hint tried first)."""
+    key = tuple(index.offset) if index.offset is not None else (0,) * len(meta.size)
+    hint = index.index
+    if hint is not None and 0 <= hint < len(meta.chunks) and tuple(meta.chunks[hint].offsets) == key:
+        return tuple(meta.chunks[hint].sizes)
     for chunk in meta.chunks:
         if tuple(chunk.offsets) == key:
             return tuple(chunk.sizes)
     return None
+
+
+_GAP = 64 << 10
+"""Records this close together are read with the ones before them (the bytes between are read and skipped)."""
+_digest = xxhash.xxh3_64_intdigest
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from lightning_dcp._compat import ShardedTensor
 from lightning_dcp.engine.datafiles import item_nbytes
 
 __all__ = ["CHUNK_BYTES", "BalancedSavePlanner", "balanced_dedup", "flatten", "plan_signature"]
@@ -49,16 +50,21 @@ class BalancedSavePlanner(DefaultSavePlanner):
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
     ) -> None:
-        """DCP's set-up, with the state dict flattened by :func:`flatten` (the same keys and paths, faster)."""
+        """DCP's set-up, with the state dict flattened by :func:`flatten` (the same keys and paths, faster).
+
+        DCP's pass that flattens FSDP1's ShardedTensors (a copy of the whole flat dict) runs only when one is there.
+        """
         if not self.flatten_state_dict:
             super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
             return
         flat, self.mappings = flatten(state_dict)
-        self.flatten_state_dict = False  # done: DCP's set-up only flattens sharded tensors now
+        sharded = self.flatten_sharded_tensors and any(isinstance(v, ShardedTensor) for v in flat.values())
+        keep = self.flatten_sharded_tensors
+        self.flatten_state_dict, self.flatten_sharded_tensors = False, sharded  # flattened here already
         try:
             super().set_up_planner(flat, storage_meta=storage_meta, is_coordinator=is_coordinator)
         finally:
-            self.flatten_state_dict = True
+            self.flatten_state_dict, self.flatten_sharded_tensors = True, keep
 
     def create_local_plan(self) -> SavePlan:
         """DCP's local plan, with plain tensors larger than ``chunk_bytes`` split into row chunks.
@@ -196,11 +202,15 @@ def _structure(state_dict: dict[str, Any], *args: Any) -> tuple | None:
     planned anew at every call.
     """
     key: list[Any] = [args]
+    tensor, parameter = torch.Tensor, torch.nn.Parameter
     for fqn, value in state_dict.items():
-        if isinstance(value, torch.Tensor):
-            if type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter or value.device.type != "cpu":
+        kind = type(value)
+        if kind is tensor or kind is parameter:
+            if not value.is_cpu:
                 return None
             key.append((fqn, value.dtype, value.shape, value.requires_grad, value.layout))
+        elif isinstance(value, tensor):
+            return None
         else:
             key.append((fqn,))
     return tuple(key)

@@ -20,7 +20,7 @@ from typing import IO
 import torch
 import xxhash
 
-from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE
+from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, borrow_buffer, return_buffer
 from lightning_dcp.engine.records import RecordLayout, raw_bytes
 
 __all__ = ["SMALL_RECORD", "Source", "read_raw"]
@@ -44,6 +44,7 @@ class Source:
             self.fd = None
         self._direct: int | None = None
         self._bounce: mmap.mmap | None = None
+        self._span: tuple | None = None
         if self.fd is not None and hasattr(os, "O_DIRECT") and isinstance(getattr(stream, "name", None), str):
             try:
                 self._direct = os.open(stream.name, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
@@ -51,13 +52,27 @@ class Source:
                 self._direct = None
 
     def close(self) -> None:
-        """Release the direct-I/O descriptor and buffer (the stream stays open)."""
+        """Release the direct-I/O descriptor and buffers (the stream stays open)."""
         if self._direct is not None:
             os.close(self._direct)
             self._direct = None
         if self._bounce is not None:
             self._bounce.close()
             self._bounce = None
+        if self._span is not None:
+            return_buffer(self._span)
+            self._span = None
+
+    def read_span(self, offset: int, length: int) -> tuple[memoryview, int]:
+        """``length`` (at most :data:`~lightning_dcp.engine.fileout.PIECE`) bytes from ``offset`` in one read.
+
+        Returns ``(view, address)``: the bytes read (fewer at the end of the file) in a buffer of this source, and
+        the buffer's memory address; valid until the next call.
+        """
+        if self._span is None:
+            self._span = borrow_buffer()
+        _, view, address = self._span
+        return view[: self.read_into(view[:length], offset)], address
 
     def read_into(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""

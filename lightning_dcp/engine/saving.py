@@ -20,10 +20,12 @@ write in the background (:mod:`lightning_dcp.engine.async_save`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import pickle
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -37,7 +39,7 @@ from lightning_dcp._compat import StorageInfo
 from lightning_dcp.engine.dcp_io import compact_result
 from lightning_dcp.engine.planning import plan_signature
 
-__all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
+__all__ = ["PreparedSave", "RankFailure", "agree", "gc_paused", "prepare", "save", "write"]
 
 
 class RankFailure(RuntimeError):
@@ -156,9 +158,13 @@ def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None
     compact = None
     if error is None:
         try:
-            future = prepared.writer.write_data(prepared.plan, prepared.planner)
-            future.wait()
-            compact = [compact_result(result) for result in future.value()]
+            write_compact = getattr(prepared.writer, "write_compact", None)
+            if write_compact is not None:
+                compact = write_compact(prepared.plan, prepared.planner)
+            else:
+                future = prepared.writer.write_data(prepared.plan, prepared.planner)
+                future.wait()
+                compact = [compact_result(result) for result in future.value()]
         except Exception as err:
             error = err
     if not prepared.distributed:
@@ -212,10 +218,21 @@ def save(
     Raises:
         RankFailure: The save failed on some rank (on every rank); nothing was finished.
     """
+    with gc_paused():
+        write(prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector meanwhile, and run it afterwards if it was enabled.
+
+    A checkpoint creates tens of thousands of small objects (plans, metadata, checksum lists): each burst of them
+    triggers collections over the whole heap of a training process, which cost more than the work itself.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
-        write(prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed))
+        yield
     finally:
         if enabled:
             gc.enable()

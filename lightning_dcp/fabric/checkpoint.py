@@ -75,7 +75,24 @@ def save_state(
         info={**(info or {}), **layout_info},
         storage_options=storage_options,
         collective=True,
+        volatile=_volatile(state, tree, layout_info),
     )
+
+
+def _volatile(state: Mapping[str, Any], tree: Mapping[str, Any], info: Mapping[str, Any]) -> list[torch.Tensor]:
+    """What may change in place before the next optimizer step: module buffers and tensors of neither role."""
+    volatile = [b for value in state.values() if isinstance(value, Module) for b in unwrap(value).buffers()]
+    held = {*info.get(layout.MODULES_INFO, ()), *info.get(layout.OPTIMIZERS_INFO, ())}
+    stack = [value for key, value in tree.items() if key not in held]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            volatile.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return volatile
 
 
 def load_state(

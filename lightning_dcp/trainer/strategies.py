@@ -162,6 +162,17 @@ class DCPStrategyMixin:
             restore_rng_states(deferred)
 
     @override
+    def on_validation_start(self) -> None:
+        """Wait for the staging copies of an async save in flight: validation may change weights in place.
+
+        Weight-averaging callbacks (``EMAWeightAveraging``) swap the averaged weights in at the start of every
+        validation epoch, outside any optimizer step.
+        """
+        super().on_validation_start()
+        if self._dcp_sharded:
+            self._dcp_io.checkpointer.wait_for_staging()
+
+    @override
     def teardown(self) -> None:
         """Finish the background save in flight (if any) before the strategy lets the process group go.
 
@@ -218,6 +229,7 @@ class DCPStrategyMixin:
                 "rng": collect_rng_states(),
                 "mid_epoch": train_epoch_in_progress(self.lightning_module.trainer),
             },
+            volatile=list(self._dcp_module().buffers()),  # a forward pass changes buffers before the next step
         )
 
     @override

@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from lightning_dcp.engine import layout, local_load, saving
 from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.dcp_io import storage_reader
+from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.loading import (
     Probe,

@@ -2,13 +2,14 @@
 
 ``torch.distributed.checkpoint.save`` pickles every rank's whole plan to the coordinator and back at every save,
 gathers every ``WriteResult`` object, and broadcasts the complete metadata to every rank at the end. With thousands
-of tensors that exchange costs more than writing the bytes. Here, with DCP's own planner and storage-writer
-interfaces (the files are exactly the ones ``dcp.save`` writes through the same writer):
+of tensors (or of ranks) that exchange costs more than writing the bytes. Here, with DCP's own planner and
+storage-writer interfaces (the files are exactly the ones ``dcp.save`` writes through the same writer):
 
-1. :func:`prepare` (collective): each rank makes its local plan; ranks exchange a 16-byte signature of it, and when
-   every rank's signature equals the one of the previous save through the same group, every rank reuses its
-   previous final plan (and the coordinator its metadata) without sending a plan; otherwise plans are gathered,
-   the coordinator makes the global plan and scatters it, as DCP does;
+1. :func:`prepare` (collective): each rank makes its local plan and sends the coordinator a 16-byte signature of
+   its shared part and its few private items (:mod:`lightning_dcp.engine.global_plan`). When every rank's plan is
+   the one of the previous save through the same group, every rank reuses its previous final plan (and the
+   coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal plans sends its plan, the
+   coordinator makes the global plan and scatters each rank's part;
 2. :func:`write` (collective): each rank writes its items, the coordinator gathers compact results
    ``(key, offset, file, offset, length, checksum)`` and finishes (``.metadata``, ``.commit``), and every rank
    learns the outcome.
@@ -37,6 +38,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
 from lightning_dcp.engine.dcp_io import compact_result
+from lightning_dcp.engine.global_plan import Group, global_plan, split_private
 from lightning_dcp.engine.planning import plan_signature
 
 __all__ = ["PreparedSave", "RankFailure", "agree", "gc_paused", "prepare", "save", "write"]
@@ -69,9 +71,10 @@ class PreparedSave:
 
 @dataclasses.dataclass
 class _Cached:
-    signatures: list[bytes]
+    signatures: list[Any]  # the coordinator's: per rank, (shared-plan signature, private-plan signature)
     plan: SavePlan
     metadata: Metadata | None
+    generation: int = 0  # which global plan this is: every rank must hold the same one to reuse it
 
 
 _CACHE: dict[Any, _Cached] = {}
@@ -116,34 +119,83 @@ def prepare(
             with _CACHE_LOCK:
                 _CACHE[key] = cached
         return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, False, 0, cached.metadata)
-    signatures: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, (signature, _portable(error)), group=group)
-    _raise_first([e for _, e in signatures])
-    signatures = [s for s, _ in signatures]
-    key = (type(planner).__name__, type(writer).__name__, id(group), len(signatures), rank)
+    size = dist.get_world_size(group)
+    key = (type(planner).__name__, type(writer).__name__, id(group), size, rank)
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
-    if cached is not None and cached.signatures == signatures:
-        # Same plans everywhere as last time: the same global plan, with nothing sent.
+    shared, private, shared_signature = None, None, None
+    if local is not None:
+        shared, private, shared_signature = _split(local, signature)
+    # 1. The coordinator learns every rank's shared-plan signature, private items and errors (small, O(ranks)).
+    summary = (shared_signature, private, _portable(error), cached.generation if cached is not None else None)
+    gathered: list[Any] | None = [None] * size if coordinator else None
+    dist.gather_object(summary, gathered, dst=_global_rank(group, 0), group=group)
+    decision: list[Any] = [None]
+    if coordinator:
+        decision[0] = _decide(gathered, cached)
+    dist.broadcast_object_list(decision, src=_global_rank(group, 0), group=group)
+    kind, detail = decision[0]
+    if kind == "error":
+        raise RankFailure(*detail)
+    if kind == "reuse":  # the same plans everywhere as last time: the same global plan, nothing else sent
         return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, True, rank, cached.metadata)
-    gathered: list[Any] | None = [None] * len(signatures) if coordinator else None
-    dist.gather_object(local, gathered, dst=_global_rank(group, 0), group=group)
+    # 2. Each group's lowest rank sends its shared plan; the coordinator makes every rank's final plan.
+    representatives, generation = detail
+    plans_in: list[Any] | None = [None] * size if coordinator else None
+    dist.gather_object(shared if rank in representatives else None, plans_in, dst=_global_rank(group, 0), group=group)
     outcome: list[Any] = [None]
     if coordinator:
         try:
-            plans, metadata = planner.create_global_plan(gathered)
-            plans = writer.prepare_global_plan(plans)
+            groups = [Group(ranks, plans_in[ranks[0]]) for ranks in _groups([g[0] for g in gathered])]
+            plans, metadata = global_plan(planner, writer, groups, [g[1] for g in gathered])
             scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(plans)]
         except Exception as err:
-            scattered = [(None, _portable(err), None)] * len(signatures)
+            scattered = [(None, _portable(err), None)] * size
     dist.scatter_object_list(outcome, scattered if coordinator else None, src=_global_rank(group, 0), group=group)
     central, error, metadata = outcome[0]
-    failed = [None] * len(signatures)
+    failed = [None] * size
     failed[0] = error
     _raise_first(failed)
+    signatures = [(g[0], plan_signature(g[1])) for g in gathered] if coordinator else []
     with _CACHE_LOCK:
-        _CACHE[key] = _Cached(signatures, central, metadata)
+        _CACHE[key] = _Cached(signatures, central, metadata, generation)
     return PreparedSave(planner.finish_plan(central), planner, writer, group, True, rank, metadata)
+
+
+def _decide(gathered: list[tuple], cached: _Cached | None) -> tuple[str, Any]:
+    """The coordinator's decision: ``("error", (rank, error))``, ``("reuse", None)`` or ``("plan", (reps, gen))``."""
+    for rank, (_, _, error, _) in enumerate(gathered):
+        if error is not None:
+            return "error", (rank, error)
+    signatures = [(g[0], plan_signature(g[1])) for g in gathered]
+    if cached is not None and cached.signatures == signatures and all(g[3] == cached.generation for g in gathered):
+        return "reuse", None
+    generation = (cached.generation if cached is not None else 0) + 1
+    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, generation)
+
+
+def _groups(signatures: list[bytes]) -> list[list[int]]:
+    """Ranks grouped by equal shared-plan signature, each group in rank order, groups by their lowest rank."""
+    groups: dict[bytes, list[int]] = {}
+    for rank, signature in enumerate(signatures):
+        groups.setdefault(signature, []).append(rank)
+    return list(groups.values())
+
+
+_SPLITS: dict[bytes, tuple[SavePlan, SavePlan, bytes]] = {}
+
+
+def _split(local: SavePlan, signature: bytes) -> tuple[SavePlan, SavePlan, bytes]:
+    """``split_private(local)`` and the shared part's signature, remembered by the whole plan's signature."""
+    with _CACHE_LOCK:
+        found = _SPLITS.get(signature)
+    if found is None:
+        shared, private = split_private(local)
+        found = (shared, private, plan_signature(shared))
+        with _CACHE_LOCK:
+            _SPLITS.clear()  # one run's structure at a time
+            _SPLITS[signature] = found
+    return found
 
 
 def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None:

@@ -12,8 +12,9 @@ receives grow with N times the model's tensor count. Here a rank's local plan is
 
 The coordinator assigns every distinct item to one rank among those that hold it (the least loaded, largest items
 first; a heap per group, so an item held by all N ranks costs ``O(log N)``), builds the metadata with DCP's own
-global planning over the deduplicated items (index hints, flattening mappings, validation), and returns one final
-plan per rank. Work and bytes grow with the number of distinct plans and items, plus a small term per rank.
+global planning over the deduplicated items (flattening mappings, validation), and sends each rank only the
+positions, in its own local plan, of the items it writes. Work and bytes grow with the number of distinct plans and
+items, plus a small term per rank.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import heapq
 from collections.abc import Sequence
 from typing import Any
 
-from torch.distributed.checkpoint import SavePlanner, StorageWriter
+from torch.distributed.checkpoint import SavePlanner
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
@@ -59,27 +60,25 @@ def split_private(plan: SavePlan) -> tuple[SavePlan, SavePlan]:
 
 def global_plan(
     planner: SavePlanner,
-    writer: StorageWriter,
     groups: Sequence[Group],
     private: Sequence[SavePlan],
-) -> tuple[list[SavePlan], Metadata]:
-    """Every rank's final plan and the checkpoint's metadata (coordinator only).
+) -> tuple[list[list[int]], Metadata]:
+    """Which items every rank writes, and the checkpoint's metadata (coordinator only).
 
     Args:
         planner: The coordinator's save planner; its ``create_global_plan`` builds the metadata of one plan.
-        writer: The coordinator's storage writer (``prepare_global_plan``: file name prefixes per rank).
         groups: The groups of ranks with equal shared plans (every rank in exactly one group).
         private: Per rank, the items only it writes.
 
     Returns:
-        ``(plans, metadata)``: ``plans[rank]`` is what that rank writes.
+        ``(positions, metadata)``: ``positions[rank]`` indexes that rank's own ``shared.items + private.items``
+        (:func:`split_private`; equal shared plans list the same items in the same order), a small list to send.
     """
     world_size = len(private)
     owner: dict[MetadataIndex, int] = {}
     load = [0] * world_size
     for rank, plan in enumerate(private):
         for item in plan.items:
-            owner[item.index] = rank
             load[rank] += item_nbytes(item) or 1
     holders: dict[MetadataIndex, list[int]] = {}  # index -> groups holding it
     items: dict[MetadataIndex, WriteItem] = {}
@@ -113,6 +112,19 @@ def global_plan(
             used, rank = heapq.heappop(heap)
             heapq.heappush(heap, (used + (nbytes[index] or 1), rank))
         owner[index] = rank
+    group_of = [0] * world_size
+    for g, group in enumerate(groups):
+        for rank in group.ranks:
+            group_of[rank] = g
+    positions: list[list[int]] = [[] for _ in range(world_size)]
+    for g, group in enumerate(groups):
+        for position, item in enumerate(group.plan.items):
+            rank = owner[item.index]
+            if group_of[rank] == g:  # written from this group's plan
+                positions[rank].append(position)
+    for rank, plan in enumerate(private):
+        shared = len(groups[group_of[rank]].plan.items) if groups else 0
+        positions[rank] += range(shared, shared + len(plan.items))
     mappings: dict[str, Any] = {}
     for plan in (*(group.plan for group in groups), *private):
         if isinstance(plan.planner_data, dict):
@@ -120,10 +132,5 @@ def global_plan(
     merged_items = [item for plan in private for item in plan.items] + list(items.values())
     first = groups[0].plan if groups else SavePlan([])
     merged = dataclasses.replace(first, items=merged_items, planner_data=mappings or first.planner_data)
-    (final,), metadata = planner.create_global_plan([merged])
-    per_rank: list[list[WriteItem]] = [[] for _ in range(world_size)]
-    for item in final.items:
-        per_rank[owner[item.index]].append(item)
-    # The mappings are in the metadata; each rank's planner holds its own: the scattered plans carry only items.
-    plans = [dataclasses.replace(final, items=rank_items, planner_data=None) for rank_items in per_rank]
-    return writer.prepare_global_plan(plans), metadata
+    _, metadata = planner.create_global_plan([merged])
+    return positions, metadata

@@ -92,7 +92,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
     def create_global_plan(self, all_plans: list[SavePlan]) -> tuple[list[SavePlan], Metadata]:
         """DCP's global plan after :func:`balanced_dedup` (coordinator only)."""
         # Deduplicated here, DCP's own deduplication then finds nothing left to remove.
-        return super().create_global_plan(balanced_dedup(all_plans))
+        return super().create_global_plan(balanced_dedup(all_plans) if len(all_plans) > 1 else all_plans)
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         """The tensor (a row range of it for a chunk: a view, no copy) or blob of ``write_item``."""

@@ -147,15 +147,19 @@ def prepare(
     if coordinator:
         try:
             groups = [Group(ranks, plans_in[ranks[0]]) for ranks in _groups([g[0] for g in gathered])]
-            plans, metadata = global_plan(planner, writer, groups, [g[1] for g in gathered])
-            scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(plans)]
+            positions, metadata = global_plan(planner, groups, [g[1] for g in gathered])
+            scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(positions)]
         except Exception as err:
             scattered = [(None, _portable(err), None)] * size
     dist.scatter_object_list(outcome, scattered if coordinator else None, src=_global_rank(group, 0), group=group)
-    central, error, metadata = outcome[0]
+    mine, error, metadata = outcome[0]
     failed = [None] * size
     failed[0] = error
     _raise_first(failed)
+    # This rank's final plan: the items it writes, from its own local plan; the file prefix DCP's writer gives it.
+    own = [*shared.items, *private.items]
+    prefix = writer.prepare_global_plan([SavePlan([])] * size)[rank].storage_data
+    central = dataclasses.replace(local, items=[own[p] for p in mine], storage_data=prefix)
     signatures = [(g[0], plan_signature(g[1])) for g in gathered] if coordinator else []
     with _CACHE_LOCK:
         _CACHE[key] = _Cached(signatures, central, metadata, generation)

@@ -33,6 +33,7 @@ import math
 import os
 import pickle
 import shutil
+import sys
 import tempfile
 import time
 from typing import Any
@@ -279,11 +280,45 @@ def _load_plan_seconds(kind: str, metadata, shards: int, ranks: int) -> float:
     return time.perf_counter() - start
 
 
+COLUMNS = (
+    "layout",
+    "ranks",
+    "local_plan_s",
+    "coordinator_s",
+    "commit_s",
+    "save_plan_commit_s",
+    "dcp_coordinator_s",
+    "plans_in_MB",
+    "plans_out_MB",
+    "metadata_MB",
+    "commit_MB",
+    "validate_s",
+    "load_plan_s",
+)
+
+
+def markdown(rows: list[dict[str, Any]], command: str) -> list[str]:
+    """The rows as a markdown table (seconds and MB; ``-`` where not measured)."""
+    lines = [
+        "# Planning and commit at scale (simulated ranks, one process)",
+        "",
+        f"Command: `{command}`. Columns: see `benchmarks/bench_scale.py`.",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "---|" * len(COLUMNS),
+    ]
+    for row in rows:
+        cells = [f"{row[c]:.3f}" if isinstance(row.get(c), float) else str(row.get(c, "-")) for c in COLUMNS]
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", default="64,256,1024,4096,16384")
     parser.add_argument("--layouts", default="ddp,hsdp,fsdp2")
     parser.add_argument("--fsdp2-max-ranks", type=int, default=1024, help="larger FSDP2 plans do not fit in memory")
+    parser.add_argument("--out", default=None, help="write SCALE.md and scale.json into this directory")
     args = parser.parse_args(argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as workdir:
@@ -293,6 +328,13 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 rows.append(simulate(kind, ranks, workdir))
                 print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        command = "python -m benchmarks.bench_scale " + " ".join(argv if argv is not None else sys.argv[1:])
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "scale.json"), "w") as f:
+            json.dump({"command": command, "rows": rows}, f, indent=2)
+        with open(os.path.join(args.out, "SCALE.md"), "w") as f:
+            f.write("\n".join(markdown(rows, command)) + "\n")
     return 0
 
 

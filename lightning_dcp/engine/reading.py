@@ -3,10 +3,12 @@
 A record written by :mod:`lightning_dcp.engine.datafiles` is ``prefix + raw bytes + suffix`` where prefix and suffix
 depend only on the dtype and shape the metadata gives for it (:func:`~lightning_dcp.engine.records.tensor_record`).
 When a record's prefix is exactly that, its raw bytes are read into the target tensor in pieces that are checksummed
-as they arrive: no ``torch.load``, no intermediate ``bytes``. On local files the block-aligned middle of a large
-record is read with ``O_DIRECT``: into the target itself when its address has the same alignment as the bytes'
-file offset, else through one reused aligned buffer; large requests keep the disk busy and the page cache is
-neither filled nor copied from. Small records (and fsspec streams) are read with ordinary calls. A target that is
+as they arrive: no ``torch.load``, no intermediate ``bytes``. Local files are read through the page cache with large
+calls straight into the target tensors: ranks that restore the same replicated files (DDP) share the cached pages,
+so each file comes from the disk once (the readers start at different files). With ``direct=True`` the
+block-aligned middle of a large record is read with ``O_DIRECT`` instead (into the target itself when its address
+has the same alignment as the bytes' file offset, else through one reused aligned buffer): the page cache is
+neither filled nor copied from, which suits files that one rank alone reads. A target that is
 not the whole chunk (a reshard) or not contiguous gets a scratch tensor of the chunk's shape, then the part it needs.
 Records not in that layout (``torch.save`` records of earlier checkpoints, other writers) are left to the caller.
 """
@@ -34,9 +36,10 @@ class Source:
 
     Args:
         stream: The open binary file (from the storage reader's ``create_stream``); stays owned by the caller.
+        direct: Read the middle of large records with ``O_DIRECT`` (local files whose filesystem allows it).
     """
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    def __init__(self, stream: IO[bytes], *, direct: bool = False) -> None:
         self.stream = stream
         try:
             self.fd: int | None = stream.fileno()
@@ -45,7 +48,17 @@ class Source:
         self._direct: int | None = None
         self._bounce: mmap.mmap | None = None
         self._span: tuple | None = None
-        if self.fd is not None and hasattr(os, "O_DIRECT") and isinstance(getattr(stream, "name", None), str):
+        if self.fd is not None and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+            except OSError:
+                pass
+        if (
+            direct
+            and self.fd is not None
+            and hasattr(os, "O_DIRECT")
+            and isinstance(getattr(stream, "name", None), str)
+        ):
             try:
                 self._direct = os.open(stream.name, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
             except OSError:  # the filesystem refuses O_DIRECT: ordinary reads

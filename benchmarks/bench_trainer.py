@@ -84,7 +84,7 @@ def _timed(fn: Any) -> tuple[float, float]:
 
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.unlink(path)
 
@@ -428,7 +428,7 @@ def run(
                 "blocked_total": summary([sum(run) for run in blocked]),
                 "saves": len(r["stalls"][0]),
             }
-        out["fit_steps"], out["every"] = fit_steps, every
+        out["fit_steps"], out["every"], out["ema"] = fit_steps, every, ema
     if "load" in tasks:
         out["load"] = {}
         loaddir = os.path.join(workdir, "load")

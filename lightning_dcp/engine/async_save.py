@@ -68,6 +68,7 @@ class _InFlight:
         self.error: BaseException | None = None
         self.dropped: list[str] = []  # tensors that changed before their deferred copy: the save was dropped
         self.finished = threading.Event()
+        self.removed = threading.Event()  # the removals queued behind it are done too
         self.staged = threading.Event()
         self.step_wait = 0.0
         self.learn: Callable[[list[str]], None] = lambda names: None
@@ -80,6 +81,7 @@ class _InFlight:
             _quietly(self.abandon)
         self.staged.set()
         self.finished.set()
+        self.removed.set()
 
     def run(self, prepared: saving.PreparedSave, deferred: list[Deferred]) -> None:
         """The background thread: the deferred staging copies, write, finish, commit (rank 0), deferred removals."""
@@ -114,6 +116,7 @@ class _InFlight:
         if self.error is None and not self.dropped:
             for location in removals:
                 _quietly(location.remove)
+        self.removed.set()
 
     def defer_removal(self, location: Location) -> bool:
         """Queue ``location`` for deletion after this save commits; False if the save already finished."""
@@ -190,6 +193,7 @@ class AsyncSaves:
         self.stager = Stager(pin_memory=pin_memory)
         self._group: dist.ProcessGroup | None = None
         self._inflight: _InFlight | None = None
+        self._last: _InFlight | None = None
         self._at_call: set[str] = set()  # keys seen changing before their deferred copy: copied at the call
         self.last_step_wait: float | None = None
         """Seconds optimizer steps waited for the deferred copies of the last save that completed (``wait``)."""
@@ -280,6 +284,7 @@ class AsyncSaves:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
+        self._last = inflight
         inflight.finished.wait()
         self.last_step_wait = inflight.step_wait
         if inflight.dropped:
@@ -296,10 +301,16 @@ class AsyncSaves:
             ) from None
 
     def close(self) -> None:
-        """Wait for the save in flight, then release the staging buffers. Raises like :meth:`wait`."""
+        """Wait for the save in flight and the removals queued behind it, release the staging buffers.
+
+        Raises like :meth:`wait`.
+        """
         try:
             self.wait()
         finally:
+            last, self._last = self._last, None
+            if last is not None:
+                last.removed.wait()
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
 
     @staticmethod

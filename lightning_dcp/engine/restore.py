@@ -114,6 +114,8 @@ def load_one(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )
             if not lightning_layout and only is None:
+                for key in _other_tree_keys(metadata, state):  # other saved state dicts: full CPU tensors
+                    state.update(layout.metadata_target(metadata, prefixes=(key + ".",)))
                 state[layout.EXTRA_KEY] = b""
                 if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
                     own = rank if loaded.saved_world_size == world_size else 0
@@ -141,6 +143,14 @@ def load_one(
             loaded.rank_objects_exact = loaded.saved_world_size == world_size
         loaded.tree = state
         return loaded
+
+
+def _other_tree_keys(metadata: Any, target: dict[str, Any]) -> list[str]:
+    """Top-level keys of saved tensor entries the target lacks (besides the blobs and the model/optimizer keys)."""
+    mappings = metadata.planner_data or {}
+    keys = {mappings.get(k, (k,))[0] for k, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks")}
+    known = {layout.MODEL_KEY, layout.OPTIMIZER_KEY, layout.EXTRA_KEY, layout.RANK_KEY, *target}
+    return sorted(k for k in keys if isinstance(k, str) and k not in known)
 
 
 def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:

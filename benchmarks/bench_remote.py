@@ -119,18 +119,44 @@ def run(mix: str, *, world_size: int, repeats: int, scale: float, workdir: str) 
     return result
 
 
+def markdown(result: dict[str, Any], command: str) -> list[str]:
+    """One table of medians (seconds) and the ratios."""
+    runs = result["runs"]
+    cell = lambda m: f"{runs[m]['median']:.3f} ({runs[m]['min']:.3f}-{runs[m]['max']:.3f})"  # noqa: E731
+    rss = max(result["rss_growth_mb"]) if result["rss_growth_mb"] else float("nan")
+    return [
+        "# Resuming from S3 (SeaweedFS on loopback)",
+        "",
+        f"Command: `{command}`. {result['mix']} x {result['scale']}, {result['bytes'] / 1e6:.0f} MB in"
+        f" {result['files']} files, {result['world_size']} ranks (each reads every byte under DDP).",
+        "",
+        "| resume, concurrent ranged reads s | resume, one stream per file s | parallel `get` s (rank 0) |"
+        " get/resume | peak RSS growth per rank MB |",
+        "|---|---|---|---|---|",
+        f"| {cell('load')} | {cell('stream')} | {cell('get')} | {result['load_vs_get']:.2f} | {rss:.0f} |",
+    ]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mix", default="gpt2")
     parser.add_argument("--scale", type=float, default=0.5)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=None, help="write REMOTE.md and remote.json into this directory")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="bench_remote_") as workdir:
         start = time.perf_counter()
         result = run(args.mix, world_size=args.world_size, repeats=args.repeats, scale=args.scale, workdir=workdir)
         result["wall_s"] = time.perf_counter() - start
     print(json.dumps(result, indent=2))
+    if args.out:
+        command = "python -m benchmarks.bench_remote " + " ".join(argv if argv is not None else sys.argv[1:])
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "remote.json"), "w") as f:
+            json.dump({"command": command, **result}, f, indent=2)
+        with open(os.path.join(args.out, "REMOTE.md"), "w") as f:
+            f.write("\n".join(markdown(result, command)) + "\n")
     return 0
 
 

@@ -26,7 +26,7 @@ changes parameters that way outside optimizer steps needs ``defer_staging=False`
 Measured against the alternative of a forked writer (copy-on-write pages instead of a staging copy) on this project's
 machine: forking a process holding 1.2 GB of parameters and AdamW state took 0.10-0.16 s, and the next optimizer
 step then ran 0.9-2.0 s slower while the pages were copied on write, against 0.5-1.0 s for the whole staging copy
-made by a background thread (``benchmarks/fork_cow.py``).
+made by a background thread (``python -m benchmarks.fork_cow --mix huge``).
 
 The loop is blocked for the call plus whatever the next optimizer step waits (:attr:`AsyncSaves.last_step_wait`).
 """

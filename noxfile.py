@@ -20,16 +20,24 @@ nox.options.sessions = ["lint", "tests"]
 nox.options.reuse_existing_virtualenvs = True
 
 
-def _install(session: nox.Session, extras: str) -> None:
+# LitData declares torchvision, and resolving that replaces the CPU torch by a CUDA build: LitData is installed without
+# dependencies, its runtime ones (all but torchvision, which it does not need here) in the same resolution as the
+# package, so that boto3 agrees with the botocore that s3fs pins.
+LITDATA = "litdata>=0.2.76,<0.3"
+LITDATA_DEPS = ("boto3", "filelock", "numpy", "obstore", "requests", "tifffile", "urllib3")
+
+
+def _install(session: nox.Session, extras: str, *more: str) -> None:
     session.install(TORCH)
-    session.install("-e", f".[{extras}]")
+    session.install("-e", f".[{extras}]", *more)
 
 
 @nox.session(python=PYTHON)
 def tests(session: nox.Session) -> None:
     """Unit, distributed (gloo, 2-4 ranks) and integration tests. Azurite (the Azure Blob emulator, npm ``azurite``)
     is installed into ``.azurite/`` first where Node.js and npm exist; without them the Azure tests skip, saying why."""
-    _install(session, "test")
+    _install(session, "test", *LITDATA_DEPS)
+    session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", *session.posargs)
 
@@ -111,9 +119,60 @@ def bench(session: nox.Session) -> None:
     session.run("python", "-m", "benchmarks.run", *session.posargs)
 
 
+LIGHTNING_TESTS_TAG = "2.6.5"
+LIGHTNING_TESTS = [
+    "tests_pytorch/checkpointing",
+    "--ignore=tests_pytorch/checkpointing/test_legacy_checkpoints.py",  # needs Lightning's legacy checkpoint archive
+    "tests_pytorch/models/test_restore.py",
+    "tests_pytorch/trainer/connectors/test_checkpoint_connector.py",
+]
+
+
+@nox.session(python=PYTHON)
+def lightning_tests(session: nox.Session) -> None:
+    """Lightning's own checkpoint tests (tag 2.6.5) with ``DCPCheckpointIO`` swapped into every Trainer that picks no
+    strategy or CheckpointIO of its own (tests/lightning_suite/swap_plugin.py); prints passed / format-bound /
+    behavioural counts and writes outputs/lightning_tests.json. The tests come from a git clone of
+    ``$LIGHTNING_REPO`` (default: GitHub; a local clone or mirror works) into ``.lightning-tests/``. Not in CI.
+    Arguments after ``--`` go to pytest (e.g. ``-k hparams``)."""
+    _install(session, "test")
+    session.install("cloudpickle", "scikit-learn", "pandas", "psutil", "tensorboard")
+    src = os.path.abspath(f".lightning-tests/{LIGHTNING_TESTS_TAG}")
+    if not os.path.isdir(os.path.join(src, "tests", "tests_pytorch")):  # only the tests and pytest's settings
+        repo = os.environ.get("LIGHTNING_REPO", "https://github.com/Lightning-AI/pytorch-lightning")
+        shutil.rmtree(src, ignore_errors=True)
+        git = ("git", "-C", src)
+        tag = LIGHTNING_TESTS_TAG
+        session.run("git", "clone", "--quiet", "--no-checkout", "--branch", tag, repo, src, external=True)
+        wanted = ("/pyproject.toml", "/tests/tests_pytorch/")  # pytest's settings and the tests, nothing else
+        session.run(*git, "sparse-checkout", "set", "--no-cone", *wanted, external=True)
+        session.run(*git, "checkout", "--quiet", tag, external=True, success_codes=[0, 1, 128])  # a mirror may lack
+        # blobs outside the sparse set: git then reports them, yet checks out the tests
+    os.makedirs("outputs", exist_ok=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join([os.path.abspath("tests/lightning_suite"), os.path.join(src, "tests")]),
+        "LIGHTNING_SUITE_REPORT": os.path.abspath("outputs/lightning_tests.json"),
+    }
+    with session.chdir(os.path.join(src, "tests")):
+        session.run(
+            "python", "-m", "pytest", "-q", "-p", "swap_plugin", "-p", "no:cacheprovider", *LIGHTNING_TESTS,
+            *session.posargs, env=env, success_codes=[0, 1],
+        )
+
+
 @nox.session(python=PYTHON)
 def kill_tiered(session: nox.Session) -> None:
-    """kill -9 campaign over tiered saves to S3 (benchmarks/kill_tiered.py; ``-- --kills 30 --seed 1``): prints the
-    counts of unresumable runs and lost, corrupt or re-saved checkpoints (all must be 0)."""
+    """kill -9 campaign over tiered saves to S3 with top-k pruning (benchmarks/kill_tiered.py; ``-- --kills 30 --seed
+    1``): prints the counts of unresumable runs, corrupt, re-saved, orphaned or resurrected checkpoints and stale
+    ``last.ckpt`` pointers (all must be 0)."""
     _install(session, "test")
     session.run("python", "benchmarks/kill_tiered.py", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def remote_faults(session: nox.Session) -> None:
+    """Store outages during tiered training (tests/chaos/remote.py; ``-- --outages 20 --seed 1``): SeaweedFS stopped
+    and restarted, connections refused, reset or hung, HTTP 5xx and latency through a fault proxy; prints the counts of
+    crashed fits, lost or extra checkpoints and stale pointers (all must be 0)."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos.remote", *session.posargs)

@@ -129,6 +129,34 @@ def _check_launch(trainer: lightning.pytorch.Trainer) -> None:
         )
 
 
+_NOT_RESUMABLE = "dataloader is not resumable"
+"""Lightning's warning on a resume from a checkpoint saved in the middle of an epoch (its loop state is exact, the
+plain DataLoader's position is not saved)."""
+
+
+def _explain_resume_warning() -> None:
+    """Follow Lightning's mid-epoch resume warning with what it means for this run (printed once, after it)."""
+    show = warnings.showwarning
+
+    def showwarning(
+        message: Any, category: Any, filename: str, lineno: int, file: Any = None, line: Any = None
+    ) -> None:
+        show(message, category, filename, lineno, file, line)
+        if _NOT_RESUMABLE in str(message):
+            print(
+                "lightning_dcp demo: what this means here: model, optimizer, scheduler and step counters were"
+                " restored exactly from the checkpoint; only the position inside the interrupted epoch was not (the"
+                " DataLoader has no state). This run starts that epoch again from its first batch: it sees those"
+                " batches a second time and the epoch's last ones not at all (at another process count the batches"
+                " also split differently). Losses stay comparable; for an exact continuation, resume from an"
+                " end-of-epoch checkpoint or add `lightning_dcp.ElasticResume()` to the callbacks (docs/resume.md).",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    warnings.showwarning = showwarning
+
+
 @hydra.main(config_path="../configs", config_name="train", version_base="1.3")
 def main(hydra_cfg: DictConfig) -> None:
     """Compose the config, build data/model/callbacks/Trainer and fit."""
@@ -144,6 +172,7 @@ def main(hydra_cfg: DictConfig) -> None:
 
     if trainer.is_global_zero:
         print(f"ByteGPT: {model.count_parameters():,} parameters ({model.count_parameters() / 1e6:.2f}M)", flush=True)
+    _explain_resume_warning()
     trainer.fit(model, datamodule=datamodule, ckpt_path=cfg.get("ckpt_path"))
     if trainer.is_global_zero:
         _report(trainer, cfg)

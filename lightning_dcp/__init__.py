@@ -7,15 +7,19 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.integrity import verify_checkpoint
+from lightning_dcp.engine.allowlist import add_safe_globals
+from lightning_dcp.engine.lookup import verify_checkpoint
 from lightning_dcp.errors import (
     BucketNotFoundError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
+    InvalidPathError,
     NotACheckpointError,
+    OutputExistsError,
     StateDictMismatchError,
     StorageAccessError,
+    StorageUnavailableError,
 )
 from lightning_dcp.fabric import register_strategies as register_fabric_strategies
 from lightning_dcp.tools.checkpoint_dict import load_checkpoint
@@ -52,10 +56,14 @@ __all__ = [
     "DCPStrategyMixin",
     "ElasticResume",
     "ExportCallback",
+    "InvalidPathError",
     "LoadReport",
     "NotACheckpointError",
+    "OutputExistsError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "StorageUnavailableError",
+    "add_safe_globals",
     "consolidate",
     "inspect_checkpoint",
     "install_lightning_hooks",

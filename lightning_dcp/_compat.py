@@ -54,18 +54,22 @@ __all__ = [
     "DCP_METADATA_VERSION",
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
+    "HYDRA_PARTIAL_ATTRIBUTES",
     "DCPFsspecFileSystem",
     "FsspecReader",
     "FsspecWriter",
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
+    "OMEGACONF_CHECKED_AGAINST",
     "ShardedTensor",
     "StorageInfo",
     "TORCH_GREATER_EQUAL_2_9",
     "check_private_api",
     "dtensor_over",
+    "fit_loop_loader_states",
     "flatten_state_dict",
+    "hydra_partial_class",
     "hooks_enabled_by_env",
     "install_flag_only_sigterm_handler",
     "install_load_from_checkpoint_hook",
@@ -74,15 +78,21 @@ __all__ = [
     "lightning_hooks_installed",
     "lightning_upgrade",
     "narrow_tensor_by_index",
+    "on_iterator_created",
+    "omegaconf_build",
+    "omegaconf_tree",
     "rebuild_tensor",
     "rebuild_tensor_v3",
+    "replace_fit_loop_loader_states",
     "restart_train_iterator",
     "restore_modules_and_callbacks",
     "set_element",
+    "set_sampler_epoch",
     "sharded_tensor_over",
     "shift_epoch_batches",
     "storage_type_name",
     "tensor_version",
+    "train_loaders",
     "train_epoch_in_progress",
     "trainer_run_arguments",
     "unflatten_state_dict",
@@ -314,11 +324,14 @@ def _replace(owner: Any, name: str, new: Any) -> None:
     setattr(owner, name, new)
 
 
-def install_load_from_checkpoint_hook(read_directory: Callable[..., dict[str, Any] | None]) -> bool:
+def install_load_from_checkpoint_hook(
+    read_directory: Callable[..., dict[str, Any] | None], load_file: Callable[..., Any] | None = None
+) -> bool:
     """Route ``LightningModule/LightningDataModule.load_from_checkpoint`` through ``read_directory`` first.
 
     ``read_directory(path, *, map_location, weights_only, storage_options, model_weights)`` returns the checkpoint
-    dict for a checkpoint directory, or ``None`` for anything else, which Lightning then loads unchanged.
+    dict for a checkpoint directory, or ``None`` for anything else, which Lightning then loads, through
+    ``load_file(load, path)`` when given and the load is ``weights_only`` (``load()`` is Lightning's own).
     ``load_from_checkpoint(..., storage_options={...})`` is taken as fsspec options (for directories and files) unless
     the class's ``__init__`` has a parameter of that name (then it stays a hyperparameter, as in Lightning).
     Returns whether the hook is in place.
@@ -333,7 +346,7 @@ def install_load_from_checkpoint_hook(read_directory: Callable[..., dict[str, An
         return False
     for (owner, name), original in zip(targets, originals, strict=True):
         _replace(owner, name, _request_scope(original))
-    _replace(saving, _PL_LOAD[1], _directory_aware_load(pl_load, read_directory))
+    _replace(saving, _PL_LOAD[1], _directory_aware_load(pl_load, read_directory, load_file))
     return True
 
 
@@ -360,7 +373,18 @@ def _request_scope(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_from_checkpoint
 
 
-def _directory_aware_load(original: Callable[..., Any], read_directory: Callable[..., Any]) -> Callable[..., Any]:
+def _directory_aware_load(
+    original: Callable[..., Any], read_directory: Callable[..., Any], load_file: Callable[..., Any] | None
+) -> Callable[..., Any]:
+    def weights_only_load(path: Any, weights_only: bool | None, load: Callable[[], Any]) -> Any:
+        # Lightning 2.6.6 ``cloud_io._load``: ``weights_only=None`` is torch's default (True) for paths, False for
+        # http(s) URLs (``torch.hub``); only weights-only loads go through ``load_file``
+        remote = str(path).startswith("http")
+        forced_off = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in ("1", "y", "yes", "true")
+        if load_file is None or weights_only is False or (weights_only is None and (remote or forced_off)):
+            return load()  # torch.load's default is not weights-only for this call: Lightning's load as it is
+        return load_file(load, str(path))
+
     @functools.wraps(original)
     def pl_load(path_or_url: Any, map_location: Any = None, weights_only: bool | None = None) -> Any:
         request = _load_request.get() or {}
@@ -379,8 +403,10 @@ def _directory_aware_load(original: Callable[..., Any], read_directory: Callable
                 import fsspec
 
                 with fsspec.open(os.fspath(path_or_url), "rb", **options) as f:
-                    return original(f, map_location=map_location, weights_only=weights_only)
-        return original(path_or_url, map_location=map_location, weights_only=weights_only)
+                    load = functools.partial(original, f, map_location=map_location, weights_only=weights_only)
+                    return weights_only_load(path_or_url, weights_only, load)
+        load = functools.partial(original, path_or_url, map_location=map_location, weights_only=weights_only)
+        return weights_only_load(path_or_url, weights_only, load)
 
     return pl_load
 
@@ -472,3 +498,184 @@ def trainer_run_arguments(trainer: object) -> tuple[Any, bool | None] | None:
 def restore_modules_and_callbacks(trainer: object, ckpt_path: Any, weights_only: bool | None) -> None:
     """Lightning's restore of model, datamodule and callback state (it loads the checkpoint through the strategy)."""
     trainer._checkpoint_connector._restore_modules_and_callbacks(ckpt_path, weights_only)
+
+
+# Lightning 2.6.6 keeps the ``state_dict()`` of every train loader that has one (torchdata's StatefulDataLoader,
+# LitData's StreamingDataLoader) in the fit loop's state, ``checkpoint["loops"]["fit_loop"]["state_dict"]
+# ["combined_loader"]``: a list in the order of the stateful loaders of ``CombinedLoader.flattened``
+# (``FitLoop.on_save_checkpoint``). ``FitLoop.setup_data`` hands it back (``_load_combined_loader_states``) after
+# ``strategy.process_dataloader`` and before it creates the epoch's iterator; the sampler's epoch is set only later
+# (``FitLoop.on_advance_start``). Every rank builds the dict, the checkpoint keeps rank 0's.
+def fit_loop_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
+    """The train loaders' states in a Trainer checkpoint dict (``None``: none recorded)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    return loop.get("combined_loader") if isinstance(loop, dict) else None
+
+
+def replace_fit_loop_loader_states(checkpoint: dict[str, Any], states: list[Any] | None) -> None:
+    """Put ``states`` in place of the recorded loader states (``None``: remove them, the loaders start afresh)."""
+    loop = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict")
+    if not isinstance(loop, dict):
+        return
+    loop.pop("combined_loader", None)
+    if states:
+        loop["combined_loader"] = states
+
+
+def train_loaders(trainer: object) -> list[Any]:
+    """The fit loop's train loaders (``CombinedLoader.flattened``); empty before ``FitLoop.setup_data``."""
+    combined = trainer.fit_loop._combined_loader
+    return list(combined.flattened) if combined is not None else []
+
+
+def set_sampler_epoch(dataloader: object, epoch: int) -> None:
+    """Lightning's own ``_set_sampler_epoch``: ``set_epoch`` on the loader's sampler and batch sampler's sampler."""
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+
+    _set_sampler_epoch(dataloader, epoch)
+
+
+# torch 2.13 ``DataLoader.__iter__`` creates an iterator through ``DataLoader._get_iterator`` (StatefulDataLoader
+# overrides it); ``_BaseDataLoaderIter.__init__`` draws the iterator's base seed from the global generator there. A
+# loader that starts its DataLoader lazily (LitData's ``StreamingDataLoader.__iter__`` is a generator) draws it at
+# its first batch, not when Lightning calls ``iter()``.
+def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[], None]:
+    """Call ``callback()`` after ``loader`` next creates an iterator (once); returns a function that undoes it."""
+    original = loader._get_iterator
+
+    def get_iterator() -> Any:
+        iterator = original()
+        undo()
+        callback()
+        return iterator
+
+    def undo() -> None:
+        if loader.__dict__.get("_get_iterator") is get_iterator:
+            del loader.__dict__["_get_iterator"]
+
+    loader._get_iterator = get_iterator
+    return undo
+
+
+# ------------------------------------------------------------------------------------------ OmegaConf
+# The codec (lightning_dcp.engine.codec) stores a DictConfig / ListConfig as the node tree of its root plus the path
+# to the node (interpolations resolve against the same root after a load, as with pickle). OmegaConf has no public
+# API for a node's own flags or its place in the tree: these read ``node._metadata.flags`` (the flags set on that
+# node, not inherited), ``_get_parent()``, ``_key()`` and ``_get_node(key)``, and set flags with ``_set_flag``
+# (what ``OmegaConf.set_struct`` / ``set_readonly`` call). Checked against omegaconf 2.3.
+OMEGACONF_CHECKED_AGAINST = "2.3"
+_OMEGACONF_MAX_DEPTH = 1000
+
+
+def omegaconf_tree(node: Any) -> tuple[tuple[Any, ...], list[Any]]:
+    """``(tree, path)``: the tree of ``node``'s root and the keys from the root down to ``node``.
+
+    A tree node is ``(kind, flags, content)``: kind ``"dict"`` (content: ``[[key, child], ...]``), ``"list"``
+    (``[child, ...]``) or ``"value"`` (the raw value: interpolations as their ``${...}`` string, ``"???"`` for a
+    missing value); a container that is missing, an interpolation or ``None`` has that raw value as its content.
+    ``flags`` holds only the flags set on that node (``struct``, ``readonly``, ...).
+    """
+    from omegaconf import Container
+
+    path: list[Any] = []
+    root = node
+    while root._get_parent() is not None:
+        if len(path) >= _OMEGACONF_MAX_DEPTH:
+            raise ValueError("an OmegaConf node nested deeper than 1000 levels (or in a cycle)")
+        path.append(root._key())
+        root = root._get_parent()
+    if not isinstance(root, Container):
+        raise ValueError(f"an OmegaConf node whose root is a {type(root).__name__}")
+    return _omegaconf_node(root), path[::-1]
+
+
+def _omegaconf_node(node: Any) -> tuple[Any, ...]:
+    from omegaconf import DictConfig, ListConfig
+
+    flags = dict(node._metadata.flags)
+    if isinstance(node, (DictConfig, ListConfig)):
+        kind = "dict" if isinstance(node, DictConfig) else "list"
+        if node._is_missing() or node._is_interpolation() or node._is_none():
+            return kind, flags, node._value()
+        if kind == "dict":
+            return kind, flags, [[key, _omegaconf_node(node._get_node(key))] for key in node.keys()]
+        return kind, flags, [_omegaconf_node(node._get_node(i)) for i in range(len(node))]
+    return "value", flags, node._value()
+
+
+def omegaconf_build(tree: tuple[Any, ...], path: list[Any]) -> Any:
+    """The node at ``path`` of a config rebuilt from :func:`omegaconf_tree`'s ``tree`` (flags set as recorded).
+
+    Raises:
+        ValueError: ``tree`` is not such a tree, or ``path`` does not lead to a container in it.
+    """
+    from omegaconf import Container, OmegaConf
+
+    kind, flags, content = _omegaconf_check(tree)
+    if kind == "value" or not isinstance(content, list):
+        raise ValueError("an OmegaConf root must be a dict or list config with content")
+    root = OmegaConf.create(_omegaconf_plain(tree), flags={"allow_objects": True})
+    if (kind == "dict") != OmegaConf.is_dict(root):
+        raise ValueError(f"an OmegaConf {kind} config came back as {type(root).__name__}")
+    root._set_flag("allow_objects", None)
+    _omegaconf_flags(root, tree)
+    node = root
+    for key in path:
+        node = node._get_node(key) if isinstance(node, Container) else None
+        if not isinstance(node, Container):
+            raise ValueError(f"an OmegaConf path {path!r} that leads to no container")
+    return node
+
+
+def _omegaconf_check(tree: Any) -> tuple[str, dict[str, bool], Any]:
+    if not (type(tree) is tuple and len(tree) == 3 and tree[0] in ("dict", "list", "value")):
+        raise ValueError(f"an OmegaConf node is {type(tree).__name__} {str(tree)[:60]!r}, not (kind, flags, content)")
+    kind, flags, content = tree
+    if type(flags) is not dict or not all(type(k) is str and type(v) is bool for k, v in flags.items()):
+        raise ValueError(f"OmegaConf flags are {str(flags)[:60]!r}, not names and booleans")
+    if kind == "dict" and type(content) is list:
+        if not all(type(item) is list and len(item) == 2 for item in content):
+            raise ValueError("OmegaConf dict items are not [key, node] pairs")
+    return kind, flags, content
+
+
+def _omegaconf_plain(tree: Any) -> Any:
+    kind, _, content = _omegaconf_check(tree)
+    if kind == "value" or type(content) is not list:
+        return content
+    if kind == "dict":
+        return {key: _omegaconf_plain(child) for key, child in content}
+    return [_omegaconf_plain(child) for child in content]
+
+
+def _omegaconf_flags(node: Any, tree: tuple[Any, ...]) -> None:
+    kind, flags, content = tree
+    if kind != "value" and type(content) is list:
+        children = content if kind == "dict" else enumerate(content)
+        for key, child in children:
+            _omegaconf_flags(node._get_node(key), child)
+    for name, value in flags.items():
+        node._set_flag(name, value)
+
+
+# ------------------------------------------------------------------------------------------ Hydra
+# Hydra 1.3.8 returns ``_partial_: true`` targets as ``hydra._internal.target_policy._DeferredTarget``, a private
+# ``functools.partial`` subclass that authorizes its target again when called; it carries the attributes
+# ``_hydra_resolved_from`` (the target's dotted name) and ``_hydra_full_key`` (its key in the config). The codec keeps
+# the type, so a loaded optimizer factory is called under Hydra's policy as before. Checked against hydra-core 1.3.8.
+HYDRA_PARTIAL_ATTRIBUTES = ("_hydra_resolved_from", "_hydra_full_key")
+_HYDRA_PARTIAL = ("hydra._internal.target_policy", "_DeferredTarget")
+
+
+def hydra_partial_class(*, load: bool = False) -> type | None:
+    """Hydra's deferred-target partial class, or ``None`` (Hydra older than 1.3.8, or not imported and not ``load``)."""
+    import sys
+
+    module = sys.modules.get(_HYDRA_PARTIAL[0])
+    if module is None and load:
+        try:
+            module = importlib.import_module(_HYDRA_PARTIAL[0])
+        except ImportError:
+            return None
+    cls = getattr(module, _HYDRA_PARTIAL[1], None)
+    return cls if isinstance(cls, type) and issubclass(cls, functools.partial) else None

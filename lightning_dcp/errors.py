@@ -8,16 +8,19 @@ from __future__ import annotations
 
 import errno
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 __all__ = [
     "BucketNotFoundError",
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "InvalidPathError",
     "NotACheckpointError",
+    "OutputExistsError",
     "StateDictMismatchError",
     "StorageAccessError",
+    "StorageUnavailableError",
     "checkpoint_failure",
     "checkpoint_not_found",
     "describe_failure",
@@ -61,6 +64,26 @@ def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> Chec
 
 class StorageAccessError(CheckpointError, PermissionError):
     """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
+
+
+class StorageUnavailableError(CheckpointError, ConnectionError):
+    """The storage server cannot be reached (connection refused or reset, timeouts, server errors after retries).
+
+    With a local tier (``local_dir``) saves go on locally and their uploads are retried; without one the save or load
+    that met it fails with this error, naming the URL.
+    """
+
+
+class InvalidPathError(CheckpointError, ValueError):
+    """A checkpoint path or URL that the storage cannot round-trip.
+
+    ``..`` or ``.`` segments and ``?`` or ``#`` in an object store URL, control characters anywhere; the message names
+    the path and the fix.
+    """
+
+
+class OutputExistsError(CheckpointError, FileExistsError):
+    """An output path (``consolidate -o``) exists and is not something the tool may replace."""
 
 
 class BucketNotFoundError(CheckpointNotFoundError):
@@ -136,7 +159,13 @@ class StateDictMismatchError(CheckpointError, ValueError):
         super().__init__(" ".join(lines))
 
 
-def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = None) -> Exception:
+def checkpoint_failure(
+    err: BaseException,
+    context: str,
+    *,
+    rank: int | None = None,
+    unreachable: Callable[[BaseException], bool] | None = None,
+) -> Exception:
     """Turn a failed save or load into one ``Exception`` whose message says where it failed and how to fix it.
 
     Args:
@@ -144,29 +173,49 @@ def checkpoint_failure(err: BaseException, context: str, *, rank: int | None = N
             failing rank's is used and named.
         context: What failed, e.g. ``"Saving the checkpoint to 's3://b/x' failed"`` (no rank in it).
         rank: The rank that saw ``err`` when it is not a ``CheckpointException``, to name it.
+        unreachable: Tells a storage outage (the server cannot be reached) from other failures: such a failure
+            becomes a :class:`StorageUnavailableError` (storage libraries are optional, so the caller knows them).
     """
     failures = getattr(err, "failures", None)
     if not isinstance(failures, dict):
         if isinstance(err, CheckpointError):
             return err
         where = f" on rank {rank}" if rank is not None else ""
-        return CheckpointError(f"{context}{where}: {describe_failure(err)}")
+        return _error_type(err, unreachable)(f"{context}{where}: {describe_failure(err, unreachable)}")
     for failed_rank, wrapped in sorted(failures.items()):
         failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # DCP stores (exception, traceback)
         if isinstance(failure, CheckpointError):
             return failure
         if isinstance(failure, Exception):
-            return CheckpointError(f"{context} on rank {failed_rank}: {describe_failure(failure)}")
+            return _error_type(failure, unreachable)(
+                f"{context} on rank {failed_rank}: {describe_failure(failure, unreachable)}"
+            )
     return CheckpointError(f"{context}: {err}")
 
 
-def describe_failure(err: BaseException) -> str:
+def _error_type(err: BaseException, unreachable: Callable[[BaseException], bool] | None) -> type[CheckpointError]:
+    """The ``CheckpointError`` subclass a failure becomes: refused permissions and outages keep their builtin type."""
+    if isinstance(err, PermissionError):
+        return StorageAccessError
+    if unreachable is not None and unreachable(err):
+        return StorageUnavailableError
+    return CheckpointError
+
+
+def describe_failure(err: BaseException, unreachable: Callable[[BaseException], bool] | None = None) -> str:
     """``Type: message`` plus the fix, for the failures a user can act on."""
     text = f"{type(err).__name__}: {err}"
+    if unreachable is not None and unreachable(err):
+        return (
+            f"the storage server cannot be reached ({text}). Check the endpoint and the network; earlier checkpoints"
+            " are intact, and with `local_dir` saves go on locally while the store is down."
+        )
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
     elif isinstance(err, PermissionError):
-        text += ". Check that every rank may write to the checkpoint directory."
+        where = f" for {err.filename!r}" if getattr(err, "filename", None) else ""
+        text = f"Permission denied{where} ({type(err).__name__}: {err})."
+        text += " Check the permissions of that path: every rank must be able to read and write the checkpoints."
     return text
 
 

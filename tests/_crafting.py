@@ -18,15 +18,23 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_dcp.engine.dcp_io import storage_writer
+from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit
 from lightning_dcp.engine.storage import Location
 
 
 def write_committed(path: str, state: dict[str, Any]) -> None:
-    """``dcp.save`` ``state`` to ``path`` with lightning_dcp's writer: a committed checkpoint holding exactly it."""
+    """``dcp.save`` ``state`` to ``path`` with lightning_dcp's writer: a committed checkpoint holding exactly it.
+
+    It is the newest of its directory, as a real save would make it (one more than the largest save counter there).
+    """
+    location = Location(path)
+    writer = storage_writer(location, thread_count=1, sync_files=False)
+    seen = [key[0] for key, _ in committed_checkpoints(location.parent())]
+    writer.order = {"counter": max(seen, default=0) + 1, "step": None}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(state, storage_writer=storage_writer(Location(path), thread_count=1, sync_files=False), no_dist=True)
+        dcp.save(state, storage_writer=writer, no_dist=True)
 
 
 def recommit(path: str) -> None:
@@ -42,8 +50,12 @@ def recommit(path: str) -> None:
         entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
         entry["records"].append([info.offset, info.length, checksum(data)])
         entry["size"] = max(entry["size"], os.path.getsize(os.path.join(path, info.relative_path)))
+    order = None
+    if os.path.isfile(os.path.join(path, COMMIT_FILE)):
+        with open(os.path.join(path, COMMIT_FILE), "rb") as f:
+            order = json.loads(f.read()).get("order")
     with open(os.path.join(path, COMMIT_FILE), "wb") as f:
-        f.write(encode_commit(metadata_bytes=metadata_bytes, files=files))
+        f.write(encode_commit(metadata_bytes=metadata_bytes, files=files, order=order))
 
 
 def edit_commit(path: str, edit) -> None:

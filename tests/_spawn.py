@@ -17,6 +17,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def port_env(**extra: str) -> dict[str, str]:
+    """``os.environ`` with a ``MASTER_PORT`` of its own, for a Trainer or Fabric run started as a subprocess.
+
+    Lightning picks a free port when none is set; two runs started at the same moment (a reference run beside the
+    one a test kills) can pick the same one, and the second fails with EADDRINUSE.
+    """
+    return {**os.environ, "MASTER_PORT": str(free_port()), **extra}
+
+
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
     os.environ.update(env)
     os.environ.update(

@@ -2,68 +2,73 @@
 
 Rank 0 writes everything of a checkpoint that is not a tensor tree (Lightning's loop, callback and scheduler state,
 hparams; Fabric's plain objects) as one ``bytes`` entry of DCP's state dict, and each rank its own RNG states as
-another (:mod:`lightning_dcp.engine.layout` places them). :func:`encode_extra` refuses at save time what could not be
-loaded back with ``weights_only=True`` (naming the key path), and stores numpy values (which ``weights_only`` refuses)
-as tagged tensors and plain values. :func:`decode_extra` checks the archive before unpickling anything
-(:mod:`lightning_dcp.engine.archive`) and turns every failure into a ``CheckpointError``.
+another (:mod:`lightning_dcp.engine.layout` places them). :func:`encode_extra` stores what Lightning users keep there
+(Hydra configs, partial optimizers, paths, numpy, ...) through the codec of :mod:`lightning_dcp.engine.codec` and
+refuses at save time what it cannot store (naming the key path and the fix). :func:`decode_extra` checks the archive
+before unpickling anything (:mod:`lightning_dcp.engine.archive`), decodes, and turns every failure into a
+``CheckpointError``. :func:`load_stock_file` reads a single-file checkpoint that stock Lightning wrote with the
+same allow-list.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
+from lightning_dcp.engine import allowlist, codec
 from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.engine.codec import UnstorableValue
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
 
-try:  # numpy is optional for lightning_dcp
-    import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with Lightning's dependencies
-    np = None
-
-__all__ = ["decode_extra", "encode_extra"]
-
-
-_NUMPY_TAG = "\x00lightning_dcp.numpy"
-"""Key of the one-entry dict that stands for a numpy array or scalar in a blob (``weights_only`` refuses numpy)."""
+__all__ = ["decode_extra", "encode_extra", "load_stock_file"]
 
 
 def encode_extra(extra: Mapping[str, Any], *, what: str = "non-tensor state") -> bytes:
     """Serialize non-tensor state with ``torch.save`` into ``bytes`` that ``weights_only=True`` loading accepts.
 
-    numpy arrays and scalars are stored as tensors and plain values and come back as numpy; anything else that
-    ``torch.load(weights_only=True)`` would refuse (a dataclass, a custom class) is refused here, at save, so a
-    checkpoint is never written that cannot be loaded.
+    The codec's kinds (OmegaConf configs, ``functools.partial`` of optimizers and schedulers, ``argparse.Namespace``,
+    paths, datetimes, numpy, and registered dataclasses, named tuples and enums) are stored as plain tagged values
+    and come back as themselves; anything else that ``torch.load(weights_only=True)`` would refuse is refused here,
+    at save, so a checkpoint is never written that cannot be loaded.
 
     Args:
-        extra: The state (dicts, lists, tuples, str, numbers, tensors, numpy; classes allowed with
-            ``torch.serialization.add_safe_globals``).
+        extra: The state (dicts, lists, tuples, str, numbers, tensors, the codec's kinds; classes allowed with
+            ``lightning_dcp.add_safe_globals`` or ``torch.serialization.add_safe_globals``).
         what: What this state is, for messages.
 
     Raises:
-        CheckpointError: Something in ``extra`` would not load with ``weights_only=True``; the message names its
-            key path, its type, and the fix.
+        CheckpointError: Something in ``extra`` cannot be stored; the message names its key path, its type, and the
+            fix.
     """
-    state = _to_storable(dict(extra))
+    try:
+        state = codec.encode(dict(extra))
+    except UnstorableValue as err:
+        raise _unstorable(what, err.path, err.culprit, err.hint) from None
+    except RecursionError:
+        raise CheckpointError(f"The checkpoint's {what} is nested too deeply (or refers to itself).") from None
     buffer = io.BytesIO()
     torch.save(state, buffer)
     blob = buffer.getvalue()
     try:
         torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
-    except Exception as err:
+    except Exception as err:  # a key of a type torch cannot load back, a value torch pickles differently
         path, culprit = _unloadable_part(state)
-        raise CheckpointError(
-            f"The checkpoint's {what} holds {culprit} at {path}, which `torch.load(weights_only=True)` cannot load"
-            f" back ({describe_load_error(err)}); the checkpoint would be unusable, so it was not"
-            f" written. Store plain types there (dict, list, str, numbers, tensors; e.g. `dataclasses.asdict(...)`),"
-            f" or allow the class for saving and loading with `torch.serialization.add_safe_globals([{culprit}])`."
+        raise _unstorable(
+            what, path, culprit, f"`torch.load(weights_only=True)` cannot load it back ({describe_load_error(err)})."
         ) from None
     return blob
+
+
+def _unstorable(what: str, path: str, culprit: str, hint: str) -> CheckpointError:
+    return CheckpointError(
+        f"The checkpoint's {what} holds {culprit} at {path or 'the top level'}, which lightning_dcp cannot store so"
+        f" that it loads back safely; the checkpoint would be unusable, so it was not written. {hint}"
+    )
 
 
 def decode_extra(blob: bytes, *, path: str, entry: str, weights_only: bool = True) -> dict[str, Any]:
@@ -103,69 +108,88 @@ def decode_extra(blob: bytes, *, path: str, entry: str, weights_only: bool = Tru
             f"The non-tensor state of the checkpoint at {path!r} is a {type(state).__name__}, not a dict.",
             file=entry,
         )
+    return _decoded(state, path=path, entry=entry)
+
+
+def _decoded(state: Any, *, path: str, entry: str | None) -> Any:
+    """:func:`codec.decode` with its failures as ``CheckpointError`` s naming ``path``."""
     try:
-        return _from_storable(state)
-    except ValueError as err:
+        return codec.decode(state)
+    except codec.DisallowedName as err:
+        raise CheckpointError(
+            f"The non-tensor state of the checkpoint at {path!r} names the {err.kind} {err.name!r}, which is not in"
+            f" lightning_dcp's allow-list, so it was not loaded. If you trust this checkpoint and the {err.kind},"
+            f" register it with `lightning_dcp.add_safe_globals([{err.name}])` before loading."
+        ) from None
+    except (codec.MalformedTag, RecursionError) as err:
+        reason = "it is nested too deeply" if isinstance(err, RecursionError) else str(err)
         raise CorruptCheckpointError(
-            f"The non-tensor state of the checkpoint at {path!r} holds a numpy value that is not what lightning_dcp"
-            f" writes ({err}).",
+            f"The non-tensor state of the checkpoint at {path!r} holds a value that is not what lightning_dcp"
+            f" writes ({reason}).",
             file=entry,
         ) from None
 
 
-def _to_storable(value: Any) -> Any:
-    if np is not None and isinstance(value, np.ndarray) and value.dtype.kind in "biufc" and value.dtype != np.uint16:
-        return {_NUMPY_TAG: ("ndarray", str(value.dtype), torch.from_numpy(np.ascontiguousarray(value).copy()))}
-    if np is not None and isinstance(value, np.generic) and value.dtype.kind in "biufc":
-        return {_NUMPY_TAG: ("scalar", str(value.dtype), value.item())}
-    if type(value) is dict or type(value) is OrderedDict:
-        return type(value)((k, _to_storable(v)) for k, v in value.items())
-    if type(value) is list:
-        return [_to_storable(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_to_storable(v) for v in value)
-    return value
+def load_stock_file(load: Callable[[], Any], *, path: str) -> Any:
+    """Run ``load`` with the codec's kinds allowed, and rebuild what it gives through the codec.
 
+    ``load`` is a ``torch.load(..., weights_only=True)`` of a single-file checkpoint that stock Lightning or
+    ``torch.save`` wrote.
 
-def _from_storable(value: Any) -> Any:
-    if type(value) is dict and len(value) == 1 and _NUMPY_TAG in value and np is not None:
-        return _numpy_value(value[_NUMPY_TAG])
-    if type(value) is dict or type(value) is OrderedDict:
-        return type(value)((k, _from_storable(v)) for k, v in value.items())
-    if type(value) is list:
-        return [_from_storable(v) for v in value]
-    if type(value) is tuple:
-        return tuple(_from_storable(v) for v in value)
-    return value
+    A plain ``torch.save`` pickles a Hydra config as OmegaConf's internal node classes and a partial optimizer as
+    ``functools.partial``; ``weights_only`` loading refuses them. For the duration of ``load`` they (and what
+    :func:`codec.stock_pickle_globals` lists) are added to torch's safe globals (those not already there, removed
+    again after; torch keeps one process-wide list), so nothing else can be named by the file. The objects it gives
+    are then encoded and decoded by the codec: what comes back is rebuilt from checked plain values, and a value the
+    codec would not store (a partial of a function outside the allow-list) fails like a crafted blob.
 
-
-def _numpy_value(tag: Any) -> Any:
-    """The numpy value :func:`_to_storable` encoded as ``(kind, dtype, payload)``; ``ValueError`` for anything else."""
-    if not (type(tag) is tuple and len(tag) == 3 and tag[0] in ("ndarray", "scalar") and isinstance(tag[1], str)):
-        raise ValueError(f"a numpy entry is {type(tag).__name__} {str(tag)[:60]!r}, not (kind, dtype, payload)")
-    kind, dtype, payload = tag
-    try:
-        dtype = np.dtype(dtype)
-    except TypeError:
-        dtype = None
-    if dtype is None or dtype.kind not in "biufc":  # what _to_storable writes: no objects, strings or records
-        raise ValueError(f"a numpy entry has dtype {tag[1]!r}")
-    if kind == "ndarray":
+    Raises:
+        CheckpointError: The file names or holds something outside the allow-list (``load``'s other errors pass
+            through).
+    """
+    with _allowed_for_stock_files():
         try:
-            array = payload.detach().numpy() if isinstance(payload, torch.Tensor) else None
-        except (TypeError, RuntimeError):  # bfloat16, sparse, conjugate or negative views: not what we write
-            array = None
-        if array is None or array.dtype != dtype:
-            raise ValueError(
-                f"a numpy {dtype} array is stored as {type(payload).__name__} {getattr(payload, 'dtype', '')}"
-            )
-        return array
-    if type(payload) not in (bool, int, float, complex):
-        raise ValueError(f"a numpy {dtype} scalar is stored as {type(payload).__name__}")
+            loaded = load()
+        except pickle.UnpicklingError as err:
+            reason = _unpickling_reason(err)
+            if "GLOBAL" not in reason.upper():
+                raise CheckpointError(
+                    f"The checkpoint file {path!r} cannot be read with weights-only unpickling ({reason})."
+                ) from None
+            raise CheckpointError(
+                f"The checkpoint file {path!r} names a class or function outside lightning_dcp's allow-list and"
+                f" torch's safe globals ({reason}), so it was not loaded. If you trust this file, allow it with"
+                " `lightning_dcp.add_safe_globals([...])` (dataclasses, named tuples, enums, callables of"
+                " functools.partial) or `torch.serialization.add_safe_globals([...])`, or load with"
+                " `weights_only=False`."
+            ) from None
     try:
-        return dtype.type(payload)
-    except (OverflowError, TypeError) as err:
-        raise ValueError(f"a numpy {dtype} scalar holds {payload!r} ({err})") from None
+        stored = codec.encode(loaded)
+    except codec.UnstorableValue as err:
+        raise CheckpointError(
+            f"The checkpoint file {path!r} holds {err.culprit} at {err.path or 'the top level'}, outside"
+            f" lightning_dcp's allow-list, so it was not loaded. {err.hint}"
+        ) from None
+    except Exception as err:  # objects the unpickler built from crafted state may fail in any way when walked
+        raise CheckpointError(
+            f"The checkpoint file {path!r} holds a value that cannot be checked ({err!s:.160})."
+        ) from None
+    return _decoded(stored, path=path, entry=None)
+
+
+def _unpickling_reason(err: Exception) -> str:
+    """The line of torch's weights-only error that says what was refused (its other lines are advice)."""
+    advice = ("Weights only load failed", "Check the documentation", "(1)", "(2)", "Please file an issue")
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    reasons = [line.removeprefix("WeightsUnpickler error:").strip() for line in lines if not line.startswith(advice)]
+    return next((r for r in reasons if r), None) or describe_load_error(err)
+
+
+def _allowed_for_stock_files() -> contextlib.AbstractContextManager:
+    """Torch's own ``safe_globals`` scope over the codec's stock globals that torch does not already allow."""
+    present = {id(g[0] if isinstance(g, tuple) else g) for g in torch.serialization.get_safe_globals()}
+    added = {id(g): g for g in allowlist.stock_pickle_globals() if id(g) not in present}
+    return torch.serialization.safe_globals(list(added.values()))
 
 
 def _unloadable_part(value: Any, path: str = "") -> tuple[str, str]:
@@ -176,17 +200,6 @@ def _unloadable_part(value: Any, path: str = "") -> tuple[str, str]:
     elif isinstance(value, (list, tuple)):
         children = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
     for child_path, child in children:
-        if not _loads(child):
+        if not codec.weights_only_loads(child):
             return _unloadable_part(child, child_path)
     return path or "the top level", f"{type(value).__module__}.{type(value).__qualname__}"
-
-
-def _loads(value: Any) -> bool:
-    buffer = io.BytesIO()
-    try:
-        torch.save(value, buffer)
-        buffer.seek(0)
-        torch.load(buffer, map_location="cpu", weights_only=True)
-    except Exception:
-        return False
-    return True

@@ -32,14 +32,19 @@ from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.loading import (
-    LIGHTNING_META_FILE,
-    candidates,
-)
+from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
+from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
+from lightning_dcp.engine.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers
-from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError, checkpoint_failure
+from lightning_dcp.errors import (
+    CheckpointError,
+    InvalidPathError,
+    NotACheckpointError,
+    StateDictMismatchError,
+    checkpoint_failure,
+)
 
 __all__ = ["Checkpointer"]
 
@@ -97,6 +102,7 @@ class Checkpointer:
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
+        self._counters: dict[str, int] = {}  # directory URL -> the last save counter used there (rank 0)
         self.tiers = tiers
 
     @property
@@ -120,6 +126,7 @@ class Checkpointer:
         storage_options: dict[str, Any] | None = None,
         collective: bool = False,
         volatile: Iterable[torch.Tensor] | None = None,
+        step: int | None = None,
     ) -> None:
         """Write ``tree`` (and the blobs) as a DCP directory at ``path`` and commit it.
 
@@ -136,27 +143,37 @@ class Checkpointer:
                 next optimizer step (module buffers, values that are not a module's or an optimizer's); they are
                 staged before this returns, the other CPU tensors in the background. ``None``: everything is staged
                 before this returns.
+            step: The training step (Lightning's ``global_step``), recorded in ``.commit`` beside the directory's save
+                counter: together they order the checkpoints of a directory (``ckpt_path="last"``), never a clock.
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
         Raises:
+            InvalidPathError: The checkpoint's name is one of this library's own hidden names (staging, upload
+                snapshots), or the path cannot round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
         started = time.perf_counter()
         location = self.location(path, storage_options)
+        if is_internal_name(location.name):
+            raise InvalidPathError(
+                f"The checkpoint name of {location.url!r} is one this library gives its own staging and upload"
+                f" directories ('.<name>{STAGING_INFIX}<token>', '{SNAPSHOT_PREFIX}...'): listings pass over them and"
+                " clean-ups delete them. Choose another name."
+            )
         remote = location if self.tiers is not None and self.tiers.covers(location) else None
         if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
             location = self.tiers.local_twin(remote)
         rank, world_size = rank_and_world(collective)
 
-        def decide() -> tuple[str, bool, Any]:  # rank 0 decides where this save writes; all ranks must agree
+        def decide() -> tuple[str, bool, Any, int]:  # rank 0 decides where this save writes; all ranks must agree
             if remote is not None:
                 self.tiers.prepare(remote)
             previous = self.incremental and self.incremental.previous(location)
-            return new_token(), self._writes_in_place(location), previous
+            return new_token(), self._writes_in_place(location), previous, self._next_counter(remote or location)
 
-        token, direct, previous = on_rank0(collective, decide)
+        token, direct, previous, counter = on_rank0(collective, decide)
         target = location if direct else location.staging(token)
         info = {**(info or {}), "world_size": world_size, **_versions()}
 
@@ -183,6 +200,7 @@ class Checkpointer:
                 target.child(name).remove()
 
         writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
+        writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
         planner = save_planner(writers=world_size * self.thread_count)
         if self.incremental is not None:
             self.incremental.attach(writer, previous=previous, local=location.local)
@@ -208,11 +226,15 @@ class Checkpointer:
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
             if rank == 0:
                 abandon()
-            raise checkpoint_failure(err, f"Saving the checkpoint to {location.url!r} failed", rank=rank) from err
+            raise checkpoint_failure(
+                err, f"Saving the checkpoint to {location.url!r} failed", rank=rank, unreachable=_outage(location)
+            ) from err
         try:
             on_rank0(collective, commit)
         except Exception as err:  # storage refused the commit (rename, copy or marker): nothing new is visible
-            raise checkpoint_failure(err, f"Committing the checkpoint to {location.url!r} failed", rank=0) from err
+            raise checkpoint_failure(
+                err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=_outage(location)
+            ) from err
         self._record(started, location, "saved")
 
     def _writes_in_place(self, location: Location) -> bool:
@@ -238,6 +260,21 @@ class Checkpointer:
                 return False
             os.makedirs(location.path, exist_ok=True)
         return True
+
+    def _next_counter(self, location: Location) -> int:
+        """The save counter of the next save into ``location``'s directory: one more than any this process saw.
+
+        The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
+        as far as the tier knows (no remote call in the training loop: :meth:`Tiers.known_checkpoints`). Later saves
+        count on from there. Rank 0 only.
+        """
+        directory = location.parent()
+        if directory.url not in self._counters:
+            tiered = self.tiers is not None and self.tiers.covers(location)
+            found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
+            self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
+        self._counters[directory.url] += 1
+        return self._counters[directory.url]
 
     def _has_committed_sibling(self, location: Location) -> bool:
         parent = location.parent()
@@ -412,6 +449,11 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
+def _outage(location: Location):
+    """How failures of a save to ``location`` are told to be outages (remote stores only)."""
+    return None if location.local else is_unreachable
+
+
 def _first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
     """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
     if not distributed(collective):

@@ -158,7 +158,11 @@ class _ChecksummingWriter:
                     entry["size"] = offset + length
         metadata_bytes = metadata_pickle(metadata, results)
         self._put(METADATA_FILE, metadata_bytes, atomic=self.local_files)
-        self._put(COMMIT_FILE, encode_commit(metadata_bytes=metadata_bytes, files=files), atomic=False)
+        self._put(
+            COMMIT_FILE,
+            encode_commit(metadata_bytes=metadata_bytes, files=files, order=getattr(self, "order", None)),
+            atomic=False,
+        )
 
     def _put(self, name: str, data: bytes, *, atomic: bool) -> None:
         final = self.fs.concat_path(self.path, name)

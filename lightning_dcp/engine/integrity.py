@@ -17,10 +17,11 @@ from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum
+from lightning_dcp.engine.localfs import is_internal_name
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, checkpoint_not_found
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
 __all__ = [
     "check_checkpoint",
@@ -28,7 +29,6 @@ __all__ = [
     "committed_checkpoints",
     "newest_valid",
     "not_one_checkpoint",
-    "verify_checkpoint",
 ]
 
 
@@ -116,25 +116,32 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 )
 
 
-def committed_checkpoints(directory: Location) -> list[tuple[float, Location]]:
-    """``(committed_at, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
+def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
+    """``(order key, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
 
-    Only real directories with a ``.commit`` marker count: hidden entries (staging), symlinks (``save_last="link"``)
+    The order is the one recorded in each ``.commit`` (:func:`~lightning_dcp.engine.marker.order_key`: the
+    directory's save counter, then the global step), never a wall clock.
+
+    Only real directories with a ``.commit`` marker count: this library's hidden entries (staging, upload
+    snapshots), symlinks (``save_last="link"``)
     and pointer objects are skipped, so a link can never lead the choice outside ``directory``. A directory whose
     marker is malformed is skipped with a warning. Rank 0 only (or any single process).
     """
     found = []
     for name, kind in directory.entries(follow_links=False):
-        if kind != "directory" or name.startswith("."):
+        if kind != "directory" or is_internal_name(name):
             continue
-        candidate = directory.child(name)
+        try:
+            candidate = directory.child(name)
+        except InvalidPathError:
+            continue  # a name no checkpoint of ours can have (another tool's object, e.g. "notes?v=1")
         try:
             marker = read_commit(candidate)
         except CheckpointError as err:
             warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {err}", stacklevel=2)
             continue
         if marker is not None:
-            found.append((float(marker["committed_at"]), candidate))
+            found.append((order_key(marker), candidate))
     return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
 
 
@@ -149,35 +156,6 @@ def newest_valid(directory: Location) -> tuple[Location, Metadata] | None:
         except NotACheckpointError:
             continue
     return None
-
-
-def verify_checkpoint(
-    path: str | os.PathLike, *, full: bool = True, storage_options: dict[str, Any] | None = None
-) -> None:
-    """Check that the checkpoint at ``path`` is committed and every byte matches what was saved.
-
-    Args:
-        path: Checkpoint directory (local path or fsspec URL).
-        full: Read every record of every data file and check its checksum (default). ``False``: the fast checks that
-            also run before every load (commit marker, ``.metadata`` checksum, data file sizes).
-        storage_options: fsspec options for remote storage.
-
-    Rank 0 only (or any single process).
-
-    Raises:
-        CheckpointNotFoundError: Nothing exists at ``path``.
-        NotACheckpointError: No commit marker (an incomplete save), a single file (a ``.ckpt`` has no recorded
-            checksums) or a folder of checkpoints (a run's dirpath) rather than one.
-        CorruptCheckpointError: A file is missing, truncated or altered; ``err.file`` names it.
-    """
-    given = Location(path, storage_options=storage_options)
-    location = given.resolve()
-    if not location.exists():
-        raise checkpoint_not_found(location.url, designated_by=None if location.url == given.url else given.url)
-    not_one = not_one_checkpoint(location)
-    if not_one is not None:
-        raise not_one
-    check_checkpoint(location, full=full)
 
 
 def checkpoints_inside(location: Location) -> list[str]:

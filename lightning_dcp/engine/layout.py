@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_dcp._compat import set_element
 from lightning_dcp.engine.archive import check_archive
 from lightning_dcp.engine.blob import encode_extra
-from lightning_dcp.errors import CheckpointError
+from lightning_dcp.errors import CheckpointError, NotACheckpointError
 
 __all__ = [
     "EXTRA_KEY",
@@ -46,6 +46,7 @@ __all__ = [
     "align_optimizer_target",
     "build_state",
     "fqns_to_param_ids",
+    "require_trainer_layout",
     "param_ids_to_fqns",
     "join_checkpoint",
     "metadata_target",
@@ -110,6 +111,25 @@ def tree_roles(info: Mapping[str, Any]) -> TreeRoles:
     if MODULES_INFO not in info:
         return TreeRoles(modules=(MODEL_KEY,), optimizers=(OPTIMIZER_KEY,), trainer=True)
     return TreeRoles(modules=tuple(info[MODULES_INFO]), optimizers=tuple(info.get(OPTIMIZERS_INFO, ())), trainer=False)
+
+
+def require_trainer_layout(url: str, info: Mapping[str, Any]) -> None:
+    """Raise unless the checkpoint at ``url`` (whose blob recorded ``info``) has the Trainer layout.
+
+    A Fabric checkpoint holds the user's own keys (``{"model": ..., "optimizer": ...}``), none of the Trainer state
+    Lightning's loaders need (``"state_dict"``, ``"pytorch-lightning_version"``, loops).
+
+    Raises:
+        NotACheckpointError: It is a Fabric checkpoint; the message names its keys and how to load it.
+    """
+    roles = tree_roles(info)
+    if not roles.trainer:
+        raise NotACheckpointError(
+            f"{url!r} is a Fabric checkpoint (written by `fabric.save`, modules under {list(roles.modules)}), not a"
+            " Trainer checkpoint: it holds no Lightning Trainer state. Load it with `fabric.load(path, state)`, or"
+            f" take its weights into a LightningModule with `lightning_dcp.load_model_weights(model, path,"
+            f" key={roles.modules[0] if roles.modules else 'KEY'!r})`."
+        )
 
 
 def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:

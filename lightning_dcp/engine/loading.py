@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import io
-import os
 import pickle
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,10 +23,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.blob import load_stock_file
+from lightning_dcp.engine.integrity import check_checkpoint
+from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.storage import POINTER_HEADER, Location
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
     NotACheckpointError,
@@ -40,30 +39,14 @@ from lightning_dcp.errors import (
 __all__ = [
     "LIGHTNING_META_FILE",
     "Probe",
-    "candidates",
-    "designates_last",
     "fit_target",
     "lightning_model_key",
     "load_file",
+    "load_torch_file",
     "probe",
     "read_lightning_meta",
     "torch_load_error",
 ]
-
-LIGHTNING_META_FILE = "meta.pt"
-"""The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
-
-_LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
-"""Names ``ModelCheckpoint`` gives its last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
-
-
-def designates_last(location: Location) -> bool:
-    """Whether ``location`` asks for "the newest valid checkpoint of its directory" rather than one checkpoint.
-
-    That is a ``last*`` name (what ``ckpt_path="last"`` resolves to under ``ModelCheckpoint``), or a checkpoint's
-    ``.commit`` marker (what ``DCPModelCheckpoint`` hands Lightning when no ``last*`` entry can be stat-ed).
-    """
-    return bool(_LAST_NAME.match(location.name)) or location.name == COMMIT_FILE
 
 
 @dataclass(frozen=True)
@@ -73,57 +56,6 @@ class Probe:
     url: str
     kind: Literal["file", "dcp", "lightning"]
     metadata: Metadata | None = None
-
-
-def candidates(location: Location) -> list[str]:
-    """The checkpoints to try, in order, for a load of ``location``.
-
-    For a path that :func:`designates_last`, the committed checkpoint directories of its directory, newest first
-    (whatever a ``last`` link or pointer says: a dangling, stale or escaping link is never trusted over what is on
-    disk); a single-file ``last.ckpt`` comes first, and a ``last`` directory in Lightning's own sharded layout
-    is tried when nothing committed exists. Any other path: itself, through pointers.
-
-    Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
-
-    Raises:
-        CheckpointNotFoundError: Nothing exists there (Lightning's ``"Checkpoint file not found"`` case).
-        NotACheckpointError: A ``last`` entry exists but no committed checkpoint beside it; a malformed pointer.
-    """
-    if not designates_last(location):
-        resolved = location.resolve()
-        if not resolved.exists():
-            raise checkpoint_not_found(
-                resolved.url, designated_by=None if resolved.url == location.url else location.url
-            )
-        return [resolved.url]
-    directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
-    found = [candidate.url for _, candidate in committed_checkpoints(directory)]
-    entry = location.parent() if location.name == COMMIT_FILE else location
-    if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)
-        return [entry.url, *found]
-    if found:
-        return found
-    if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
-        return [entry.url]
-    if not entry.exists():
-        raise checkpoint_not_found(entry.url)
-    target = entry.resolve()  # a link or pointer to a checkpoint that is gone: Lightning's "not found" case
-    if target.url != entry.url and not target.exists():
-        raise checkpoint_not_found(target.url, designated_by=entry.url)
-    raise NotACheckpointError(
-        f"{entry.url!r} designates the newest checkpoint of {directory.url!r}, but no checkpoint there is committed"
-        " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
-        " entries; `DCPModelCheckpoint` does both on its own."
-    )
-
-
-def _is_pointer(location: Location) -> bool:
-    """Whether the local file at ``location`` is a checkpoint pointer (whatever it names)."""
-    try:
-        with open(location.path, "rb") as f:
-            return f.read(len(POINTER_HEADER)) == POINTER_HEADER
-    except OSError:
-        return False
 
 
 def probe(location: Location) -> Probe:
@@ -136,7 +68,7 @@ def probe(location: Location) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
-    given, location = location.url, location.resolve()
+    given, location = location.url, designated(location)
     if not location.exists():
         raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():
@@ -169,9 +101,12 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     Raises:
         CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
     """
+    where = f"{location.url}/{LIGHTNING_META_FILE}"
     try:
         with location.open(LIGHTNING_META_FILE) as f:
-            state = torch.load(io.BytesIO(f.read()), map_location="cpu", weights_only=weights_only)
+            state = load_torch_file(io.BytesIO(f.read()), url=where, map_location="cpu", weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
     if not isinstance(state, dict):
@@ -188,7 +123,9 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
     """
     try:
         with location.open() as f:
-            checkpoint = torch.load(f, map_location=map_location, weights_only=weights_only)
+            checkpoint = load_torch_file(f, url=location.url, map_location=map_location, weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(location.url, err) from None
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
@@ -196,6 +133,17 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
         )
     return checkpoint
+
+
+def load_torch_file(f: Any, *, url: str, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load`` of an open single-file checkpoint.
+
+    With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
+    is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.blob.load_stock_file`).
+    """
+    if not weights_only:
+        return torch.load(f, map_location=map_location, weights_only=False)
+    return load_stock_file(lambda: torch.load(f, map_location=map_location, weights_only=True), path=url)
 
 
 def torch_load_error(where: str, err: Exception) -> CheckpointError:
@@ -254,6 +202,14 @@ def fit_target(
     def excluded(key: str) -> bool:
         return key.startswith(model_prefix) and any(fnmatch.fnmatchcase(key[len(model_prefix) :], p) for p in exclude)
 
+    if model_key == layout.MODEL_KEY and any(k.startswith(model_prefix) for k in flat):
+        if not any(k.startswith(model_prefix) for k in saved) and layout.EXTRA_KEY in saved:
+            top = sorted({k.split(".", 1)[0] for k in saved} - {layout.EXTRA_KEY, layout.RANK_KEY})
+            raise NotACheckpointError(
+                f"{path!r} holds no Trainer model state ({model_key!r}; its top-level keys are {top}): a Fabric"
+                " checkpoint (written by `fabric.save`) is loaded with `fabric.load`, or its weights with"
+                " `lightning_dcp.load_model_weights(model, path, key=...)`."
+            )
     missing = {k for k in flat if k not in saved}
     unexpected = {k for k in saved if k.startswith(model_prefix) and k not in flat and not excluded(k)}
     report = (

@@ -12,12 +12,35 @@ import ctypes
 import errno
 import os
 import shutil
+import stat
 import uuid
+from typing import BinaryIO
 
-__all__ = ["STAGING_INFIX", "fsync_dir", "new_token", "remove_path", "replace_directory"]
+__all__ = [
+    "SNAPSHOT_PREFIX",
+    "STAGING_INFIX",
+    "NotARegularFile",
+    "fsync_dir",
+    "is_internal_name",
+    "new_token",
+    "open_regular",
+    "remove_path",
+    "replace_directory",
+]
 
 STAGING_INFIX = ".tmp-"
 """Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
+SNAPSHOT_PREFIX = ".upload-"
+"""In a local tier, ``.upload-{name}-{token}``: the hard-link snapshot of a checkpoint being uploaded."""
+
+
+def is_internal_name(name: str) -> bool:
+    """Whether ``name`` is one this library gives its own hidden entries (staging, snapshots), never a checkpoint.
+
+    Listings pass over them and clean-ups delete them, so no checkpoint may be saved under such a name.
+    """
+    return name.startswith(".") and (STAGING_INFIX in name or name.startswith(SNAPSHOT_PREFIX))
+
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
@@ -26,6 +49,43 @@ _RENAME_EXCHANGE = 2
 def new_token() -> str:
     """A fresh random token (12 hex characters) that names one save's staging directory."""
     return uuid.uuid4().hex[:12]
+
+
+class NotARegularFile(OSError):
+    """A path to read is a FIFO, socket or device. ``kind`` says which (``"a FIFO"``, ...)."""
+
+    def __init__(self, path: str, kind: str) -> None:
+        super().__init__(errno.EINVAL, f"{kind}, not a regular file", path)
+        self.kind = kind
+
+
+def open_regular(path: str) -> BinaryIO:
+    """Open a local regular file for binary reading, without ever blocking on what is not one.
+
+    The open itself is non-blocking (a FIFO with no writer would otherwise wait forever); the type is then checked on
+    the descriptor, so nothing can swap the file between the check and the read. Links are followed.
+
+    Raises:
+        NotARegularFile: ``path`` is a FIFO, socket or device.
+        IsADirectoryError, FileNotFoundError, OSError: As ``open``.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ENXIO:  # a socket (or a FIFO held open for writing only)
+            raise NotARegularFile(path, "a socket") from err
+        raise
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", path)
+        if not stat.S_ISREG(mode):
+            raise NotARegularFile(path, "a FIFO" if stat.S_ISFIFO(mode) else "a device or special file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def remove_path(path: str) -> None:
@@ -90,7 +150,8 @@ def _move(src: str, dst: str) -> None:
 
     The copy is written under a hidden name beside ``dst`` (``.{name}.tmp-copy-{token}``, on ``dst``'s filesystem),
     synced, and renamed into place; only then is ``src`` deleted. A crash leaves ``src`` intact and at most a hidden
-    partial copy, which the next save to that name removes with the other staging leftovers.
+    partial copy, which the next save to that name removes with the other staging leftovers. The copy takes the
+    data and links only, no permission bits: mounts that refuse ``chmod`` (some network and FUSE filesystems) take it.
     """
     try:
         os.rename(src, dst)
@@ -101,13 +162,29 @@ def _move(src: str, dst: str) -> None:
     parent, name = os.path.split(os.path.abspath(dst))
     tmp = os.path.join(parent, f".{name}{STAGING_INFIX}copy-{new_token()}")
     try:
-        shutil.copytree(src, tmp, symlinks=True)
+        _copy_tree(src, tmp)
         _fsync_tree(tmp)
         os.rename(tmp, dst)
     except BaseException:
         remove_path(tmp)
         raise
     remove_path(src)
+
+
+def _copy_tree(src: str, dst: str) -> None:
+    """Copy the directory ``src`` to the new ``dst``: file data and links only.
+
+    No modes or times: ``shutil.copytree`` sets both, and fails where ``chmod`` is refused.
+    """
+    os.makedirs(dst)
+    for entry in os.scandir(src):
+        target = os.path.join(dst, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            _copy_tree(entry.path, target)
+        else:
+            shutil.copyfile(entry.path, target)
 
 
 def _fsync_tree(root: str) -> None:

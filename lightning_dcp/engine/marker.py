@@ -25,6 +25,7 @@ __all__ = [
     "checksum",
     "encode_commit",
     "is_plain_name",
+    "order_key",
     "parse_commit",
 ]
 
@@ -45,22 +46,45 @@ def checksum(data: Any) -> int:
     return xxhash.xxh3_64_intdigest(data)
 
 
-def encode_commit(*, metadata_bytes: bytes, files: dict[str, dict[str, Any]]) -> bytes:
+def encode_commit(
+    *, metadata_bytes: bytes, files: dict[str, dict[str, Any]], order: dict[str, Any] | None = None
+) -> bytes:
     """The ``.commit`` marker for a checkpoint whose ``.metadata`` holds ``metadata_bytes``.
 
     Args:
         metadata_bytes: The exact bytes of ``.metadata``.
         files: ``{file name: {"size": bytes, "records": [[offset, length, checksum], ...]}}`` for every data file.
+        order: ``{"counter": int, "step": int | None}``: the save's place in its directory (see :func:`order_key`).
+            ``None`` writes no order (such a checkpoint counts as older than every ordered one).
     """
-    marker = {
+    marker: dict[str, Any] = {
         "format": FORMAT,
         "version": VERSION,
         "algorithm": CHECKSUM,
-        "committed_at": time.time(),
+        "committed_at": time.time(),  # informational: never used to order checkpoints
         "metadata": {"size": len(metadata_bytes), "checksum": checksum(metadata_bytes)},
         "files": files,
     }
+    if order is not None:
+        marker["order"] = {"counter": int(order["counter"]), "step": order.get("step")}
     return json.dumps(marker, sort_keys=True).encode()
+
+
+def order_key(marker: dict[str, Any]) -> tuple[int, int, float]:
+    """The sort key of a parsed marker: larger is newer. ``(counter, step, committed_at)``.
+
+    Which checkpoint of a directory is the newest never depends on a wall clock: the clocks of the machines that
+    saved them may be skewed or stepped back. ``counter`` is the directory's save counter (one more than the largest
+    the saving process saw in the directory, then one more per save), so a run that resumed from an older checkpoint
+    and saved again is newer than everything it resumed over (a rewind stays rewound); ``step`` (the global step)
+    breaks ties. Markers written before the order existed have ``counter`` 0: older than every ordered checkpoint,
+    ordered among themselves by ``committed_at`` (the only order they carry).
+    """
+    order = marker.get("order")
+    if order is None:
+        return (0, -1, float(marker["committed_at"]))
+    step = order.get("step")
+    return (order["counter"], -1 if step is None else step, 0.0)
 
 
 MAX_MARKER_BYTES = 64 << 20
@@ -76,6 +100,7 @@ def parse_commit(data: bytes) -> dict[str, Any]:
 
     Returns:
         ``{"committed_at": float, "metadata": {"size", "checksum"}, "files": {name: {"size", "records"}}, ...}``
+        (``"order": {"counter", "step"}`` too when the writer recorded it)
         where every file name is a plain name inside the checkpoint directory and every record
         ``[offset, length, checksum]`` lies within its file's size.
 
@@ -97,6 +122,14 @@ def parse_commit(data: bytes) -> dict[str, Any]:
         )
     if not _number(marker.get("committed_at")):
         raise MarkerError("'committed_at' is not a number")
+    order = marker.get("order")
+    if order is not None and not (
+        isinstance(order, dict)
+        and _uint(order.get("counter"))
+        and order["counter"] > 0
+        and (order.get("step") is None or _uint(order.get("step")))
+    ):
+        raise MarkerError("'order' must hold a positive integer 'counter' and a non-negative integer or null 'step'")
     meta = marker.get("metadata")
     if not isinstance(meta, dict) or not _uint(meta.get("size")) or not _uint(meta.get("checksum")):
         raise MarkerError("'metadata' must hold a non-negative integer 'size' and 'checksum'")

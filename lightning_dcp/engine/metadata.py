@@ -110,8 +110,8 @@ _MAX_PARSED = 4
 def _parse(data: bytes, where: str) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
-    except CheckpointError:
-        raise
+    except CheckpointError as err:  # a refused global: name the file it came from
+        raise NotACheckpointError(f"{where}: {err}") from None
     except (Exception, RecursionError, MemoryError) as err:  # crafted pickles raise many types
         raise NotACheckpointError(f"{where} is not DCP metadata ({type(err).__name__}: {err}).") from None
     if not isinstance(metadata, Metadata):

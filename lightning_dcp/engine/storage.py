@@ -38,8 +38,10 @@ from lightning_dcp.engine.marker import (
     METADATA_FILE,
     MarkerError,
     is_plain_name,
+    order_key,
     parse_commit,
 )
+from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.stores import (
     access_message,
     bucket_message,
@@ -48,6 +50,8 @@ from lightning_dcp.engine.stores import (
     forget_listings,
     is_missing_credentials,
     is_refusal,
+    is_unreachable,
+    unreachable_message,
 )
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -55,6 +59,7 @@ from lightning_dcp.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
     StorageAccessError,
+    StorageUnavailableError,
 )
 
 __all__ = [
@@ -65,6 +70,7 @@ __all__ = [
     "Location",
     "fsync_dir",
     "new_token",
+    "permission_message",
     "read_commit",
     "unreadable",
 ]
@@ -101,15 +107,34 @@ def read_commit(location: Location) -> dict[str, Any] | None:
         ) from None
 
 
-def unreadable(location: Location, name: str, err: OSError) -> CorruptCheckpointError:
+def unreadable(location: Location, name: str, err: OSError) -> CheckpointError:
     """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
 
-    A symlink loop or a name too long is a fact about the checkpoint; a remote store's failure is not, and is raised
-    again as it is.
+    A symlink loop or a name too long is a fact about the checkpoint (``CorruptCheckpointError``); a permission the
+    user lacks is not (``StorageAccessError``, "permission denied"); a remote store's failure is raised again as it
+    is.
     """
     if not location.local or isinstance(err, CheckpointError):
         raise err
+    if isinstance(err, PermissionError):
+        return StorageAccessError(permission_message(f"{location.url}/{name}", reading=True))
     return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
+
+
+def permission_message(path: str, *, reading: bool | None = None) -> str:
+    """The message of a ``StorageAccessError`` for a local path the operating system refused (``EACCES``).
+
+    ``reading``: the refused access was a read (``True``), a write (``False``) or either (``None``).
+    """
+    need = {
+        True: "read every file of the checkpoint",
+        False: "write into the checkpoint directory",
+        None: "read and write the checkpoint directory",
+    }[reading]
+    return (
+        f"Permission denied: {path!r}. The user running this process (on every rank) must be able to {need}: check"
+        " the permissions of that path and of the directories above it."
+    )
 
 
 def new_token() -> str:
@@ -126,13 +151,17 @@ class Location:
 
     Args:
         path: Local path or fsspec URL (``s3://bucket/run/step=10.ckpt``). ``os.PathLike`` is accepted and turned
-            into ``str``; URLs are never passed through ``pathlib``.
+            into ``str``; URLs are never passed through ``pathlib``. Put in canonical form first
+            (:func:`~lightning_dcp.engine.paths.canonical_url`: ``s3://b/exp//run`` is ``s3://b/exp/run``).
         storage_options: Keyword arguments for the fsspec filesystem (credentials, endpoint, region).
+
+    Raises:
+        InvalidPathError: ``path`` cannot round-trip through its store (``..`` segments, ``?`` in an S3 key, ...).
     """
 
     def __init__(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
         check_storage_options(storage_options)
-        self.url = os.fspath(path)
+        self.url = canonical_url(path)
         self.storage_options = dict(storage_options or {})
         self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)
@@ -180,10 +209,27 @@ class Location:
             return self.fs.exists(self.join(COMMIT_FILE))
 
     def open(self, name: str | None = None, mode: str = "rb") -> Any:
-        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents."""
+        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents.
+
+        A local file opened for reading must be a regular file (after links): a FIFO, socket or device would block
+        or never end, so it is refused at once.
+
+        Raises:
+            CorruptCheckpointError: A local path to read is a FIFO, socket or device (the error names it).
+        """
         path = self.path if name is None else self.join(name)
         if self.local and mode.startswith(("w", "a", "x")):
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.local and mode in ("r", "rb"):
+            try:
+                return localfs.open_regular(path)
+            except localfs.NotARegularFile as err:
+                shown = f"{self.url}/{name}" if name is not None else self.url
+                raise CorruptCheckpointError(
+                    f"{shown!r} is {err.kind}, not a regular file: a checkpoint holds only regular files, and reading"
+                    " this one could block forever. Remove or replace it (or resume from another checkpoint).",
+                    file=name or self.name,
+                ) from None
         with self._translated():
             return self.fs.open(path, mode)
 
@@ -325,7 +371,7 @@ class Location:
             if kind == "directory" and name.startswith(prefix):
                 marker = read_commit(self.sibling(name))
                 if marker is not None:
-                    committed.append((marker.get("committed_at", 0.0), name))
+                    committed.append((order_key(marker), name))
         return self.sibling(max(committed)[1]) if committed else self
 
     # ------------------------------------------------------------------------------------------------ changes
@@ -440,7 +486,12 @@ class Location:
             if is_missing_credentials(err):
                 raise StorageAccessError(credentials_message(self.url, self._protocol(), err)) from err
             if is_refusal(err):
+                if self.local:
+                    shown = getattr(err, "filename", None) or self.url
+                    raise StorageAccessError(permission_message(str(shown))) from err
                 raise StorageAccessError(access_message(self.url, self.bucket, self._protocol(), err)) from err
+            if not self.local and is_unreachable(err):
+                raise StorageUnavailableError(unreachable_message(self.url, self._protocol(), err)) from err
             raise
 
     def _check_bucket(self) -> None:

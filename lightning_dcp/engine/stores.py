@@ -48,6 +48,8 @@ __all__ = [
     "forget_listings",
     "is_missing_credentials",
     "is_refusal",
+    "is_unreachable",
+    "unreachable_message",
 ]
 
 _S3_HINT = (
@@ -143,3 +145,54 @@ _CREDENTIAL_ERRORS = {
 def is_missing_credentials(err: BaseException) -> bool:
     """Whether ``err`` is a storage library's "no credentials found" (matched by name: those libraries are optional)."""
     return any((c.__module__.split(".", 1)[0], c.__name__) in _CREDENTIAL_ERRORS for c in type(err).__mro__)
+
+
+_UNREACHABLE_ERRORS = {
+    ("botocore", "EndpointConnectionError"),  # s3fs: connection refused, DNS failure (after botocore's retries)
+    ("botocore", "ConnectTimeoutError"),
+    ("botocore", "ReadTimeoutError"),
+    ("botocore", "ConnectionClosedError"),
+    ("botocore", "HTTPClientError"),  # s3fs: a reset connection, a garbled answer (ReadTimeoutError derives from it)
+    ("aiohttp", "ClientConnectionError"),  # gcsfs, adlfs, s3fs' aiobotocore transport
+    ("aiohttp", "ServerTimeoutError"),
+    ("azure", "ServiceRequestError"),  # adlfs: the request never reached the service
+    ("azure", "ServiceResponseError"),
+}
+
+
+def is_unreachable(err: BaseException) -> bool:
+    """Whether ``err`` says the storage server could not be reached or answered with a server error (HTTP 5xx).
+
+    Matched by class name where the class belongs to an optional storage library; builtin ``ConnectionError`` and
+    ``TimeoutError`` count too. A refusal (401/403) or a missing object is not an outage.
+
+    Seen with s3fs 2026.9 against SeaweedFS behind a fault proxy (``tests/_faults.py``): a stopped server or refused
+    connections raise botocore's ``EndpointConnectionError`` once botocore's retries are spent (~5-10 s with the
+    defaults); reset connections the same or ``HTTPClientError``; HTTP 500/503 answers an ``OSError`` (``EIO`` or
+    ``EREMOTEIO``) whose ``__cause__`` is botocore's ``ClientError`` with the status in
+    ``response["ResponseMetadata"]["HTTPStatusCode"]``.
+    """
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:  # the error, then its causes (a chain may loop)
+        seen.add(id(err))
+        if isinstance(err, (ConnectionError, TimeoutError)) and not isinstance(err, PermissionError):
+            return True
+        if any((c.__module__.split(".", 1)[0], c.__name__) in _UNREACHABLE_ERRORS for c in type(err).__mro__):
+            return True
+        response = getattr(err, "response", None)  # botocore's ClientError
+        metadata = response.get("ResponseMetadata") if isinstance(response, dict) else None
+        statuses = [getattr(err, attribute, None) for attribute in ("status_code", "code", "status")]
+        statuses.append(metadata.get("HTTPStatusCode") if isinstance(metadata, dict) else None)
+        if any(isinstance(s, int) and not isinstance(s, bool) and 500 <= s < 600 for s in statuses):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def unreachable_message(url: str, protocol: str, err: BaseException) -> str:
+    """The message of a ``StorageUnavailableError``: what could not be reached, and what to check."""
+    return (
+        f"The storage server of {url!r} cannot be reached ({type(err).__name__}: {err}). Check the endpoint in"
+        f" `storage_options` and the network; with `local_dir` set, saves go on in the local tier and are uploaded"
+        f" once the {protocol} store answers again."
+    )

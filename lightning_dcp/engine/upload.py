@@ -27,6 +27,7 @@ import os
 import shutil
 from typing import Any
 
+from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
@@ -40,8 +41,6 @@ from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACh
 
 __all__ = ["SNAPSHOT_PREFIX", "marker_of", "remove_committed", "same_checkpoint", "snapshot", "upload"]
 
-SNAPSHOT_PREFIX = ".upload-"
-"""Hidden directories of the local tier holding the snapshot an upload reads (removed when it ends)."""
 _SNAPSHOT_ATTEMPTS = 5
 
 

@@ -12,6 +12,11 @@ Trainer; resharding to the current world size) and single ``torch.save`` files (
   optimizers nobody asked for left unread). A requested key the checkpoint lacks is an error unless
   ``strict=False``; so are differing module keys. Everything is checked before anything is loaded;
 - a module (``fabric.load_raw``): its weights, from a raw state-dict file or from the one module of a checkpoint.
+
+A stateful data loader in the state (a ``DataLoader`` with ``state_dict()``: torchdata's ``StatefulDataLoader``,
+LitData's ``StreamingDataLoader``) is saved by every rank as its own (``rank_states.{rank}``, with the RNG states) and
+given back to the same rank at the same world size. At another world size LitData's loader gets rank 0's state and
+restripes the epoch's rest itself; any other loader is refused (:func:`lightning_dcp.engine.loaders.refuse`).
 """
 
 from __future__ import annotations
@@ -32,12 +37,14 @@ from torch.optim import Optimizer
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
-from lightning_dcp.engine.loading import probe, torch_load_error
+from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
+from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
+    LOADERS_INFO,
     check_requested,
     is_stateful,
     load_targets,
@@ -66,16 +73,21 @@ def save_state(
     Raises:
         CheckpointError: Writing failed on some rank (nothing was committed), or the state cannot be split.
     """
-    tree, objects, layout_info = split_state(state, filters=filters)
+    loaders = {key: obj.state_dict() for key, obj in state.items() if is_stateful_loader(obj)}
+    tree, objects, layout_info = split_state({k: v for k, v in state.items() if k not in loaders}, filters=filters)
+    rank_objects: dict[str, Any] = {"rng": collect_rng_states()}
+    if loaders:  # each rank's own position (and workers' state): per rank, never rank 0's for all
+        rank_objects["loaders"], layout_info[LOADERS_INFO] = loaders, sorted(loaders)
     checkpointer.save(
         tree,
         path,
         objects=objects,
-        rank_objects={"rng": collect_rng_states()},
+        rank_objects=rank_objects,
         info={**(info or {}), **layout_info},
         storage_options=storage_options,
         collective=True,
         volatile=_volatile(state, tree, layout_info),
+        step=next((v for k in _STEP_KEYS if isinstance(v := state.get(k), int) and not isinstance(v, bool)), None),
     )
 
 
@@ -93,6 +105,10 @@ def _volatile(state: Mapping[str, Any], tree: Mapping[str, Any], info: Mapping[s
         elif isinstance(value, (list, tuple)):
             stack.extend(value)
     return volatile
+
+
+_STEP_KEYS = ("global_step", "step", "iteration", "iter_num")
+"""Entries of a Fabric state that hold the training step (the first found is recorded in ``.commit``)."""
 
 
 def load_state(
@@ -131,13 +147,42 @@ def load_state(
             " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     head = checkpointer.load(found.url, target={}, strict=False, collective=True, weights_only=weights_only)
-    roles = layout.tree_roles(head.objects.pop(layout.INFO_KEY, {}))
+    info = head.objects.pop(layout.INFO_KEY, {})
+    roles = layout.tree_roles(info)
     if isinstance(state, Module):
         _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
         return {}
-    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only)
+    loaders = _loader_states(found.url, state, head, info.get(LOADERS_INFO, []))  # refused before anything loads
+    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders)
+    for key, value in loaders.items():
+        if key in state:
+            state[key].load_state_dict(value)
+        else:
+            remainder[key] = value
     _restore_rng(head)
     return remainder
+
+
+def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str]) -> dict[str, Any]:
+    """The saved loader states to give back: this rank's own, or rank 0's to a loader that reshards itself.
+
+    Raises:
+        CheckpointError: At another world size, a requested loader that cannot reshard its position.
+    """
+    saved = (head.rank_objects or {}).get("loaders", {})
+    if head.rank_objects_exact or not saved:
+        return dict(saved)
+    refused = [k for k in keys if k in state and is_stateful_loader(state[k]) and not reshards_itself(state[k])]
+    if refused:
+        raise refuse(
+            [repr(k) for k in refused],
+            saved_world_size=head.saved_world_size,
+            world_size=rank_and_world(True)[1],
+            path=url,
+            hint="Or leave these keys out of the state given to `fabric.load`: their loaders then start the epoch"
+            " afresh.",
+        )
+    return {k: v for k, v in saved.items() if k in state and reshards_itself(state[k])}
 
 
 # ------------------------------------------------------------------------------------------------ directories
@@ -192,10 +237,11 @@ def _load_dict(
     roles: layout.TreeRoles,
     strict: bool,
     weights_only: bool,
+    loaders: Mapping[str, Any],
 ) -> dict[str, Any]:
     saved = saved_keys(metadata)
     objects = dict(head.objects)
-    check_requested(url, state, [*saved, *objects], strict=strict)
+    check_requested(url, state, [*saved, *objects, *loaders], strict=strict)
     unasked = [k for k in saved if k not in state and k not in roles.modules and k not in roles.optimizers]
     targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked)
     tree: dict[str, Any] = {}
@@ -245,18 +291,33 @@ def _restore_rng(head: Loaded) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ files
+def _expect_state_dict(url: str, where: str, value: Any) -> None:
+    """Raise unless ``value`` (what the file holds for a module or optimizer) is a state dict."""
+    if not isinstance(value, dict):
+        raise NotACheckpointError(
+            f"{url!r} holds a {type(value).__name__} under {where}, where a state dict (a dict of tensors) belongs:"
+            " it was not saved from this module or optimizer. Load it without that key, or from the right file."
+        )
+
+
 def _load_file(
     location: Location, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool
 ) -> dict[str, Any]:
     """A ``torch.save`` file, read whole on every rank (as Fabric does), applied as full state dicts."""
     try:
         with location.open() as f:
-            checkpoint = torch.load(f, map_location="cpu", weights_only=weights_only)
+            checkpoint = load_torch_file(f, url=location.url, map_location="cpu", weights_only=weights_only)
+    except CheckpointError:
+        raise
     except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
         raise torch_load_error(location.url, err) from None
     full = StateDictOptions(full_state_dict=True, strict=strict)
+    if not isinstance(checkpoint, dict):
+        raise NotACheckpointError(f"{location.url!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")
     if not state:
         return checkpoint
+    if isinstance(state, (Module, Optimizer)):
+        _expect_state_dict(location.url, "the file", checkpoint)
     if isinstance(state, Module):
         set_model_state_dict(unwrap(state), checkpoint, options=full)
         return {}
@@ -269,6 +330,8 @@ def _load_file(
         if key not in checkpoint:
             continue
         value = checkpoint.pop(key)
+        if isinstance(obj, (Module, Optimizer)):
+            _expect_state_dict(location.url, repr(key), value)
         if isinstance(obj, Module):
             set_model_state_dict(modules[key], value, options=full)
         elif isinstance(obj, Optimizer):

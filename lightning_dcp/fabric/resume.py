@@ -5,9 +5,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_dcp.engine.integrity import check_checkpoint
-from lightning_dcp.engine.storage import Location, read_commit
-from lightning_dcp.errors import CorruptCheckpointError, NotACheckpointError
+from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["latest_checkpoint"]
 
@@ -16,7 +16,8 @@ def latest_checkpoint(directory: str | os.PathLike, *, storage_options: dict[str
     """The newest committed, intact checkpoint directly inside ``directory``, or ``None`` when there is none.
 
     Candidates are the subdirectories carrying a ``.commit`` marker (a save that was interrupted, e.g. by
-    ``kill -9``, has none and is skipped), newest commit time first; the first that passes the fast checks of
+    ``kill -9``, has none and is skipped), newest first in the order recorded at save (the directory's save
+    counter, then the step; never a wall clock); the first that passes the fast checks of
     every load (marker, ``.metadata`` checksum, data file sizes) is returned. Hidden entries (staging) are ignored.
 
     Args:
@@ -29,22 +30,10 @@ def latest_checkpoint(directory: str | os.PathLike, *, storage_options: dict[str
     Rank 0 only: broadcast its answer, e.g. ``fabric.broadcast(latest_checkpoint(d) if fabric.is_global_zero
     else None)``, so that every rank resumes from the same checkpoint.
     """
-    parent = Location(directory, storage_options=storage_options)
-    candidates = []
-    for name, kind in parent.entries():
-        if kind != "directory" or name.startswith("."):
-            continue
-        child = parent.child(name)
+    for _, candidate in committed_checkpoints(Location(directory, storage_options=storage_options)):
         try:
-            marker = read_commit(child)
-        except CorruptCheckpointError:
-            continue
-        if marker is not None:
-            candidates.append((marker.get("committed_at", 0.0), name, child))
-    for _, _, child in sorted(candidates, key=lambda c: (c[0], c[1]), reverse=True):
-        try:
-            check_checkpoint(child)
+            check_checkpoint(candidate)
         except NotACheckpointError:
             continue
-        return child.url
+        return candidate.url
     return None

@@ -31,6 +31,7 @@ from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
+    "LOADERS_INFO",
     "Targets",
     "check_requested",
     "is_stateful",
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 FRONT_END = "fabric"
+LOADERS_INFO = "loaders"
+"""Info entry of a Fabric checkpoint: the keys of the stateful data loaders, whose states each rank saved itself."""
 _PLAIN = (bool, int, float, str, bytes, type(None))
 _HINT = "Load a checkpoint of this model, or pass `strict=False` to load only the keys both have."
 

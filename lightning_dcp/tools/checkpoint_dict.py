@@ -13,17 +13,24 @@ shards are read as full tensors).
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.loading import probe
+from lightning_dcp.engine.lookup import designates_last
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.source import Source
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.errors import NotACheckpointError
+from lightning_dcp.tools.progress import progress_bar
 
 __all__ = ["DEFAULT_BATCH_BYTES", "is_checkpoint_directory", "load_checkpoint"]
 
@@ -33,6 +40,9 @@ DEFAULT_BATCH_BYTES = 64 << 20
 
 def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> bool:
     """Whether ``path`` designates a checkpoint directory (directly, by a symlink or by a ``last`` pointer object).
+
+    A ``last*`` name beside committed checkpoints designates the newest of them, also when its link or pointer
+    dangles (see :func:`~lightning_dcp.engine.lookup.designated`).
 
     Anything else (a single file, a path that does not exist) answers ``False``: that is Lightning's to load.
 
@@ -44,6 +54,10 @@ def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[st
     location = Location(path, storage_options=storage_options)
     if location.local and not os.path.lexists(location.path):
         return False
+    if _is_http(location):  # a static file server may neither list directories nor answer a HEAD of one
+        return location.is_committed()
+    if designates_last(location) and committed_checkpoints(location.parent()):
+        return True  # read as the newest committed checkpoint beside it, whatever the link or pointer says
     resolved = location.resolve()
     return resolved.exists() and resolved.isdir()
 
@@ -56,6 +70,7 @@ def load_checkpoint(
     weights_only: bool | None = True,
     model_weights: bool = True,
     batch_bytes: int = DEFAULT_BATCH_BYTES,
+    progress: bool | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint directory into the dict a single-file Lightning checkpoint holds, without optimizer states.
 
@@ -71,6 +86,8 @@ def load_checkpoint(
         weights_only: Unpickle the non-tensor state with ``torch.load(weights_only=True)`` (``None`` means ``True``).
         model_weights: Read the model weights (``False`` for a ``LightningDataModule``: ``"state_dict"`` is ``{}``).
         batch_bytes: Bytes of weights read per ``dcp.load`` call.
+        progress: Show a progress bar over the weights' bytes (tqdm, on stderr), as ``consolidate`` does. Default:
+            only when stderr is a terminal.
 
     Returns:
         ``{"state_dict": {fqn: tensor}, **trainer_state}``: full (unsharded) tensors of the saved dtypes, plus every
@@ -86,26 +103,63 @@ def load_checkpoint(
         CheckpointError: The non-tensor state holds objects that ``weights_only`` unpickling refuses.
     """
     check_storage_options(storage_options)
-    found = probe(Location(path, storage_options=storage_options))
+    location = Location(path, storage_options=storage_options)
+    if _is_http(location):
+        with _downloaded(location) as local:
+            return load_checkpoint(
+                local, map_location=map_location, weights_only=weights_only, model_weights=model_weights,
+                batch_bytes=batch_bytes, progress=progress,
+            )  # fmt: skip
+    found = probe(location)
     if found.kind == "file":
         raise NotACheckpointError(
             f"{found.url!r} is a single-file checkpoint, not a checkpoint directory: load it with `torch.load` or"
             " Lightning's own `load_from_checkpoint`."
         )
     source = Source(Location(found.url, storage_options=storage_options))
+    if source.roles is not None and not source.roles.trainer:
+        layout.require_trainer_layout(found.url, source.read_extra().get(layout.INFO_KEY, {}))
     weights_only = True if weights_only is None else weights_only
     checkpoint = dict(source.read_extra(weights_only=weights_only))
     state_dict: dict[str, Any] = {}
     if model_weights:
         entries = [e for e in source.entries if e.weight]
-        for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
-            state_dict[entry.name] = _mapped(tensor, map_location)
+        bar = progress_bar(sum(e.nbytes for e in entries), progress, desc=location.name)
+        try:
+            for entry, tensor in source.iter_tensors(entries, batch_bytes=batch_bytes):
+                state_dict[entry.name] = _mapped(tensor, map_location)
+                bar.update(entry.nbytes)
+        finally:
+            bar.close()
         small = [k for k in source.byte_keys if _model_path(source, k) is not None]
         for key, value in source.read_values(small, weights_only=weights_only).items():
             state_dict[_model_path(source, key)] = value  # non-tensor model state (e.g. ``_extra_state``)
     checkpoint[layout.MODEL_KEY] = state_dict
     checkpoint.pop(layout.OPTIMIZER_KEY, None)
     return checkpoint
+
+
+def _is_http(location: Location) -> bool:
+    return location.url.startswith(("http://", "https://"))
+
+
+@contextlib.contextmanager
+def _downloaded(location: Location) -> Iterator[str]:
+    """A committed checkpoint served over HTTP(S), downloaded into a temporary directory (removed afterwards).
+
+    Its ``.commit`` marker names every file, so the server need not list directories or answer range requests
+    (Python's ``http.server`` does neither); as Lightning downloads a single-file URL with ``torch.hub`` before
+    loading it. The files are checked against their checksums when they are loaded.
+    """
+    marker = read_commit(location)
+    if marker is None:
+        raise NotACheckpointError(f"{location.url!r} has no {COMMIT_FILE!r} marker: it is no committed checkpoint.")
+    with tempfile.TemporaryDirectory(prefix="lightning_dcp-http-") as tmp:
+        local = os.path.join(tmp, location.name or "checkpoint")
+        os.makedirs(local)
+        for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:
+            location.fs.get_file(location.join(name), os.path.join(local, name))
+        yield local
 
 
 def _model_path(source: Source, key: str) -> str | None:

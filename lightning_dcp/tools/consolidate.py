@@ -11,7 +11,6 @@ import fnmatch
 import json
 import os
 import re
-import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,10 +18,12 @@ import torch
 
 from lightning_dcp._compat import set_element
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.lookup import designated
 from lightning_dcp.engine.source import Source, TensorEntry
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
+from lightning_dcp.tools.progress import progress_bar
 from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter
 
 __all__ = [
@@ -105,7 +106,9 @@ def consolidate(
     Rank 0 only (or any single process): reads without collectives.
 
     Raises:
-        FileExistsError: ``dst`` exists and ``overwrite`` is False.
+        OutputExistsError: ``dst`` exists and ``overwrite`` is False, or ``dst`` is something an output never
+            replaces (a directory, a checkpoint, a special file; for sharded output, a directory holding anything but
+            an earlier sharded output). A ``FileExistsError``.
         ValueError: ``dst`` is the checkpoint itself, lies inside it or contains it (refused even with
             ``overwrite``: the source is never touched); invalid options (unknown format or dtype, patterns without
             ``weights_only``, shards for ckpt).
@@ -130,9 +133,9 @@ def consolidate(
     dst = os.fspath(dst)
     out = Location(dst, storage_options=storage_options)
     given = Location(src, storage_options=storage_options)
-    resolved = given.resolve()
+    resolved = designated(given)
     refuse_overlap((given, resolved), out)
-    refuse_existing(out, overwrite=overwrite)
+    refuse_existing(out, overwrite=overwrite, kind="sharded" if shard_bytes is not None else "file")
     source = Source(resolved)
     entries = [
         e
@@ -141,7 +144,7 @@ def consolidate(
     ]
     if not any(e.weight for e in entries):
         raise CheckpointError(f"No model weights of {src!r} are selected (include={include}, exclude={exclude}).")
-    bar = _progress_bar(sum(e.nbytes for e in entries), progress, desc=os.path.basename(dst.rstrip("/")))
+    bar = progress_bar(sum(e.nbytes for e in entries), progress, desc=os.path.basename(dst.rstrip("/")))
     try:
         if fmt == "ckpt":
             _write_ckpt(source, entries, out, weights_only=weights_only, cast=cast, batch_bytes=batch_bytes, bar=bar)
@@ -357,21 +360,3 @@ def _numel(shape: tuple[int, ...]) -> int:
     for dim in shape:
         numel *= dim
     return numel
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-def _progress_bar(total: int, enabled: bool | None, *, desc: str) -> Any:
-    if enabled is None:
-        enabled = sys.stderr.isatty()
-    if not enabled:
-        return _NoBar()
-    from tqdm.auto import tqdm
-
-    return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)

@@ -10,6 +10,7 @@ import re
 from typing import Any
 
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.lookup import designated
 from lightning_dcp.engine.source import Source
 from lightning_dcp.engine.storage import Location
 
@@ -34,7 +35,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         ``files`` (data files), ``modules`` and ``optimizers`` (the top-level keys holding model weights and
         optimizer state: ``["state_dict"]``/``["optimizer_states"]`` for the Trainer, the state keys of
         ``fabric.save`` for Fabric), ``objects`` (the other saved keys of a Fabric checkpoint), and ``tensors``: one
-        dict per tensor with ``key`` (flat DCP key), ``name`` (FQN for
+        dict per tensor (model weights first, by FQN, then the others by key; numbers within names compare as
+        numbers: ``layers.2`` before ``layers.10``) with ``key`` (flat DCP key), ``name`` (FQN for
         model weights), ``weight``, ``shape``, ``dtype`` (e.g. ``"float32"``), ``bytes`` and ``chunks`` (saved
         shards).
 
@@ -45,7 +47,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         NotACheckpointError: ``path`` is not a DCP checkpoint directory.
         CheckpointError: The non-tensor state cannot be read with ``weights_only`` unpickling.
     """
-    source = Source(Location(path, storage_options=storage_options))
+    source = Source(designated(Location(path, storage_options=storage_options)))
     extra = source.read_extra()
     info = extra.get(layout.INFO_KEY, {}) if isinstance(extra.get(layout.INFO_KEY), dict) else {}
     files = sorted(
@@ -69,6 +71,7 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         }
         for e in source.entries
     ]
+    tensors.sort(key=lambda t: (not t["weight"], _natural(t["name"] if t["weight"] else t["key"])))
     strategy = info.get("strategy") or ("lightning (sharded)" if source.kind == "lightning_sharded" else None)
     roles = source.roles
     fabric = roles is not None and not roles.trainer
@@ -95,3 +98,8 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         "files": files,
         "tensors": tensors,
     }
+
+
+def _natural(name: str) -> list[tuple[int, int | str]]:
+    """Sort key of a dotted name whose numeric parts compare as numbers (``layers.2`` before ``layers.10``)."""
+    return [(0, int(part)) if part.isdigit() else (1, part) for part in re.split(r"(\d+)", name) if part]

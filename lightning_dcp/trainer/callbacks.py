@@ -15,118 +15,27 @@ See ``docs/resume.md`` ("Resuming at another world size") for what is and is not
 
 from __future__ import annotations
 
-import math
-import os
 from typing import Any
 
-import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, Sampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_dcp._compat import restart_train_iterator, shift_epoch_batches
+from lightning_dcp.engine.layout import INFO_KEY
+from lightning_dcp.engine.loaders import refuse, reshards_itself
+from lightning_dcp.trainer.global_order import (
+    GlobalOrderSampler,
+    accumulation_for,
+    global_order_sampler,
+    is_distributed_sampler,
+)
 
 __all__ = ["ElasticResume", "GlobalOrderSampler", "accumulation_for"]
 
 STATE_VERSION = 1
-
-
-class GlobalOrderSampler(Sampler[int]):
-    """``DistributedSampler``'s order (same seed, epoch, padding and split), able to start an epoch part-way.
-
-    Outside the epoch given to :meth:`skip`, it yields exactly what ``DistributedSampler(dataset_size, ...)`` yields.
-    In that epoch it drops the first ``samples`` indices of the epoch's global order (the permutation before padding,
-    which does not depend on the world size), then pads/trims and deals the rest as ``DistributedSampler`` would.
-    ``len()`` is always the full epoch's per-rank length, which is what Lightning's batch counting expects.
-
-    Args:
-        dataset_size: Number of samples in the dataset.
-        num_replicas: Data-parallel world size (ranks that draw different samples).
-        rank: This rank's index among ``num_replicas``.
-        shuffle: Permute with ``seed + epoch`` (else the natural order).
-        seed: The shuffle seed (Lightning uses ``PL_GLOBAL_SEED``).
-        drop_last: Trim to a multiple of ``num_replicas`` instead of padding with repeated samples.
-        epoch: The epoch used until :meth:`set_epoch` is called.
-    """
-
-    def __init__(
-        self,
-        dataset_size: int,
-        *,
-        num_replicas: int,
-        rank: int,
-        shuffle: bool,
-        seed: int,
-        drop_last: bool = False,
-        epoch: int = 0,
-    ) -> None:
-        self.dataset_size = dataset_size
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.drop_last = drop_last
-        self.epoch = epoch
-        self.skip_epoch: int | None = None
-        self.skip_samples = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (Lightning calls this before each epoch)."""
-        self.epoch = epoch
-
-    def skip(self, *, epoch: int, samples: int) -> None:
-        """Start ``epoch`` after its first ``samples`` samples (global count, all ranks together)."""
-        self.skip_epoch, self.skip_samples = epoch, samples
-
-    def global_order(self, epoch: int) -> list[int]:
-        """The epoch's sample indices in the order all ranks together consume them (no padding)."""
-        if not self.shuffle:
-            return list(range(self.dataset_size))
-        generator = torch.Generator()
-        generator.manual_seed(self.seed + epoch)
-        return torch.randperm(self.dataset_size, generator=generator).tolist()
-
-    def _per_rank(self, n: int) -> int:
-        if self.drop_last and n % self.num_replicas:
-            return math.ceil((n - self.num_replicas) / self.num_replicas)
-        return math.ceil(n / self.num_replicas)
-
-    def __len__(self) -> int:
-        return self._per_rank(self.dataset_size)
-
-    def __iter__(self):
-        order = self.global_order(self.epoch)
-        if self.epoch == self.skip_epoch:
-            order = order[self.skip_samples :]
-        total = self._per_rank(len(order)) * self.num_replicas
-        if total > len(order) and order:
-            order = (order * math.ceil(total / len(order)))[:total]
-        return iter(order[self.rank : total : self.num_replicas])
-
-
-def accumulation_for(global_batch_size: int, *, world_size: int, batch_size: int) -> int:
-    """The ``accumulate_grad_batches`` that keeps ``global_batch_size`` samples per optimizer step.
-
-    Raises:
-        ValueError: ``global_batch_size`` is not a multiple of ``world_size * batch_size``.
-    """
-    per_micro_step = world_size * batch_size
-    if global_batch_size % per_micro_step:
-        fits = [w for w in range(1, global_batch_size + 1) if global_batch_size % (w * batch_size) == 0]
-        where = f"Resume on {_or(fits)} rank(s) with this batch size, or change" if fits else "Change"
-        raise ValueError(
-            f"ElasticResume cannot keep the global batch size of {global_batch_size} samples on {world_size} ranks"
-            f" with {batch_size} samples per device: {global_batch_size} is not a multiple of {per_micro_step}."
-            f" {where} the per-device batch size so that world size x batch size divides {global_batch_size}, or"
-            " remove ElasticResume to accept a different global batch size."
-        )
-    return global_batch_size // per_micro_step
-
-
-def _or(values: list[int]) -> str:
-    return ", ".join(map(str, values[:-1])) + f" or {values[-1]}" if len(values) > 1 else str(values[0])
 
 
 class ElasticResume(Callback):
@@ -152,12 +61,19 @@ class ElasticResume(Callback):
     permutation instead of the global random generator's. Other samplers are left alone, and a mid-epoch resume
     with one of them at another world size raises.
 
+    Stateful loaders (``state_dict``/``load_state_dict``: torchdata's ``StatefulDataLoader``, LitData's
+    ``StreamingDataLoader``) keep their sampler and, at the same world size, continue from their own saved state (each
+    rank's own under a ``dcp_*`` strategy). At another world size, mid-epoch, a ``StatefulDataLoader`` with a
+    ``DistributedSampler`` is repositioned as above (its saved state is not used), LitData's loader gets rank 0's
+    state and restripes the rest of the epoch itself, and any other stateful loader raises ``CheckpointError``.
+
     Every rank computes the same from the same checkpoint; no hook is collective.
 
     Args:
         verbose: Log (rank 0) the accumulation change and the resume position.
 
     Raises:
+        CheckpointError: At resume at another world size, mid-epoch: a stateful train loader it cannot reshard.
         ValueError: At resume: the global batch size cannot be kept (the message names world sizes that work), it
             would need gradient accumulation under manual optimization or under a ``GradientAccumulationScheduler``,
             or a mid-epoch position cannot be reproduced (other sampler, other shuffle seed or dataset size, a
@@ -170,6 +86,8 @@ class ElasticResume(Callback):
         self._sampler: GlobalOrderSampler | None = None
         self._order: dict[str, Any] | None = None
         self._restored: dict[str, Any] | None = None
+        self._loader_resume: dict[str, Any] | None = None
+        self._stateful = False
         self._world_size = 1
         self._batch_size: int | None = None
         self._per_rank_samples = 0
@@ -207,6 +125,11 @@ class ElasticResume(Callback):
         self._in_epoch = state_dict["samples_in_epoch"]
         self._before_epoch = state_dict["samples_total"] - state_dict["samples_in_epoch"]
 
+    @override
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Note how the ``dcp_*`` strategy gave the stateful train loaders their saved states (``loader_resume``)."""
+        self._loader_resume = checkpoint.get(INFO_KEY, {}).get("loader_resume")
+
     # ---------------------------------------------------------------------------------------------- hooks
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -214,11 +137,15 @@ class ElasticResume(Callback):
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._install(trainer)
+        pending, self._loader_resume = self._loader_resume, None
+        reshard = pending is not None and not pending["exact"]
+        replaced = self._install(trainer, reshard=reshard)
+        if reshard and self._stateful and self._sampler is None and not reshards_itself(trainer.train_dataloader):
+            raise self._refuse(trainer, pending["saved_world_size"])
         saved, self._restored = self._restored, None
         if saved is not None:
-            self._resume(trainer, pl_module, saved)
-        if self._sampler is not None:
+            replaced = self._resume(trainer, pl_module, saved, pending) or replaced
+        if replaced:
             restart_train_iterator(trainer)  # FitLoop.setup_data iterated the loader before this hook
 
     @override
@@ -238,30 +165,45 @@ class ElasticResume(Callback):
         self._epoch = trainer.current_epoch
 
     # -------------------------------------------------------------------------------------------- helpers
-    def _install(self, trainer: Trainer) -> None:
-        """Find the train loader's batch size and sampler; put a :class:`GlobalOrderSampler` in where supported."""
+    def _install(self, trainer: Trainer, *, reshard: bool = False) -> bool:
+        """Find the train loader's batch size and sampler; put a :class:`GlobalOrderSampler` in where supported.
+
+        A stateful loader keeps its sampler (its own saved state replays it) unless its position is resharded now;
+        its order is still recorded when its sampler draws exactly what a ``GlobalOrderSampler`` would. Returns
+        whether a sampler was replaced (the epoch's iterator must then be created again).
+        """
         kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}
         self._world_size = kwargs.get("num_replicas", 1)
         loader = trainer.train_dataloader
         batch_sampler = getattr(loader, "batch_sampler", None)
+        self._stateful = callable(getattr(loader, "state_dict", None)) and callable(
+            getattr(loader, "load_state_dict", None)
+        )
         if not isinstance(loader, DataLoader) or not isinstance(batch_sampler, BatchSampler):
             self._batch_size = self._sampler = self._order = None
-            return
+            return False
         self._batch_size = batch_sampler.batch_size
-        sampler = batch_sampler.sampler
+        sampler, replaced = batch_sampler.sampler, False
         if not isinstance(sampler, GlobalOrderSampler):
-            sampler = _global_order_sampler(sampler, world_size=self._world_size, epoch=trainer.current_epoch)
-            if sampler is not None:
-                batch_sampler.sampler = sampler
-        self._sampler = sampler
-        self._per_rank_samples = len(batch_sampler.sampler)
-        batches = min(len(batch_sampler), trainer.num_training_batches)
-        self._epoch_samples = self._world_size * min(batches * self._batch_size, self._per_rank_samples)
+            same = is_distributed_sampler(sampler) or type(sampler) is SequentialSampler  # as GlobalOrderSampler
+            sampler = global_order_sampler(sampler, world_size=self._world_size, epoch=trainer.current_epoch)
+            if sampler is not None and (reshard or not self._stateful):
+                batch_sampler.sampler, replaced = sampler, True
+            elif not same:
+                sampler = None
         self._order = None
         if sampler is not None:
             self._order = {"dataset_size": sampler.dataset_size, "shuffle": sampler.shuffle, "seed": sampler.seed}
+        self._sampler = sampler if batch_sampler.sampler is sampler else None
+        self._per_rank_samples, batches = _lengths(loader, batch_sampler)
+        batches = min(batches, trainer.num_training_batches)
+        self._epoch_samples = self._world_size * min(batches * self._batch_size, self._per_rank_samples)
+        return replaced
 
-    def _resume(self, trainer: Trainer, pl_module: LightningModule, saved: dict[str, Any]) -> None:
+    def _resume(
+        self, trainer: Trainer, pl_module: LightningModule, saved: dict[str, Any], loaders: dict[str, Any] | None
+    ) -> bool:
+        """Keep the global batch size; continue a mid-epoch checkpoint's epoch (True: re-create the iterator)."""
         world, batch = self._world_size, self._batch_size
         old = f"{saved['world_size']} rank(s) x {saved['batch_size']} x {saved['accumulate_grad_batches']}"
         target = saved["global_batch_size"]
@@ -289,14 +231,20 @@ class ElasticResume(Callback):
                 )
         consumed = saved["samples_in_epoch"]
         if not 0 < consumed < saved["epoch_samples"]:
-            return  # saved at an epoch boundary: Lightning starts the next epoch at its first sample
-        self._position(trainer, saved, consumed)
+            return False  # saved at an epoch boundary: Lightning starts the next epoch at its first sample
+        return self._position(trainer, saved, consumed, loaders)
 
-    def _position(self, trainer: Trainer, saved: dict[str, Any], consumed: int) -> None:
+    def _position(self, trainer: Trainer, saved: dict[str, Any], consumed: int, loaders: dict[str, Any] | None) -> bool:
         """Skip the ``consumed`` samples of the saved epoch and move the batch counters to match."""
         world, batch = self._world_size, self._batch_size
         same_layout = (world, batch) == (saved["world_size"], saved["batch_size"])
+        if self._stateful and (loaders is None or loaders["exact"]) and same_layout:
+            return False  # the loader continues from its own saved state (each rank's own under a dcp_* strategy)
+        if self._stateful and self._sampler is None:
+            return self._reshard_loader(trainer, saved, consumed, loaders)
         if self._sampler is None or saved["order"] is None:
+            if not same_layout and self._stateful:
+                raise self._refuse(trainer, saved["world_size"])
             if not same_layout:
                 raise ValueError(
                     "ElasticResume cannot continue this mid-epoch checkpoint at another world size or batch size:"
@@ -324,9 +272,45 @@ class ElasticResume(Callback):
                 " a gradient-accumulation window). Resume with the saved world size, or from a checkpoint saved"
                 " after an optimizer step."
             )
+        self._shift(trainer, saved, consumed)
+        self._sampler.skip(epoch=saved["epoch"], samples=consumed)
+        return True
+
+    def _reshard_loader(
+        self, trainer: Trainer, saved: dict[str, Any], consumed: int, loaders: dict[str, Any] | None
+    ) -> bool:
+        """A stateful loader that reshards its own position (LitData) gets rank 0's state; any other one raises."""
+        loader = trainer.train_dataloader
+        states = (loaders or {}).get("states") or []
+        if not reshards_itself(loader) or len(states) != 1:
+            raise self._refuse(trainer, saved["world_size"])
+        world, batch = self._world_size, self._batch_size
+        if batch is None or consumed % (world * batch):
+            raise ValueError(
+                f"ElasticResume cannot continue at {world} rank(s) x {batch} samples: the checkpoint was saved after"
+                f" {consumed} samples of the epoch, which is not a whole number of global batches here (LitData"
+                " would round it down and repeat samples). Resume with a world size x batch size that divides it."
+            )
+        loader.load_state_dict(states[0])  # LitData restripes the epoch's rest over the new ranks and workers
+        self._shift(trainer, saved, consumed)
+        return True
+
+    def _refuse(self, trainer: Trainer, saved_world_size: int | None) -> Exception:
+        return refuse(
+            [type(trainer.train_dataloader).__name__],
+            saved_world_size=saved_world_size,
+            world_size=self._world_size,
+            path=str(trainer.ckpt_path),
+            hint="A sampler of Lightning's (`use_distributed_sampler=True`), your own `DistributedSampler` or"
+            " torchdata's `StatefulDistributedSampler` lets ElasticResume skip the consumed samples; a shuffled"
+            " StatefulDataLoader without one draws from its own generator, which cannot be reproduced.",
+        )
+
+    def _shift(self, trainer: Trainer, saved: dict[str, Any], consumed: int) -> None:
+        """Move Lightning's batch counters of the epoch to ``consumed`` samples at this world and batch size."""
+        world, batch = self._world_size, self._batch_size
         new_batches = consumed // (world * batch)
         shift_epoch_batches(trainer, new_batches - consumed // (saved["world_size"] * saved["batch_size"]))
-        self._sampler.skip(epoch=saved["epoch"], samples=consumed)
         if self.verbose:
             rank_zero_info(
                 f"ElasticResume: epoch {saved['epoch']} continues after {consumed} of its samples (batch"
@@ -334,30 +318,9 @@ class ElasticResume(Callback):
             )
 
 
-def _global_order_sampler(sampler: Sampler, *, world_size: int, epoch: int) -> GlobalOrderSampler | None:
-    """The :class:`GlobalOrderSampler` drawing what ``sampler`` draws (``None`` when that cannot be reproduced)."""
-    if type(sampler) is DistributedSampler:  # not DistributedSamplerWrapper: that one wraps a custom order
-        return GlobalOrderSampler(
-            len(sampler.dataset),
-            num_replicas=sampler.num_replicas,
-            rank=sampler.rank,
-            shuffle=sampler.shuffle,
-            seed=sampler.seed,
-            drop_last=sampler.drop_last,
-            epoch=epoch,
-        )
-    if world_size != 1:  # every rank draws the whole dataset (`use_distributed_sampler=False`): not ours to change
-        return None
-    seed = int(os.environ.get("PL_GLOBAL_SEED", 0))  # what Lightning's DistributedSampler would use
-    if type(sampler) is SequentialSampler:
-        return GlobalOrderSampler(len(sampler.data_source), num_replicas=1, rank=0, shuffle=False, seed=seed)
-    if (
-        type(sampler) is RandomSampler
-        and not sampler.replacement
-        and sampler.generator is None
-        and sampler.num_samples == len(sampler.data_source)
-    ):
-        return GlobalOrderSampler(
-            len(sampler.data_source), num_replicas=1, rank=0, shuffle=True, seed=seed, epoch=epoch
-        )
-    return None
+def _lengths(loader: DataLoader, batch_sampler: BatchSampler) -> tuple[int, int]:
+    """``(samples, batches)`` per rank and epoch; an iterable dataset (LitData) gives them through ``len()``."""
+    try:
+        return len(batch_sampler.sampler), len(batch_sampler)
+    except TypeError:  # `_InfiniteConstantSampler` of an IterableDataset
+        return len(loader.dataset), len(loader)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp.engine import layout
@@ -52,12 +53,17 @@ class DCPCheckpointIO(CheckpointIO):
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
             checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back
-            intact, and commits it remotely (``.commit`` written last). ``ckpt_path="last"`` and remote paths load
-            the newest checkpoint committed on either tier, the local copy first; on a machine with an empty
-            ``local_dir`` they load from the remote. Removals (top-k pruning) apply to both tiers after the uploads
-            before them; uploads a killed run left unfinished are redone by the next run with the same ``local_dir``
-            (at its first save or load, or when ``DCPModelCheckpoint`` sets up); ``teardown`` waits for the uploads.
-            One ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
+            intact, and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop:
+            existence checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries
+            through store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning
+            per save while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint
+            committed on either tier, the local copy first; on a machine with an empty ``local_dir`` they load from
+            the remote. Pruning removes the local copy at once and the remote copy behind the uploads queued before
+            it. Uploads, removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by
+            the next run with the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last``
+            ask for. ``teardown`` waits for the uploads, retrying for up to 60 s, then raises
+            ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
+            ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
             filesystem). Named ``local_dir`` rather than ``cache_dir`` or ``staging_dir``: it holds real, committed
             checkpoints (for a while the only copy), not a disposable cache or a temporary area.
         local_keep: Committed checkpoints ``local_dir`` keeps (the newest); older ones leave it once they are
@@ -160,6 +166,8 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         check_storage_options(storage_options)
+        if _is_bare_state_dict(checkpoint):  # Lightning's ddp_spawn hands rank 0's weights back to the main process
+            checkpoint, info = {layout.MODEL_KEY: checkpoint}, {**(info or {}), _BARE: True}
         tree, objects, layout_info = layout.split_checkpoint(checkpoint)
         self.checkpointer.save(
             tree,
@@ -170,6 +178,7 @@ class DCPCheckpointIO(CheckpointIO):
             storage_options=storage_options,
             collective=collective,
             volatile=volatile,
+            step=checkpoint.get("global_step"),
         )
 
     # ----------------------------------------------------------------------------------------------- load
@@ -225,10 +234,16 @@ class DCPCheckpointIO(CheckpointIO):
             exclude=exclude,
             map_location=map_location,
         )
+        if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
+            rank_zero_info(f"lightning_dcp: {os.fspath(path)!r} designates the checkpoint {loaded.url!r}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects
+        if not only_model:
+            layout.require_trainer_layout(loaded.url, loaded.objects.get(layout.INFO_KEY, {}))
         checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place)
         info = checkpoint[layout.INFO_KEY]
+        if info.get(_BARE):
+            return checkpoint[layout.MODEL_KEY]
         if loaded.in_place:
             info.update(missing_keys=loaded.missing_keys, unexpected_keys=loaded.unexpected_keys)
         if loaded.rank_objects is not None:
@@ -266,3 +281,20 @@ class DCPCheckpointIO(CheckpointIO):
             CheckpointError: The background save failed (naming the rank and the path); it was not committed.
         """
         self.checkpointer.wait(collective=collective)
+
+
+_BARE = "bare_state_dict"
+"""Recorded for a checkpoint that was a module's bare state dict, which a load gives back as it was saved."""
+
+
+def _is_bare_state_dict(checkpoint: Mapping[str, Any]) -> bool:
+    """A module's state dict rather than Lightning's checkpoint dict: ``{fqn: tensor}`` and no ``"state_dict"``.
+
+    Lightning's ``ddp_spawn`` launcher saves rank 0's ``model.state_dict()`` through the CheckpointIO and loads it
+    back in the main process with ``load_checkpoint`` (``_MultiProcessingLauncher``).
+    """
+    return (
+        layout.MODEL_KEY not in checkpoint
+        and bool(checkpoint)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in checkpoint.items())
+    )

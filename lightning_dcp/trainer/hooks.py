@@ -25,6 +25,9 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.blob import load_stock_file
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.strategies import DCPStrategyMixin
@@ -46,7 +49,7 @@ def install_lightning_hooks() -> list[str]:
     Returns:
         The dotted names of the Lightning functions now routed through lightning_dcp.
     """
-    _compat.install_load_from_checkpoint_hook(_read_directory)
+    _compat.install_load_from_checkpoint_hook(_read_directory, _load_file)
     _compat.install_upgrade_hook(_upgrade)
     _compat.install_strategy_setup_hook(_check_strategy)
     return _compat.lightning_hooks_installed()
@@ -74,9 +77,9 @@ def _read_directory(
     storage_options: dict[str, Any] | None,
     model_weights: bool,
 ) -> dict[str, Any] | None:
-    if str(path).startswith("http"):  # Lightning downloads these itself (torch.hub): always single files
-        return None
     if not is_checkpoint_directory(path, storage_options=storage_options):
+        if not Location(path, storage_options=storage_options).exists():  # Lightning's own message and type
+            raise checkpoint_not_found(os.fspath(path))
         return None
     return load_checkpoint(
         path,
@@ -85,6 +88,11 @@ def _read_directory(
         weights_only=weights_only,
         model_weights=model_weights,
     )
+
+
+def _load_file(load: Any, path: str) -> Any:
+    """Lightning's own weights-only load of a single file, with the codec's kinds allowed and rebuilt by it."""
+    return load_stock_file(load, path=path)
 
 
 def _upgrade(args: Any, lightning_upgrade: Any) -> None:

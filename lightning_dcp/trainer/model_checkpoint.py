@@ -20,6 +20,7 @@ What it changes, each checked against Lightning 2.6.6:
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import re
 from typing import Any
@@ -34,6 +35,7 @@ from typing_extensions import override
 from lightning_dcp import _compat
 from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.paths import canonical_url
 from lightning_dcp.engine.storage import STAGING_INFIX, Location
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
@@ -48,6 +50,8 @@ _PRIVATE = (
 )
 _compat.check_private_api(ModelCheckpoint, _PRIVATE)
 
+log = logging.getLogger(__name__)
+
 
 class DCPModelCheckpoint(ModelCheckpoint):
     """``ModelCheckpoint`` for lightning_dcp checkpoints on local disks, ``s3://``, ``gs://`` or any fsspec URL.
@@ -57,9 +61,14 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     Args:
         dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
+            URLs are put in canonical form (``s3://b/exp//run`` is ``s3://b/exp/run``; see
+            :mod:`lightning_dcp.engine.paths`).
         storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
             Trainer's ``DCPCheckpointIO``, so credentials are configured once.
         **kwargs: Passed to ``ModelCheckpoint``.
+
+    Raises:
+        InvalidPathError: ``dirpath`` cannot round-trip through its store (``?``, ``..`` in an object store URL).
 
     Note:
         ``Trainer.fit(ckpt_path="last")`` stats the chosen candidate with a bare ``fsspec`` filesystem (Lightning's
@@ -82,6 +91,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 dirpath = dirpath[len("file://") :]
             if fsspec.utils.get_protocol(dirpath) == "file":
                 dirpath = os.path.realpath(os.path.expanduser(dirpath))
+            dirpath = canonical_url(dirpath)  # the path door: refused here, before anything is written
         self.dirpath = dirpath
         self._storage_options = None if storage_options is None else dict(storage_options)
         self._stat_defaults = _STAT_DEFAULTS
@@ -139,18 +149,30 @@ class DCPModelCheckpoint(ModelCheckpoint):
         """Delete checkpoints in ``dirpath`` whose save did not finish, and stale staging prefixes.
 
         An overwrite interrupted mid-commit (target uncommitted, its staging prefix committed) is completed instead.
-        With a local tier, its uncommitted directories go too, and remote prefixes still being uploaded stay.
-        Call when no save to ``dirpath`` is in flight. Rank 0 only.
+        With a local tier mirroring ``dirpath``, its uncommitted directories go now and ``dirpath`` is cleaned by the
+        tier's uploader, in the background (remote prefixes still being uploaded stay). Call when no save to
+        ``dirpath`` is in flight. Rank 0 only.
 
         Returns:
-            The URLs removed.
+            The URLs removed (with a local tier: from the local tier).
         """
         directory = self._directory(trainer)
         tiers = self._tiers(trainer)
-        uploading = tiers.pending() if tiers is not None else set()
-        entries = dict(directory.entries())
+        if tiers is not None and tiers.mirrors(directory):  # remote calls belong to the uploader, off the loop
+
+            def clean() -> None:
+                removed = self._remove_incomplete_in(directory, tiers.pending())
+                if removed:
+                    log.info("lightning_dcp: removed incomplete checkpoint(s) from %s: %s", directory.url, removed)
+
+            tiers.defer(clean, what=f"clean-up of {directory.url}")
+            return tiers.remove_incomplete()
         removed = tiers.remove_incomplete() if tiers is not None else []
-        for name, kind in sorted(entries.items()):
+        return removed + self._remove_incomplete_in(directory, tiers.pending() if tiers is not None else set())
+
+    def _remove_incomplete_in(self, directory: Location, uploading: set[str]) -> list[str]:
+        removed = []
+        for name, kind in sorted(directory.entries()):
             if kind != "directory" or not name.endswith(self.FILE_EXTENSION) or name.startswith("."):
                 continue
             if name in uploading:
@@ -186,12 +208,15 @@ class DCPModelCheckpoint(ModelCheckpoint):
         directory = self._directory(trainer)
         self._fs = directory.fs
         if trainer.is_global_zero and stage == "fit":
+            tiers = self._tiers(trainer)
+            if tiers is not None and tiers.covers(directory):
+                tiers.bind(directory)  # its remote calls (clean-up, uploads) run in the tier's uploader
             removed = self.remove_incomplete(trainer)
             if removed:
-                rank_zero_info(f"Removed {len(removed)} incomplete checkpoint(s) from {self.dirpath}: {removed}")
-            if self.save_top_k != 0 and committed_checkpoints(directory):
+                rank_zero_info(_removed_message(removed))
+            known = tiers.known_checkpoints(directory, wait=False) if tiers is not None else None
+            if self.save_top_k != 0 and (known if known is not None else committed_checkpoints(directory)):
                 rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
-            tiers = self._tiers(trainer)
             if tiers is not None:
                 tiers.resume()
         trainer.strategy.barrier("DCPModelCheckpoint.setup")
@@ -212,16 +237,18 @@ class DCPModelCheckpoint(ModelCheckpoint):
     def file_exists(self, filepath: str | os.PathLike, trainer: pl.Trainer) -> bool:
         """Whether a checkpoint (committed directory, pointer or file) exists at ``filepath``, decided on rank 0.
 
-        A directory left by a crashed save does not count, so the next save reuses its name and replaces it.
+        A directory left by a crashed save does not count, so the next save reuses its name and replaces it. With a
+        local tier, the tier answers (committed locally, on its way, or known to be held remotely): no remote call.
         Collective: call on all ranks.
         """
         exists = False
         if trainer.is_global_zero:
             location = Location(os.fspath(filepath), storage_options=self._options(trainer))
-            exists = location.exists() and (not location.isdir() or location.is_committed())
             tiers = self._tiers(trainer)
-            if not exists and tiers is not None and tiers.covers(location):  # committed locally, not uploaded yet
-                exists = tiers.local_twin(location).is_committed()
+            if tiers is not None and tiers.covers(location) and tiers.mirrors(location.parent()):
+                exists = tiers.exists(location)  # the local tier and the uploader know: no remote call in the loop
+            else:
+                exists = location.exists() and (not location.isdir() or location.is_committed())
         return trainer.strategy.reduce_boolean_decision(exists, all=False)
 
     def _link(self, trainer: pl.Trainer, filepath: str, linkpath: str) -> None:
@@ -263,6 +290,18 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if not newest.local:
             self._stat_defaults.set(newest.url, self._options(trainer))
         return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+
+
+def _removed_message(removed: list[str]) -> str:
+    """One line per directory cleaned: what interrupted saves (and, in a local tier, uploads) left there."""
+    by_directory: dict[str, list[str]] = {}
+    for url in removed:
+        parent, _, name = url.rstrip("/").rpartition("/")
+        by_directory.setdefault(parent or ".", []).append(name)
+    return "\n".join(
+        f"Removed what interrupted saves or uploads left in {parent} (never committed, never loaded): {sorted(names)}"
+        for parent, names in by_directory.items()
+    )
 
 
 class _StatDefaults:

@@ -27,7 +27,6 @@ from lightning.pytorch.strategies import (
     StrategyRegistry,
 )
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     set_model_state_dict,
@@ -38,15 +37,14 @@ from typing_extensions import override
 from lightning_dcp._compat import (
     install_flag_only_sigterm_handler,
     restore_modules_and_callbacks,
-    train_epoch_in_progress,
     trainer_run_arguments,
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
-from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
 __all__ = [
     "DCPDDPStrategy",
@@ -157,9 +155,7 @@ class DCPStrategyMixin:
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
             install_flag_only_sigterm_handler(self.lightning_module.trainer)
-        deferred, self._dcp_deferred_rng = getattr(self, "_dcp_deferred_rng", None), None
-        if deferred is not None:  # saved mid-epoch: after the epoch's iterator drew its seed (see _restore_rank_state)
-            restore_rng_states(deferred)
+        self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
 
     @override
     def on_validation_start(self) -> None:
@@ -225,10 +221,7 @@ class DCPStrategyMixin:
             storage_options=storage_options,
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
-            rank_state={
-                "rng": collect_rng_states(),
-                "mid_epoch": train_epoch_in_progress(self.lightning_module.trainer),
-            },
+            rank_state=collect_rank_state(self.lightning_module.trainer, checkpoint),  # RNG, this rank's loaders
             volatile=list(self._dcp_module().buffers()),  # a forward pass changes buffers before the next step
         )
 
@@ -263,29 +256,31 @@ class DCPStrategyMixin:
             strict=self.lightning_module.strict_loading,
             collective=True,
         )
-        self._restore_rank_state(checkpoint)
+        self._dcp_rank_resume.restore(
+            self.lightning_module.trainer,
+            checkpoint,
+            path=str(checkpoint_path),
+            world_size=self.world_size,
+            rank=self.global_rank,
+        )
         return checkpoint
 
-    def _restore_rank_state(self, checkpoint: Mapping[str, Any]) -> None:
-        info = checkpoint.get(layout.INFO_KEY, {})
-        state = info.get("rank_state")
-        if not state or "rng" not in state:
-            return
-        if info.get("rank_state_exact"):
-            if state.get("mid_epoch") and self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-                # The resumed fit creates the epoch's data iterator after this load, drawing a seed from the global
-                # generator that the uninterrupted run drew before the save: restore after it, in on_train_start.
-                self._dcp_deferred_rng = state["rng"]
-            else:
-                restore_rng_states(state["rng"])
-            return
-        derive_rng_states(state["rng"], rank=self.global_rank)
-        rank_zero_warn(
-            f"The checkpoint was saved at world size {info.get('world_size')} and is resumed at {self.world_size}:"
-            " per-rank random states cannot carry over one-to-one, so each rank's generators (torch, numpy, python)"
-            " are re-seeded deterministically from rank 0's saved state and the rank. Random streams (dropout,"
-            " augmentation) differ from an uninterrupted run; model, optimizer and loop state are exact."
-        )
+    @property
+    def _dcp_rank_resume(self) -> RankResume:
+        if getattr(self, "_dcp_rank_resume_state", None) is None:
+            self._dcp_rank_resume_state = RankResume()
+        return self._dcp_rank_resume_state
+
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        """Sharded, fitting: set the sampler's epoch before Lightning gives the loader its saved state.
+
+        See :class:`~lightning_dcp.trainer.rank_state.RankResume`.
+        """
+        dataloader = super().process_dataloader(dataloader)
+        if self._dcp_sharded and self.lightning_module is not None:
+            self._dcp_rank_resume.process_dataloader(self.lightning_module.trainer, dataloader)
+        return dataloader
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

@@ -31,7 +31,7 @@ from lightning_dcp import _compat
 from lightning_dcp.engine.loading import LIGHTNING_META_FILE
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.errors import CheckpointError, checkpoint_not_found
+from lightning_dcp.errors import CheckpointError, checkpoint_not_found, describe_load_error
 from lightning_dcp.tools.output import atomic_file
 from lightning_dcp.tools.rewrite import BACKUP_SUFFIX, rewrite_trainer_state
 
@@ -99,6 +99,10 @@ def upgrade_checkpoints(
                 results.append(Upgraded(location.url, "lightning"))
         except CheckpointError as err:  # one unreadable checkpoint does not stop the others
             results.append(Upgraded(location.url, "failed", str(err)))
+        except Exception as err:  # noqa: BLE001 - Lightning's upgrade of a file raises whatever torch.load raised
+            results.append(
+                Upgraded(location.url, "failed", f"not a checkpoint Lightning can read ({describe_load_error(err)})")
+            )
     return results
 
 

@@ -1,4 +1,5 @@
-"""``python -m tests.chaos``: the fault-injection campaign (``nox -s chaos``): kills, then fuzzing; one summary.
+"""``python -m tests.chaos``: the fault-injection campaign (``nox -s chaos``): kills, fuzzing, the doors (clocks, path
+strings), then store outages under a local tier; one summary.
 
 Bounded in count and time; every seed is printed and recorded. The summary table is printed and the whole summary
 (every kill, every finding) written as JSON to ``--out``.
@@ -13,7 +14,9 @@ import random
 import sys
 import time
 
+from tests.chaos import remote
 from tests.chaos.campaign import Setup, format_table, run_campaign
+from tests.chaos.doors import clock_pass, path_pass
 from tests.chaos.fuzz import READERS, fuzz_reader
 
 
@@ -37,8 +40,14 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=None, help="campaign seed (default: random, printed)")
     parser.add_argument("--workdir", default="outputs/chaos/work", help="scratch space (~1 GB per trial)")
     parser.add_argument("--out", default="outputs/chaos/summary.json", help="where the JSON summary goes")
+    parser.add_argument("--clock-trials", type=int, default=8, help="clock pass: trials (chained runs each)")
+    parser.add_argument("--clock-runs", type=int, default=4, help="clock pass: runs per trial (default 4)")
+    parser.add_argument("--path-examples", type=int, default=300, help="path pass: hypothesis examples per store")
     parser.add_argument("--skip-kills", action="store_true")
     parser.add_argument("--skip-fuzz", action="store_true")
+    parser.add_argument("--remote-outages", type=int, default=20, help="remote-fault pass: outages of 5-60 s")
+    parser.add_argument("--skip-doors", action="store_true", help="skip the clock and path passes")
+    parser.add_argument("--skip-remote", action="store_true", help="skip the remote-fault pass")
     parser.add_argument("--keep", action="store_true", help="keep each trial's directory (checkpoints, logs)")
     return parser.parse_args(argv)
 
@@ -81,6 +90,24 @@ def main(argv: list[str] | None = None) -> int:
                 f" findings {len(stats.findings)}",
                 flush=True,
             )
+    if not args.skip_doors:
+        summary["clock"] = clock_pass(
+            workdir=os.path.abspath(args.workdir),
+            trials=args.clock_trials,
+            runs_per_trial=args.clock_runs,
+            seed=seed,
+            keep=args.keep,
+            log=lambda line: print(line, flush=True),
+        )
+        report_path = os.path.abspath(os.path.join(os.path.dirname(args.out) or ".", "paths.json"))
+        summary["paths"] = path_pass(examples=args.path_examples, report=report_path)
+    if not args.skip_remote:
+        summary["remote"] = remote.run_remote_faults(
+            workdir=os.path.abspath(os.path.join(args.workdir, "remote")),
+            outages=args.remote_outages,
+            seed=seed,
+            log=lambda line: print(line, flush=True),
+        )
     summary["seconds"] = round(time.monotonic() - started)
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
@@ -98,6 +125,9 @@ def failed(summary: dict) -> bool:
         or kills.get("committed_but_not_verifying")
         or kills.get("problems")
         or any(r["findings_by_kind"] for r in fuzz.values())
+        or any(v for k, v in summary.get("clock", {}).get("verdicts", {}).items() if k != "ok")
+        or summary.get("paths", {}).get("pytest_exit_code", 0) != 0
+        or any(summary.get("remote", {}).get(key) for key in remote.FAILURES)
     )
 
 
@@ -117,6 +147,17 @@ def report(summary: dict) -> str:
             f" {stats['non_checkpoint_errors']}, findings {stats['findings_by_kind'] or 0},"
             f" outcomes {stats['outcomes']}"
         )
+    clock = summary.get("clock")
+    if clock:
+        lines.append(f"clock pass: {clock['runs']} runs ({clock['seconds']} s), verdicts {clock['verdicts']}")
+    paths = summary.get("paths")
+    if paths:
+        lines.append(
+            f"path pass: {paths['examples_per_store']} examples per store ({paths['seconds']} s), pytest exit"
+            f" {paths['pytest_exit_code']}, outcomes {paths['counts']}"
+        )
+    if summary.get("remote"):
+        lines.append(remote.report(summary["remote"]))
     return "\n".join(lines)
 
 

@@ -368,3 +368,100 @@ def _slots(doc: Any):
         for i, value in enumerate(doc):
             yield doc, i
             yield from _slots(value)
+
+
+# ------------------------------------------------------------------------------------------------ codec tags
+CODEC_TAG = "\x00lightning_dcp.object"
+"""The codec's tag key (lightning_dcp.engine.codec): crafted tags must be refused cleanly or decode to allowed types."""
+CODEC_KINDS = [
+    "omegaconf", "partial", "namespace", "path", "datetime", "date", "time", "timedelta", "timezone", "frozenset",
+    "namedtuple", "dataclass", "enum", "type",
+]  # fmt: skip
+CODEC_NAMES = [
+    # allowed: torch's optimizers and schedulers, config classes, builtins as values, the fuzz's registered classes
+    "torch.optim.adamw.AdamW", "torch.optim.lr_scheduler.ReduceLROnPlateau", "omegaconf.dictconfig.DictConfig",
+    "omegaconf.listconfig.ListConfig", "builtins.dict", "builtins.int", "argparse.Namespace", "PosixPath",
+    "PureWindowsPath", "tests.chaos.readers.FuzzColor", "tests.chaos.readers.FuzzConfig",
+    "tests.chaos.readers.FuzzPoint",
+    # outside the allow-list: what a crafted checkpoint would name to run or import something
+    "os.system", "posix.system", "builtins.eval", "builtins.exec", "builtins.open", "builtins.__import__",
+    "builtins.getattr", "subprocess.Popen", "importlib.import_module", "pickle.loads", "torch.load", "shutil.rmtree",
+    "tests._models.Payload", "functools.partial", "omegaconf.OmegaConf.load", "pathlib.Path.write_text",
+    "antigravity.fly", "torch._utils._rebuild_tensor_v2", "collections.OrderedDict", "typing.Any", "",
+]  # fmt: skip
+_RESOLVERS = [
+    "${a}",
+    "${oc.env:HOME}",
+    "${oc.create:{}}",
+    "${eval:1}",
+    "${..x}",
+    "???",
+    "${",
+    "\\${x}",
+    "${oc.decode:1}",
+]
+
+
+def _codec_leaf() -> st.SearchStrategy[Any]:
+    return st.one_of(_INTS, st.floats(), st.text(max_size=6), st.sampled_from(_RESOLVERS), st.none(), st.booleans())
+
+
+@st.composite
+def _omegaconf_tree(draw: st.DrawFn, depth: int = 0) -> Any:
+    kind = draw(st.sampled_from(["dict", "list", "value", "dict", "x"]))
+    flags = draw(
+        st.one_of(
+            st.dictionaries(st.sampled_from(["struct", "readonly", "allow_objects", "convert", "x"]), st.booleans()),
+            st.just({"struct": "yes"}),
+            _INTS,
+        )
+    )
+    if kind == "value" or depth > 2:
+        return ("value", flags, draw(_codec_leaf()))
+    if kind == "dict":
+        keys = st.one_of(st.text(max_size=4), _INTS, st.none())
+        items = draw(st.lists(st.tuples(keys, _omegaconf_tree(depth + 1)), max_size=3))
+        return (kind, flags, draw(st.sampled_from([[list(i) for i in items], items, "???", None, "${a}"])))
+    return (kind, flags, draw(st.lists(_omegaconf_tree(depth + 1), max_size=3)))
+
+
+@st.composite
+def codec_tag(draw: st.DrawFn, depth: int = 0) -> dict[str, Any]:
+    """A crafted codec tag: a kind, a name (allowed or not) and a payload of the kind's shape or any other."""
+    kind = draw(st.one_of(st.sampled_from(CODEC_KINDS), st.text(max_size=6)))
+    name = draw(st.one_of(st.sampled_from(CODEC_NAMES), st.none(), st.text(max_size=10)))
+    inner = codec_tag(depth + 1) if depth < 2 else _codec_leaf()
+    values = st.one_of(_codec_leaf(), inner)
+    shaped = {
+        "omegaconf": st.tuples(_omegaconf_tree(), st.lists(st.one_of(st.text(max_size=3), _INTS), max_size=2)),
+        "partial": st.one_of(
+            st.tuples(
+                st.lists(values, max_size=2).map(tuple), st.dictionaries(st.text(max_size=4), values, max_size=2)
+            ),
+            st.tuples(
+                st.just(()),
+                st.just({}),
+                st.dictionaries(
+                    st.just("hydra"),
+                    st.dictionaries(
+                        st.sampled_from(["_hydra_resolved_from", "_hydra_full_key", "x"]),
+                        st.one_of(st.text(max_size=8), _INTS),
+                    ),
+                ),
+            ),
+        ),
+        "namespace": st.dictionaries(st.one_of(st.text(max_size=4), _INTS), values, max_size=3),
+        "path": st.one_of(st.text(max_size=12), _INTS),
+        "datetime": st.tuples(*[_INTS] * 8, st.one_of(st.none(), inner)),
+        "time": st.tuples(*[_INTS] * 5, st.one_of(st.none(), inner)),
+        "date": st.tuples(_INTS, _INTS, _INTS),
+        "timedelta": st.tuples(_INTS, _INTS, _INTS),
+        "timezone": st.tuples(_INTS, _INTS, _INTS),
+        "frozenset": st.lists(values, max_size=3),
+        "namedtuple": st.lists(values, max_size=3),
+        "dataclass": st.dictionaries(st.sampled_from(["warmup", "name", "x", "__class__", "__dict__"]), values),
+        "enum": st.sampled_from(["RED", "BLUE", "_missing_", "__class__", ""]),
+        "type": st.none(),
+    }
+    payload = draw(st.one_of(shaped.get(kind, st.none()), values, st.lists(values, max_size=3).map(tuple)))
+    return {CODEC_TAG: draw(st.sampled_from([(kind, name, payload), (kind, name), [kind, name, payload]]))}

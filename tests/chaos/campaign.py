@@ -150,7 +150,9 @@ def disk_state(ckpt_dir: str, since: float) -> dict[str, Any]:
         if name.startswith("."):
             continue  # a committed staging directory waiting to be renamed: not a checkpoint yet
         with open(marker) as f:
-            committed_at = json.load(f)["committed_at"]
+            recorded = json.load(f)
+        order = recorded.get("order") or {}
+        committed_at = (order.get("counter", 0), order.get("step") or -1, recorded["committed_at"])
         try:
             verify_checkpoint(path)
             ident = identity(path)

@@ -1,4 +1,5 @@
-"""Fuzzing every reader of a checkpoint with hypothesis: ``.commit``, ``.metadata``, pointers, the blob, data records.
+"""Fuzzing every reader of a checkpoint with hypothesis: ``.commit``, ``.metadata``, pointers, the blob, data records,
+the codec's tags inside the blob.
 
 Each reader gets hostile input of its own kind (tests/chaos/_inputs.py), written into a copy of a real committed
 checkpoint with the checksums made consistent where that takes the input deeper (so only validation can catch it).
@@ -25,7 +26,7 @@ from hypothesis import strategies as st
 from tests.chaos._checks import Finding, Stats, address_space_headroom, guard
 from tests.chaos.readers import READER_CLASSES, Template
 
-READERS = ("commit", "metadata", "pointer", "blob", "record")
+READERS = ("commit", "metadata", "pointer", "blob", "record", "codec")
 
 
 def _plain(data: Any) -> Any:

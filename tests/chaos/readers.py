@@ -8,14 +8,21 @@ consistent where that takes it deeper; then the reader itself and the public ent
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import copy
 import dataclasses
+import datetime
+import enum
+import functools
 import io
 import json
 import os
+import pathlib
 import pickle
 import shutil
+import sys
+import typing
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +32,8 @@ import torch
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp import DCPCheckpointIO, consolidate, inspect_checkpoint, verify_checkpoint
+from lightning_dcp import DCPCheckpointIO, _compat, add_safe_globals, consolidate, inspect_checkpoint, verify_checkpoint
+from lightning_dcp.engine import allowlist, codec
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
@@ -320,6 +328,134 @@ class BlobReader(Reader):
         return "loaded" if outcome == "ok" else f"refused:{type(value).__name__}"
 
 
+class FuzzColor(enum.Enum):
+    RED = 1
+    BLUE = 2
+
+
+@dataclasses.dataclass
+class FuzzConfig:
+    warmup: int
+    name: str = ""
+
+
+class FuzzPoint(typing.NamedTuple):
+    x: int
+    y: int = 0
+
+
+class CodecReader(Reader):
+    """The codec's tags (lightning_dcp.engine.codec) inside a blob: crafted kinds, names and payloads, and real
+    encodings with their names swapped. Allowed: a CheckpointError, or objects of allowed types only; no import."""
+
+    name = "codec"
+
+    def __init__(self, template: Template, stats: Stats) -> None:
+        super().__init__(template, stats)
+        add_safe_globals([FuzzColor, FuzzConfig, FuzzPoint])
+        import hydra._internal.target_policy  # noqa: F401 - what the codec may import, imported before measuring
+        import omegaconf  # noqa: F401
+
+        cfg = omegaconf.OmegaConf.create({"a": {"b": "${c}", "m": "???"}, "c": [1, 2]})
+        omegaconf.OmegaConf.set_struct(cfg.a, True)
+        self.real = codec.encode(
+            {
+                "cfg": cfg,
+                "sub": cfg.a,
+                "opt": functools.partial(torch.optim.AdamW, lr=0.1),
+                "ns": argparse.Namespace(x=1),
+                "path": pathlib.Path("/tmp/x"),
+                "when": datetime.datetime(2026, 1, 1, tzinfo=datetime.timezone.utc),
+                "delta": datetime.timedelta(seconds=3),
+                "set": frozenset({1}),
+                "enum": FuzzColor.RED,
+                "dc": FuzzConfig(1, "n"),
+                "nt": FuzzPoint(1),
+                "type": omegaconf.DictConfig,
+            }
+        )
+
+    def strategy(self) -> st.SearchStrategy[Any]:
+        crafted = st.dictionaries(st.text(max_size=4), inputs.codec_tag(), min_size=1, max_size=3)
+        return st.one_of(crafted, self._renamed(), inputs.codec_tag())
+
+    @st.composite
+    def _renamed(draw: st.DrawFn, self) -> Any:  # noqa: N805 - hypothesis composite signature
+        """The real encoding with some tags' names or kinds replaced, or one of its tags replaced by a crafted one."""
+
+        def edit(value: Any) -> Any:
+            if isinstance(value, dict) and set(value) == {codec.TAG}:
+                kind, name, payload = value[codec.TAG]
+                action = draw(st.sampled_from(["keep", "keep", "name", "kind", "crafted"]))
+                if action == "name":
+                    name = draw(st.sampled_from(inputs.CODEC_NAMES))
+                elif action == "kind":
+                    kind = draw(st.sampled_from(inputs.CODEC_KINDS))
+                elif action == "crafted":
+                    return draw(inputs.codec_tag())
+                return {codec.TAG: (kind, name, edit(payload))}
+            if isinstance(value, dict):
+                return {k: edit(v) for k, v in value.items()}
+            if isinstance(value, (list, tuple)):
+                return type(value)(edit(v) for v in value)
+            return value
+
+        return edit(self.real)
+
+    def check(self, data: Any) -> str:
+        before = set(sys.modules)
+        outcome, value = call(
+            lambda: decode_extra(torch_bytes(data), path="fuzzed-blob", entry="lightning"), self.stats
+        )
+        imported = sorted(set(sys.modules) - before)
+        if imported:
+            raise Finding("import", f"decoding imported {imported[:5]}")
+        if outcome == "ok":
+            self._allowed_only(value)
+        return "loaded" if outcome == "ok" else f"refused:{type(value).__name__}"
+
+    def _allowed_only(self, value: Any, depth: int = 0) -> None:
+        """Every object a load returned is of a plain type, or of a kind the codec builds from its allow-list."""
+        import omegaconf
+
+        kind = type(value)
+        if kind in (str, int, float, bool, type(None), bytes, complex) or isinstance(value, torch.Tensor):
+            return
+        if isinstance(value, (np.ndarray, np.generic)) and value.dtype.kind in "biufc":
+            return
+        items: Any = ()
+        if kind in (dict, list, tuple, set, frozenset):
+            items = list(value.values()) + list(value) if kind is dict else list(value)
+        elif isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)):
+            items = [_compat.omegaconf_tree(value)]
+        elif isinstance(value, functools.partial):
+            self._named(value.func)
+            items = [value.args, value.keywords, vars(value)]
+        elif isinstance(value, type):
+            self._named(value)
+        elif kind is argparse.Namespace:
+            items = [vars(value)]
+        elif isinstance(value, (enum.Enum, FuzzConfig, FuzzPoint)):
+            self._named(kind)
+            items = (
+                []
+                if isinstance(value, enum.Enum)
+                else [vars(value) if dataclasses.is_dataclass(value) else tuple(value)]
+            )
+        elif not isinstance(
+            value, (pathlib.PurePath, datetime.date, datetime.time, datetime.timedelta, datetime.tzinfo)
+        ):
+            raise Finding("wrong-load", f"a load returned a {kind.__module__}.{kind.__qualname__}")
+        for item in items:
+            self._allowed_only(item, depth + 1)
+
+    @staticmethod
+    def _named(obj: Any) -> None:
+        name = allowlist.name_of(obj)
+        if name is None or allowlist.lookup(name) is not obj:
+            raise Finding("wrong-load", f"a load returned {obj!r:.80}, which is outside the allow-list")
+
+
 class RecordReader(Reader):
     name = "record"
 
@@ -410,4 +546,6 @@ class RecordReader(Reader):
             raise Finding("wrong-load", f"{key!r} loaded other values than its record holds")
 
 
-READER_CLASSES = {cls.name: cls for cls in (CommitReader, MetadataReader, PointerReader, BlobReader, RecordReader)}
+READER_CLASSES = {
+    cls.name: cls for cls in (CommitReader, MetadataReader, PointerReader, BlobReader, RecordReader, CodecReader)
+}

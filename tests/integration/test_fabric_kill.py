@@ -12,6 +12,7 @@ import time
 import torch
 
 from lightning_dcp import verify_checkpoint
+from tests._spawn import port_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 5
@@ -21,6 +22,7 @@ def _start(directory: str) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.integration._fabric_kill_train", directory, str(STEPS)],
         cwd=ROOT,
+        env=port_env(),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -48,7 +50,9 @@ def test_kill_during_async_save_resumes_exactly(tmp_path):
     deadline = time.monotonic() + 120
     # kill as soon as the background write of a save after the second one is under way
     while not any(n.lstrip(".") > "step-0002" for n in _in_progress(ckpt_dir)):
-        assert proc.poll() is None and time.monotonic() < deadline, "the run ended before it was killed"
+        assert proc.poll() is None and time.monotonic() < deadline, (
+            f"the run ended before it was killed: {proc.stderr.read().decode()[-3000:] if proc.poll() else ''}"
+        )
         time.sleep(0.002)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait(timeout=60)

@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_dcp import DCPCheckpointIO, verify_checkpoint
 from tests._models import RandomDataModule
+from tests._spawn import port_env
 from tests._trainer import seed
 from tests.integration._incremental_train import FrozenBackbone, trainer_for
 
@@ -106,7 +107,7 @@ def test_kill_during_incremental_saves_keeps_committed_checkpoints(tmp_path):
     command = [sys.executable, "-m", "tests.integration._incremental_train", directory, str(steps)]
     for _ in range(2):
         before = set(_committed(ckpt_dir))
-        proc = subprocess.Popen(command, cwd=ROOT, start_new_session=True, stdout=subprocess.DEVNULL)
+        proc = subprocess.Popen(command, cwd=ROOT, env=port_env(), start_new_session=True, stdout=subprocess.DEVNULL)
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline and proc.poll() is None and not set(_committed(ckpt_dir)) - before:
             time.sleep(0.005)
@@ -126,7 +127,9 @@ def test_kill_during_incremental_saves_keeps_committed_checkpoints(tmp_path):
             dcp.load(stock, checkpoint_id=path, no_dist=True)
             for key, value in state.items():
                 assert torch.equal(stock["state_dict"][key], value), (name, key, stock["state_dict"][key], value)
-    proc = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300)
+    proc = subprocess.run(
+        command, cwd=ROOT, env=port_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr.decode()[-3000:]
     final = torch.load(os.path.join(directory, "final.pt"), weights_only=True)
     assert _files(os.path.join(ckpt_dir, "last.ckpt"))["embed.weight"].st_nlink > 2  # shared with step checkpoints

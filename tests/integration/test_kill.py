@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lightning_dcp import verify_checkpoint
+from tests._spawn import port_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EPOCHS = 30
@@ -26,6 +27,7 @@ def _start(directory: str, use_async: bool) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "tests.integration._kill_train", directory, str(EPOCHS), "1" if use_async else "0"],
         cwd=ROOT,
+        env=port_env(),
         start_new_session=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

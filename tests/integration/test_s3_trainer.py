@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
+from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, StorageUnavailableError
 from lightning_dcp.engine import planning
 from lightning_dcp.engine.dcp_io import storage_writer
 from lightning_dcp.engine.dcp_reader import storage_reader
@@ -93,8 +93,8 @@ def test_server_killed_mid_save_previous_checkpoint_resumes(s3_server_factory, m
 
     killer = _KillWhenUploading(server, bucket, options)
     killer.start()
-    with pytest.raises(Exception):  # noqa: B017 (any failure: the server is gone mid-upload)
-        trainer(2).fit(_BigModel(), datamodule=RandomDataModule(), ckpt_path="last")
+    with pytest.raises(StorageUnavailableError, match=rf"{dirpath}/epoch=1-step=32\.ckpt.*cannot be reached"):
+        trainer(2).fit(_BigModel(), datamodule=RandomDataModule(), ckpt_path="last")  # the server is gone mid-upload
     killer.stop.set()
     assert killer.killed.is_set(), "the save finished before the server could be killed"
     server.restart()

@@ -10,7 +10,8 @@ import torch
 from torch.utils.data import DistributedSampler, RandomSampler, SequentialSampler
 
 from lightning_dcp import ElasticResume
-from lightning_dcp.trainer.callbacks import GlobalOrderSampler, _global_order_sampler, accumulation_for
+from lightning_dcp.trainer.global_order import GlobalOrderSampler, accumulation_for
+from lightning_dcp.trainer.global_order import global_order_sampler as _global_order_sampler
 
 
 def _sampler(n: int, world_size: int, rank: int, **kwargs) -> GlobalOrderSampler:

@@ -19,6 +19,7 @@ EXAMPLES = {
     "pointer": 25,
     "blob": 40,
     "record": 25,
+    "codec": 25,
 }  # ~1 min in all; nox -s chaos: 2000 each
 
 

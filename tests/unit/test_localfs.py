@@ -37,7 +37,10 @@ def _tree(path: str) -> dict[str, bytes]:
     return out
 
 
-def test_replace_directory_copies_across_filesystems(tmp_path):
+@pytest.mark.parametrize("chmod", ["allowed", "refused"])
+def test_replace_directory_copies_across_filesystems(tmp_path, chmod, monkeypatch):
+    if chmod == "refused":  # as on mounts that refuse permission changes (Lightning's cross-device test does this)
+        monkeypatch.setattr(os, "chmod", lambda *a, **k: (_ for _ in ()).throw(PermissionError("not permitted")))
     mnt = str(tmp_path / "tmpfs")
     with _mounted(["-t", "tmpfs", "-o", "size=16m", "tmpfs"], mnt):
         src = os.path.join(mnt, "staging")

@@ -15,6 +15,7 @@ import torch
 from lightning_dcp import CheckpointError, DCPCheckpointIO, verify_checkpoint
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tier_journal import JOURNAL_FILE
 from lightning_dcp.engine.tiers import MANIFEST_FILE
 from lightning_dcp.engine.upload import SNAPSHOT_PREFIX
 
@@ -48,7 +49,7 @@ def test_a_save_commits_locally_then_uploads_the_same_checkpoint(tmp_path, remot
         assert f.read() == (local / COMMIT_FILE).read_bytes()  # byte for byte: recognisably the same checkpoint
     assert copy.sizes() == {name: os.path.getsize(local / name) for name in os.listdir(local)}
     verify_checkpoint(copy.url)  # every record against its checksum
-    assert sorted(os.listdir(local_dir)) == [MANIFEST_FILE, "a.ckpt"]  # no upload snapshot left behind
+    assert sorted(os.listdir(local_dir)) == [JOURNAL_FILE, MANIFEST_FILE, "a.ckpt"]  # no upload snapshot left behind
     assert json.loads((local_dir / MANIFEST_FILE).read_text()) == {"remote": remote}
 
     # Loads prefer the local copy of the same checkpoint; a machine with an empty local tier reads the remote one.
@@ -132,3 +133,22 @@ def test_one_local_tier_mirrors_one_remote_directory(tmp_path, remote):
         DCPCheckpointIO(local_dir=tmp_path / "x", local_keep=0)
     with pytest.raises(ValueError, match="local disk"):
         DCPCheckpointIO(local_dir="memory://not-local")
+
+
+def test_outages_are_told_from_refusals_as_s3fs_raises_them():
+    botocore = pytest.importorskip("botocore.exceptions")
+    s3fs_errors = pytest.importorskip("s3fs.errors")
+    from lightning_dcp.engine.stores import is_unreachable
+
+    def client_error(status: int, code: str) -> Exception:  # what s3fs raises for an HTTP error answer
+        answer = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}
+        return s3fs_errors.translate_boto_error(botocore.ClientError(answer, "PutObject"))
+
+    assert is_unreachable(botocore.EndpointConnectionError(endpoint_url="http://127.0.0.1:1"))
+    assert is_unreachable(botocore.ReadTimeoutError(endpoint_url="http://127.0.0.1:1"))
+    assert is_unreachable(client_error(500, "InternalError")) and is_unreachable(client_error(503, "SlowDown"))
+    assert not is_unreachable(client_error(403, "AccessDenied")) and not is_unreachable(client_error(404, "NoSuchKey"))
+    looped = OSError("a")
+    looped.__context__ = ValueError("b")
+    looped.__context__.__context__ = looped  # a chain that loops ends the search
+    assert not is_unreachable(looped)

@@ -17,13 +17,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+_LAUNCH_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
+"""Set by a launcher: inherited, they make Lightning take the run's processes as started by someone else."""
+
+
 def port_env(**extra: str) -> dict[str, str]:
     """``os.environ`` with a ``MASTER_PORT`` of its own, for a Trainer or Fabric run started as a subprocess.
 
     Lightning picks a free port when none is set; two runs started at the same moment (a reference run beside the
-    one a test kills) can pick the same one, and the second fails with EADDRINUSE.
+    one a test kills) can pick the same one, and the second fails with EADDRINUSE. The launcher's variables a test
+    process may hold (``LOCAL_RANK``, ...) are left out: the run launches its own ranks.
     """
-    return {**os.environ, "MASTER_PORT": str(free_port()), **extra}
+    inherited = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARIABLES}
+    return {**inherited, "MASTER_PORT": str(free_port()), **extra}
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:

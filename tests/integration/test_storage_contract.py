@@ -144,7 +144,13 @@ def test_interrupted_overwrite_rolls_forward(root):
     target = Location(url + "/m.ckpt", storage_options=options)
     io.save_checkpoint(_checkpoint(1.0), target.url)
     staging = target.staging("0123456789ab")
-    io.save_checkpoint(_checkpoint(2.0), staging.url)  # a complete new version, not yet copied into place
+    # A complete new version in the staging prefix, not yet copied into place. Saves refuse staging names, so it is
+    # written under an ordinary name and its objects are copied there, as the interrupted save left them.
+    written = Location(url + "/new.ckpt", storage_options=options)
+    io.save_checkpoint(_checkpoint(2.0), written.url)
+    for obj in written.fs.find(written.path):
+        written.fs.copy(obj, staging.path + obj[len(written.path) :])
+    written.remove()
     target.fs.rm_file(target.join(COMMIT_FILE))  # the crash happened after the old version was invalidated
     assert target.resolve().url == staging.url
     assert io.load_checkpoint(target.url)["epoch"] == 2

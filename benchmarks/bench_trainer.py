@@ -5,19 +5,25 @@ Each task spawns ``world_size`` real processes (gloo, ``strategy="dcp_ddp"`` on 
 every round (A B C A B C ...) so that they see the same machine:
 
 - ``save``: ``trainer.save_checkpoint(path)`` with ``DCPCheckpointIO()`` (``sync``); the same with
-  ``DCPCheckpointIO(async_save=True)`` (``async``: ``stall`` is the time ``save_checkpoint`` blocks, ``seconds``
-  the time until the checkpoint is committed) and with ``defer_staging=True`` too (``deferred``); and ``limit``:
+  ``DCPCheckpointIO(async_save=True)`` (``async``, deferred staging: ``stall`` is the time ``save_checkpoint``
+  blocks, ``seconds`` the time until the checkpoint is committed) and with ``defer_staging=False`` (``plain``: every
+  staging copy made in the call); and ``limit``:
   rank 0 writes the checkpoint's bytes (the sum of its files' sizes) into a fresh file sequentially in 64 MiB
   blocks and ``fsync``s (the disk's limit for those bytes, through the page cache).
 - ``stock``: stock Lightning DDP (``strategy="ddp"``, ``TorchCheckpointIO``: rank 0 ``torch.save``s the whole
   checkpoint, without ``fsync``) and ``limit`` again.
 - ``fit``: ``trainer.fit`` for ``fit_steps`` steps with no checkpointing (``none``) and with a ``ModelCheckpoint``
-  every ``every`` steps: sync (``sync``), async (``async``), async with deferred staging (``deferred``); reports
-  the fit's wall time and each save's stall (the time ``trainer.save_checkpoint`` blocked the loop inside
-  ``ModelCheckpoint``). Async fits include the wait for the last save at teardown.
-- ``load``: ``strategy.load_checkpoint`` of a checkpoint saved at world size ``save_world_size`` into the model
-  and AdamW state (what a resume does), with the checkpoint's files evicted from the page cache first (``cold``
-  says whether that worked); and ``read``: a sequential read of the same files, evicted the same way.
+  every ``every`` steps: sync (``sync``), async (``async``: the default, deferred staging) and async without
+  deferred staging (``plain``); optionally with Lightning's ``EMAWeightAveraging`` callback in the run (``--ema``).
+  Reports the fit's wall time and, per save, ``stall`` (the time ``trainer.save_checkpoint`` blocked inside
+  ``ModelCheckpoint``) and ``blocked`` (the stall plus the time the next optimizer step waited for the save's
+  background staging copies). Async fits include the wait for the last save at teardown.
+- ``load``: a resume's restore of a checkpoint saved at world size ``save_world_size``: ``strategy.load_checkpoint``
+  into the model and AdamW state, then ``load_model_state_dict`` and ``load_optimizer_state_dict``, with the
+  checkpoint's files evicted from the page cache first (``cold`` says whether that worked); ``stock``: the same
+  restore of stock Lightning DDP's single ``.ckpt`` of the same state (``torch.load`` on every rank, then
+  ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; and
+  ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit).
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -27,6 +33,7 @@ Times run from a barrier to the slowest rank's return. One JSON object per task 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -48,7 +55,7 @@ except ImportError:  # run as a script
     from mixes import MIXES, make_module
 
 TASKS = ("save", "stock", "fit", "load")
-ASYNC = ("async", "deferred")
+ASYNC = ("async", "plain")
 BLOCK = 64 << 20
 
 
@@ -77,7 +84,7 @@ def _timed(fn: Any) -> tuple[float, float]:
 
 def _remove(path: str) -> None:
     if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)
     elif os.path.lexists(path):
         os.unlink(path)
 
@@ -136,16 +143,31 @@ def _timed_checkpoint_class():
     from lightning_dcp import DCPModelCheckpoint
 
     class TimedCheckpoint(DCPModelCheckpoint):
-        """``DCPModelCheckpoint`` that records how long each save blocked the training loop."""
+        """``DCPModelCheckpoint`` that records how long each save blocked the training loop.
+
+        ``stalls``: the save call; ``waits``: for async saves, how long the optimizer steps after each save waited
+        for its background staging copies (known once the save completed: read at the next save and at the end).
+        """
 
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.stalls: list[float] = []
+            self.waits: list[float] = []
 
         def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
             start = time.perf_counter()
             ModelCheckpoint._save_checkpoint(self, trainer, filepath)
             self.stalls.append(time.perf_counter() - start)
+            self._record_wait(trainer, len(self.stalls) - 1)
+
+        def _record_wait(self, trainer: Any, saves: int) -> None:
+            wait = getattr(trainer.strategy.checkpoint_io, "last_step_wait", None)
+            if wait is not None and len(self.waits) < saves:
+                self.waits.append(wait)
+
+        def finish(self, trainer: Any) -> None:
+            """After ``fit`` (teardown waited for the last save): its step wait."""
+            self._record_wait(trainer, len(self.stalls))
 
     return TimedCheckpoint
 
@@ -164,8 +186,8 @@ def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, 
 
     ios = {
         "sync": DCPCheckpointIO(),
-        "async": DCPCheckpointIO(async_save=True),
-        "deferred": DCPCheckpointIO(async_save=True, defer_staging=True),
+        "async": DCPCheckpointIO(async_save=True),  # deferred staging: the default
+        "plain": DCPCheckpointIO(async_save=True, defer_staging=False),
     }
     trainer, _ = _fitted(world_size, mix, scale, plugins=[ios["sync"]])
     runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in (*ios, "limit")}
@@ -221,66 +243,110 @@ def task_stock(rank: int, world_size: int, workdir: str, mix: str, scale: float,
 
 
 def task_fit(
-    rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, fit_steps: int, every: int
+    rank: int,
+    world_size: int,
+    workdir: str,
+    mix: str,
+    scale: float,
+    repeats: int,
+    fit_steps: int,
+    every: int,
+    ema: bool = False,
 ) -> dict:
+    import gc
+
     from lightning_dcp import DCPCheckpointIO
 
     timed_checkpoint = _timed_checkpoint_class()
-    methods = ("none", "sync", "async", "deferred")
-    runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": []} for m in methods}
+    methods = ("none", "sync", "async", "plain")
+    runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": [], "waits": []} for m in methods}
     for round_ in range(repeats + 1):
         for method in methods:
             dirpath = os.path.join(workdir, f"fit-{method}-{round_}")
-            callbacks = [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
+            callbacks: list[Any] = (
+                [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
+            )
+            if ema:
+                from lightning.pytorch.callbacks import EMAWeightAveraging
+
+                callbacks.append(EMAWeightAveraging(decay=0.99))
             trainer = make_trainer(
                 world_size,
                 max_steps=fit_steps,
                 callbacks=callbacks,
-                enable_checkpointing=bool(callbacks),
-                plugins=[
-                    DCPCheckpointIO(async_save=method in ("async", "deferred"), defer_staging=method == "deferred")
-                ],
+                enable_checkpointing=method != "none",
+                plugins=[DCPCheckpointIO(async_save=method in ("async", "plain"), defer_staging=method == "async")],
             )
             module = make_module(mix, scale=scale, steps=fit_steps)
-            _, seconds = _timed(lambda: trainer.fit(module))  # noqa: B023  (called right away)
-            stalls = [_max_over_ranks(s) for s in callbacks[0].stalls] if callbacks else []
+            _, seconds = _timed(functools.partial(trainer.fit, module))
+            timed = callbacks[0] if method != "none" else None
+            if timed is not None:
+                timed.finish(trainer)
+            stalls = [_max_over_ranks(s) for s in timed.stalls] if timed else []
+            waits = [_max_over_ranks(w) for w in timed.waits] if timed else []
             if round_ > 0:
                 runs[method]["seconds"].append(seconds)
                 runs[method]["stalls"].append(stalls)
+                runs[method]["waits"].append(waits)
             _barrier()
             if rank == 0:
                 _remove(dirpath)
-    return {"runs": runs, "fit_steps": fit_steps, "every": every}
+            del trainer, module, callbacks, timed
+            gc.collect()
+    return {"runs": runs, "fit_steps": fit_steps, "every": every, "ema": ema}
 
 
 def task_load(
     rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
 ) -> dict:
+    from lightning.pytorch.plugins.io import TorchCheckpointIO
+    from lightning.pytorch.strategies import DDPStrategy
+
     from lightning_dcp.engine.metadata import _PARSED
 
     path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
+    stock_path = os.path.join(workdir, f"stock-ws{save_world_size}.ckpt")
     trainer, _ = _fitted(world_size, mix, scale)
-    runs: dict[str, list[float]] = {"load": [], "read": []}
+    strategy = trainer.strategy
+    methods = ("load", "stock", "read")
+    runs: dict[str, list[float]] = {m: [] for m in methods}
     cold = True
+
+    def ours() -> None:  # what a resume does: read into the model and optimizer, then apply
+        checkpoint = strategy.load_checkpoint(path)
+        strategy.load_model_state_dict(checkpoint)
+        strategy.load_optimizer_state_dict(checkpoint)
+
+    def stock() -> None:  # stock Lightning DDP: torch.load of the one file on every rank, then apply
+        checkpoint = TorchCheckpointIO().load_checkpoint(stock_path)
+        DDPStrategy.load_model_state_dict(strategy, checkpoint)
+        DDPStrategy.load_optimizer_state_dict(strategy, checkpoint)
+
     for round_ in range(repeats + 1):
-        for method in ("load", "read"):
+        for method in methods:
             _barrier()
             if rank == 0:
-                cold = evict(path) and cold
+                cold = evict(stock_path if method == "stock" else path) and cold
+            _barrier()
             if method == "load":
                 _PARSED.clear()  # as in a fresh process: parse .metadata again
-                _, seconds = _timed(lambda: trainer.strategy.load_checkpoint(path))
+                _, seconds = _timed(ours)
+            elif method == "stock":
+                _, seconds = _timed(stock)
             else:
                 _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)
             if round_ > 0:
                 runs[method].append(seconds)
-    return {"bytes": dir_bytes(path), "runs": runs, "cold": cold}
+    return {"bytes": dir_bytes(path), "stock_bytes": dir_bytes(stock_path), "runs": runs, "cold": cold}
 
 
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
-    """Write the checkpoint the ``load`` task resumes from (saved at this world size)."""
+    """Write the checkpoints the ``load`` task resumes from (saved at this world size): ours and stock DDP's."""
     trainer, _ = _fitted(world_size, mix, scale)
     trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
+    del trainer
+    stock, _ = _fitted(world_size, mix, scale, strategy="ddp")
+    stock.save_checkpoint(os.path.join(workdir, f"stock-ws{world_size}.ckpt"))
     return {}
 
 
@@ -321,6 +387,7 @@ def run(
     fit_steps: int = 12,
     every: int = 3,
     load_world_sizes: tuple[int, ...] = (2, 1),
+    ema: bool = False,
 ) -> dict:
     """Run ``tasks`` for one mix at one world size; returns medians (min-max) and ratios (see module docstring)."""
     common = {"mix": mix, "scale": scale}
@@ -335,18 +402,33 @@ def run(
         out["stock"] = {m: {k: summary(v) for k, v in r.items()} for m, r in res["runs"].items()}
     if "fit" in tasks:
         res = spawn(
-            "fit", world_size, os.path.join(workdir, "fit"), repeats=repeats, fit_steps=fit_steps, every=every, **common
+            "fit",
+            world_size,
+            os.path.join(workdir, "fit"),
+            repeats=repeats,
+            fit_steps=fit_steps,
+            every=every,
+            ema=ema,
+            **common,
         )
-        out["fit"] = {
-            m: {
+        out["fit"] = {}
+        for m, r in res["runs"].items():
+            if not r["stalls"][0]:
+                out["fit"][m] = {"seconds": summary(r["seconds"]), "saves": 0}
+                continue
+            # The loop is blocked by a save for its call plus what the next optimizer step waited for its copies.
+            blocked = [
+                [s + (w[i] if i < len(w) else 0.0) for i, s in enumerate(st)]
+                for st, w in zip(r["stalls"], r["waits"], strict=True)
+            ]
+            out["fit"][m] = {
                 "seconds": summary(r["seconds"]),
-                "stall": summary([s for run in r["stalls"] for s in run]) if r["stalls"][0] else None,
-                "stall_total": summary([sum(run) for run in r["stalls"]]) if r["stalls"][0] else None,
+                "stall": summary([s for run in r["stalls"] for s in run]),
+                "blocked": summary([b for run in blocked for b in run]),
+                "blocked_total": summary([sum(run) for run in blocked]),
                 "saves": len(r["stalls"][0]),
             }
-            for m, r in res["runs"].items()
-        }
-        out["fit_steps"], out["every"] = fit_steps, every
+        out["fit_steps"], out["every"], out["ema"] = fit_steps, every, ema
     if "load" in tasks:
         out["load"] = {}
         loaddir = os.path.join(workdir, "load")
@@ -356,6 +438,7 @@ def run(
             res = spawn("load", world_size, loaddir, repeats=repeats, save_world_size=saved, **common)
             out["load"][f"saved_ws{saved}"] = {
                 "bytes": res["bytes"],
+                "stock_bytes": res["stock_bytes"],
                 "cold": res["cold"],
                 **{m: summary(v) for m, v in res["runs"].items()},
             }
@@ -371,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tasks", default=",".join(TASKS))
     parser.add_argument("--fit-steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=3)
+    parser.add_argument("--ema", action="store_true", help="fit: with Lightning's EMAWeightAveraging callback")
+    parser.add_argument("--load-world-sizes", default="2,1", help="world sizes the loaded checkpoints are saved at")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     args = parser.parse_args(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_", dir=os.path.abspath("."))
@@ -384,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
             tasks=tuple(args.tasks.split(",")),
             fit_steps=args.fit_steps,
             every=args.every,
+            load_world_sizes=tuple(int(n) for n in args.load_world_sizes.split(",")),
+            ema=args.ema,
         )
         print(json.dumps(result, indent=2))
     finally:

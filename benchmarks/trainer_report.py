@@ -8,11 +8,12 @@ The ratios are the issue's goals, each as a speed ratio (>= 1 is better than the
 
 - ``sync/limit``: the sequential write + ``fsync`` of the same bytes over the sync save's time (goal >= 0.8);
 - ``vs stock``: stock Lightning DDP's save time over ours (goal >= 3 at >= 1 GB);
-- ``stall/sync``: the async save's stall over the sync save's time (goal <= 0.05);
-- ``fit async/sync``: the fit with async saves over the fit with sync saves (goal <= 1.0), and
-  ``fit async/(none+stalls)``: over the fit with no saves plus the async stalls (goal <= 1.1);
-- ``load/read``: a cold sequential read of the same bytes over the resume load (goal >= 0.8), and ``reshard``: the
-  load of a checkpoint saved at the other world size over the same-size load (goal <= 1.2).
+- ``stall/sync``: the async save's stall over the sync save's time (goal <= 0.05); in fits, ``blocked/sync``: the
+  async save's call plus the next optimizer step's wait for its staging copies, over a sync save (goal <= 0.05);
+- ``fit async/sync``: the fit with async saves over the fit with sync saves (goal <= 1.0);
+- ``read/resume``: a cold sequential read of the same files over the resume's restore (goal >= 0.8),
+  ``stock/resume``: stock Lightning DDP's restore of its own single file over ours (goal > 1), and ``reshard``: the
+  restore of a checkpoint saved at the other world size over the same-size one (goal <= 1.2).
 """
 
 from __future__ import annotations
@@ -48,22 +49,17 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def _row(res: dict[str, Any]) -> list[str]:
-    save, stock, fit, load = res.get("save", {}), res.get("stock", {}), res.get("fit", {}), res.get("load", {})
+    save, stock, load = res.get("save", {}), res.get("stock", {}), res.get("load", {})
     sync = _med(save.get("sync", {}).get("seconds"))
     limit = _med(save.get("limit", {}).get("seconds"))
-    stall = _med(save.get("async", {}).get("stall"))
     stock_s = _med(stock.get("stock", {}).get("seconds"))
-    fit_none = _med(fit.get("none", {}).get("seconds"))
-    fit_sync = _med(fit.get("sync", {}).get("seconds"))
-    fit_async = _med(fit.get("async", {}).get("seconds"))
-    async_stalls = _med((fit.get("async") or {}).get("stall_total"))
+    stall = _med(save.get("async", {}).get("stall"))
     same = load.get(f"saved_ws{res['world_size']}") or {}
     other = next((v for k, v in load.items() if k != f"saved_ws{res['world_size']}"), {})
-    base = None if fit_none is None or async_stalls is None else fit_none + async_stalls
     return [
         res["mix"],
         str(res["world_size"]),
-        f"{res.get('bytes', 0) / 1e9:.2f}",
+        f"{res.get('bytes', same.get('bytes', 0)) / 1e9:.2f}",
         _cell(save.get("sync", {}).get("seconds")),
         _cell(save.get("limit", {}).get("seconds")),
         _ratio(limit, sync),
@@ -71,12 +67,12 @@ def _row(res: dict[str, Any]) -> list[str]:
         _ratio(stock_s, sync),
         _cell(save.get("async", {}).get("stall")),
         _ratio(stall, sync),
-        " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "deferred")),
-        _ratio(fit_async, fit_sync),
-        _ratio(fit_async, base),
+        _cell(save.get("plain", {}).get("stall")),
         _cell(same.get("load")),
         _cell(same.get("read")),
         _ratio(_med(same.get("read")), _med(same.get("load"))),
+        _cell(same.get("stock")),
+        _ratio(_med(same.get("stock")), _med(same.get("load"))),
         _ratio(_med(other.get("load")), _med(same.get("load"))),
     ]
 
@@ -87,26 +83,81 @@ HEADER = [
     "GB",
     "sync save s",
     "write+fsync s",
-    "sync/limit",
+    "limit/sync",
     "stock DDP s",
-    "vs stock",
-    "async stall s",
+    "stock/sync",
+    "async stall s (call)",
     "stall/sync",
-    "fit s: none / sync / async / deferred",
-    "fit async/sync",
-    "fit async/(none+stalls)",
-    "load s",
+    "plain async stall s",
+    "resume s",
     "cold read s",
-    "load/read",
+    "read/resume",
+    "stock resume s",
+    "stock/resume",
     "reshard",
 ]
 
+FIT_HEADER = [
+    "mix",
+    "ws",
+    "EMA",
+    "fit s: none / sync / async / plain",
+    "saves",
+    "sync save blocked s",
+    "async blocked s (call + step wait)",
+    "blocked/sync",
+    "plain async blocked s",
+    "fit async/sync",
+]
+
+
+def _fit_row(res: dict[str, Any]) -> list[str]:
+    fit = res["fit"]
+    sync_blocked = _med(fit.get("sync", {}).get("blocked"))
+    async_blocked = _med(fit.get("async", {}).get("blocked"))
+    return [
+        res["mix"],
+        str(res["world_size"]),
+        "yes" if res.get("ema") else "no",
+        " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "plain")),
+        str(fit.get("async", {}).get("saves", "-")),
+        _cell(fit.get("sync", {}).get("blocked")),
+        _cell(fit.get("async", {}).get("blocked")),
+        _ratio(async_blocked, sync_blocked),
+        _cell(fit.get("plain", {}).get("blocked")),
+        _ratio(_med(fit.get("async", {}).get("seconds")), _med(fit.get("sync", {}).get("seconds"))),
+    ]
+
 
 def trainer_table(results: list[dict[str, Any]]) -> list[str]:
-    """Markdown table lines, one row per result of :func:`benchmarks.bench_trainer.run`."""
-    lines = ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
-    lines += ["| " + " | ".join(_row(r)) + " |" for r in results]
+    """Markdown table lines: saves and resumes, then fits (rows of results that have them)."""
+    lines: list[str] = []
+    saves = [r for r in results if "save" in r or "load" in r]
+    if saves:
+        lines += ["| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
+        lines += ["| " + " | ".join(_row(r)) + " |" for r in saves]
+    fits = [r for r in results if "fit" in r]
+    if fits:
+        lines += ["", "| " + " | ".join(FIT_HEADER) + " |", "|" + "---|" * len(FIT_HEADER)]
+        lines += ["| " + " | ".join(_fit_row(r)) + " |" for r in fits]
     return lines
+
+
+def report_main(argv: list[str] | None = None) -> int:
+    """``python -m benchmarks.trainer_report OUT.md RESULT.json ...``: the tables of saved results."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=report_main.__doc__)
+    parser.add_argument("out")
+    parser.add_argument("results", nargs="+")
+    args = parser.parse_args(argv)
+    results = []
+    for name in args.results:
+        with open(name) as f:
+            results.append(json.load(f))
+    with open(args.out, "w") as f:
+        f.write("\n".join(trainer_table(results)) + "\n")
+    return 0
 
 
 def trainer_main(args: Any, command: str, *, log: Any = print) -> int:
@@ -149,3 +200,7 @@ def trainer_main(args: Any, command: str, *, log: Any = print) -> int:
         f.write("\n".join(lines) + "\n")
     log(f"wrote {out}/TRAINER.md and trainer.json")
     return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(report_main())

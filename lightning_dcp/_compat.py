@@ -44,7 +44,14 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflat
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.filesystem import _StorageInfo as StorageInfo
 
+# The format version FileSystemWriter.finish stamps into ``.metadata``; our writer writes ``.metadata`` itself.
+try:
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION as DCP_METADATA_VERSION
+except ImportError:  # older DCP stamps none
+    DCP_METADATA_VERSION = None
+
 __all__ = [
+    "DCP_METADATA_VERSION",
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
     "HYDRA_PARTIAL_ATTRIBUTES",

@@ -19,7 +19,7 @@ import importlib.metadata
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
 from lightning_dcp.engine import layout, saving
-from lightning_dcp.engine.async_save import DEFER_FROM, AsyncSaves
+from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.incremental import Incremental
@@ -64,11 +64,13 @@ class Checkpointer:
         async_save: Write in the background (over a dedicated gloo group): :meth:`save` returns once this rank's
             part of the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight; the
             next save, a load, a removal of that checkpoint and :meth:`close` wait for it and raise its error.
-        defer_staging: With ``async_save``, copy CPU tensors of 1 MiB and more into the staging buffers in the
-            background too, so :meth:`save` returns in milliseconds: every optimizer step waits until the copies are
-            done, and a tensor changed in place by anything else before its copy is made fails that save (reported
-            at the next call; never a checkpoint mixing two steps). Leave off when parameters are changed outside
-            optimizer steps right after a save (weight clipping, manual updates).
+        defer_staging: With ``async_save`` (the default there): the tensors only optimizer steps change (the
+            parameters an optimizer holds, its state) are copied into the staging buffers in the background after
+            :meth:`save` returned, while the next optimizer step waits for the copies; everything else (buffers such
+            as BatchNorm statistics, parameters no optimizer holds, GPU tensors) is copied before it returns. A
+            tensor found changed outside optimizer steps is copied at the call from then on; one changed before its
+            background copy was made drops that save with a warning naming it (never a checkpoint mixing two
+            steps). ``False``: copy everything before returning (see :mod:`lightning_dcp.engine.async_save`).
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
@@ -89,7 +91,7 @@ class Checkpointer:
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
-        defer_staging: bool = False,
+        defer_staging: bool = True,
         tiers: Tiers | None = None,
         incremental: bool = False,
         memory: MemoryTier | None = None,
@@ -100,7 +102,7 @@ class Checkpointer:
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.async_save = async_save
-        self._async = AsyncSaves(defer_from=DEFER_FROM if defer_staging else None) if async_save else None
+        self._async = AsyncSaves(defer=defer_staging) if async_save else None
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
         self.incremental = Incremental() if incremental else None
@@ -122,6 +124,11 @@ class Checkpointer:
         finally:
             self._into_memory = False
 
+    @property
+    def last_step_wait(self) -> float | None:
+        """Seconds optimizer steps waited for the background staging copies of the last async save (after ``wait``)."""
+        return None if self._async is None else self._async.last_step_wait
+
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
         """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
         return Location(path, storage_options={**self.storage_options, **(storage_options or {})})
@@ -137,6 +144,7 @@ class Checkpointer:
         info: dict[str, Any] | None = None,
         storage_options: dict[str, Any] | None = None,
         collective: bool = False,
+        volatile: Iterable[torch.Tensor] | None = None,
         step: int | None = None,
     ) -> None:
         """Write ``tree`` (and the blobs) as a DCP directory at ``path`` and commit it.
@@ -150,6 +158,10 @@ class Checkpointer:
             info: Facts recorded in the blob's ``"lightning_dcp"`` entry, beside the world size and versions.
             storage_options: fsspec options for this call, merged over the checkpointer's.
             collective: ``True`` when every rank calls this; ``False`` when one process writes everything.
+            volatile: Async saves with ``defer_staging``: the tensors of ``tree`` that may change in place before the
+                next optimizer step (module buffers, values that are not a module's or an optimizer's); they are
+                staged before this returns, the other CPU tensors in the background. ``None``: everything is staged
+                before this returns.
             step: The training step (Lightning's ``global_step``), recorded in ``.commit`` beside the directory's save
                 counter: together they order the checkpoints of a directory (``ckpt_path="last"``), never a clock.
 
@@ -237,6 +249,7 @@ class Checkpointer:
                     distributed=distributed(collective),
                     commit=commit,
                     abandon=abandon,
+                    volatile=volatile,
                 )
                 self._record(started, location, "staged (writing in the background)")
                 return
@@ -454,6 +467,14 @@ class Checkpointer:
             CheckpointError: The background save failed (naming the rank and the path); it was not committed.
         """
         self._await_pending(collective)
+
+    def wait_for_staging(self) -> None:
+        """Block until the staging copies of the async save in flight are made (not its write). Not collective.
+
+        Call before code that changes tensors in place outside an optimizer step (optimizer steps wait on their own).
+        """
+        if self._async is not None:
+            self._async.wait_for_staging()
 
     def close(self) -> None:
         """Wait for the background save in flight (if any), release the staging buffers, then wait for the uploads.

@@ -139,7 +139,8 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
         checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified; tensors are not copied.
 
     Returns:
-        ``(tree, objects, info)``: ``{"state_dict", "optimizer_states"}`` for DCP, the rest of the dict for the
+        ``(tree, objects, info)``: ``{"state_dict", "optimizer_states"}`` and any other entry that is a state dict
+        of tensors (``EMAWeightAveraging``'s ``"current_model_state"``) for DCP, the rest of the dict for the
         rank-0 blob, and ``{"optimizer_layout": ...}`` to record.
 
     Raises:
@@ -156,8 +157,24 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
             # DCP rebuilds integer path components as list indices: store the ids as strings.
             states = [{**osd, "state": {str(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
         tree[OPTIMIZER_KEY] = states
-    objects = {k: v for k, v in checkpoint.items() if k not in (MODEL_KEY, OPTIMIZER_KEY)}
+    objects: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in (MODEL_KEY, OPTIMIZER_KEY):
+            continue
+        if key not in (EXTRA_KEY, RANK_KEY) and _tensor_dict(value):
+            tree[key] = value  # e.g. EMAWeightAveraging's "current_model_state": DCP entries, not the rank-0 blob
+        else:
+            objects[key] = value
     return tree, objects, {"optimizer_layout": optimizers}
+
+
+def _tensor_dict(value: Any) -> bool:
+    """A non-empty mapping of names to tensors (a state dict)."""
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    )
 
 
 def build_state(
@@ -208,6 +225,9 @@ def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, i
     checkpoint = dict(extra)
     checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
     checkpoint[MODEL_KEY] = dcp_state.get(MODEL_KEY, {})  # DCP stores no entry for an empty dict
+    for key, value in dcp_state.items():  # other state dicts saved as DCP entries (split_checkpoint)
+        if key not in (MODEL_KEY, OPTIMIZER_KEY, EXTRA_KEY, RANK_KEY):
+            checkpoint[key] = value
     if OPTIMIZER_KEY in dcp_state:
         # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
         states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]

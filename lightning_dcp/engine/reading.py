@@ -3,10 +3,12 @@
 A record written by :mod:`lightning_dcp.engine.datafiles` is ``prefix + raw bytes + suffix`` where prefix and suffix
 depend only on the dtype and shape the metadata gives for it (:func:`~lightning_dcp.engine.records.tensor_record`).
 When a record's prefix is exactly that, its raw bytes are read into the target tensor in pieces that are checksummed
-as they arrive: no ``torch.load``, no intermediate ``bytes``. On local files the block-aligned middle of a large
-record is read with ``O_DIRECT``: into the target itself when its address has the same alignment as the bytes'
-file offset, else through one reused aligned buffer; large requests keep the disk busy and the page cache is
-neither filled nor copied from. Small records (and fsspec streams) are read with ordinary calls. A target that is
+as they arrive: no ``torch.load``, no intermediate ``bytes``. Local files are read through the page cache with large
+calls straight into the target tensors: ranks that restore the same replicated files (DDP) share the cached pages,
+so each file comes from the disk once (the readers start at different files). With ``direct=True`` the
+block-aligned middle of a large record is read with ``O_DIRECT`` instead (into the target itself when its address
+has the same alignment as the bytes' file offset, else through one reused aligned buffer): the page cache is
+neither filled nor copied from, which suits files that one rank alone reads. A target that is
 not the whole chunk (a reshard) or not contiguous gets a scratch tensor of the chunk's shape, then the part it needs.
 Records not in that layout (``torch.save`` records of earlier checkpoints, other writers) are left to the caller.
 """
@@ -20,7 +22,7 @@ from typing import IO
 import torch
 import xxhash
 
-from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE
+from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, borrow_buffer, return_buffer
 from lightning_dcp.engine.records import RecordLayout, raw_bytes
 
 __all__ = ["SMALL_RECORD", "Source", "read_raw"]
@@ -34,9 +36,10 @@ class Source:
 
     Args:
         stream: The open binary file (from the storage reader's ``create_stream``); stays owned by the caller.
+        direct: Read the middle of large records with ``O_DIRECT`` (local files whose filesystem allows it).
     """
 
-    def __init__(self, stream: IO[bytes]) -> None:
+    def __init__(self, stream: IO[bytes], *, direct: bool = False) -> None:
         self.stream = stream
         try:
             self.fd: int | None = stream.fileno()
@@ -44,20 +47,45 @@ class Source:
             self.fd = None
         self._direct: int | None = None
         self._bounce: mmap.mmap | None = None
-        if self.fd is not None and hasattr(os, "O_DIRECT") and isinstance(getattr(stream, "name", None), str):
+        self._span: tuple | None = None
+        if self.fd is not None and hasattr(os, "posix_fadvise"):
+            try:
+                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger read-ahead window
+            except OSError:
+                pass
+        if (
+            direct
+            and self.fd is not None
+            and hasattr(os, "O_DIRECT")
+            and isinstance(getattr(stream, "name", None), str)
+        ):
             try:
                 self._direct = os.open(stream.name, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
             except OSError:  # the filesystem refuses O_DIRECT: ordinary reads
                 self._direct = None
 
     def close(self) -> None:
-        """Release the direct-I/O descriptor and buffer (the stream stays open)."""
+        """Release the direct-I/O descriptor and buffers (the stream stays open)."""
         if self._direct is not None:
             os.close(self._direct)
             self._direct = None
         if self._bounce is not None:
             self._bounce.close()
             self._bounce = None
+        if self._span is not None:
+            return_buffer(self._span)
+            self._span = None
+
+    def read_span(self, offset: int, length: int) -> tuple[memoryview, int]:
+        """``length`` (at most :data:`~lightning_dcp.engine.fileout.PIECE`) bytes from ``offset`` in one read.
+
+        Returns ``(view, address)``: the bytes read (fewer at the end of the file) in a buffer of this source, and
+        the buffer's memory address; valid until the next call.
+        """
+        if self._span is None:
+            self._span = borrow_buffer()
+        _, view, address = self._span
+        return view[: self.read_into(view[:length], offset)], address
 
     def read_into(self, view: memoryview, offset: int) -> int:
         """Fill ``view`` from ``offset``; returns the bytes read (fewer only at the end of the file)."""

@@ -11,13 +11,20 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-import torch.distributed.checkpoint as dcp
-
-from lightning_dcp.engine import layout
+from lightning_dcp.engine import layout, local_load, saving
 from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.dcp_io import storage_reader
-from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
-from lightning_dcp.engine.loading import fit_target, lightning_model_key, load_file, probe, read_lightning_meta
+from lightning_dcp.engine.dcp_reader import storage_reader
+from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.loading import (
+    Probe,
+    fit_target,
+    lightning_model_key,
+    load_file,
+    probe,
+    read_lightning_meta,
+)
+from lightning_dcp.engine.local_load import FastLoadPlanner
+from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import checkpoint_failure
 
@@ -81,58 +88,74 @@ def load_one(
         CheckpointError: Any failure of this checkpoint (a subclass names the file); StateDictMismatchError when
             ``target`` does not fit it.
     """
-    found = on_rank0(collective, lambda: probe(location))
-    if not node_local:
-        location = Location(found.url, storage_options=location.storage_options)
-    if found.kind == "file":
-        objects = load_file(location, map_location=map_location, weights_only=weights_only)
-        return Loaded(url=location.url, kind="file", tree={}, objects=objects)
-    metadata = found.metadata
-    lightning_layout = found.kind == "lightning"
-    model_key = lightning_model_key(metadata) if lightning_layout else model_key
-    rank, world_size = rank_and_world(collective)
-    loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
-    loaded.saved_world_size = layout.saved_world_size(metadata)
-    if target is None:
-        state = layout.metadata_target(metadata)
-    else:
-        state = {k: v for k, v in target.items() if only is None or k in only}
-        if lightning_layout:
-            state = _to_lightning_layout(state, model_key)
+    with saving.gc_paused():  # tens of thousands of small objects: collections would cost more than the load
+        probed: list[Probe] = []
+
+        def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
+            probed.append(probe(location))
+            return dataclasses.replace(probed[0], metadata=None)
+
+        found = on_rank0(collective, rank0)
+        if not node_local:
+            location = Location(found.url, storage_options=location.storage_options)
+        if found.kind == "file":
+            objects = load_file(location, map_location=map_location, weights_only=weights_only)
+            return Loaded(url=location.url, kind="file", tree={}, objects=objects)
+        metadata = probed[0].metadata if probed else read_metadata(location)
+        lightning_layout = found.kind == "lightning"
+        model_key = lightning_model_key(metadata) if lightning_layout else model_key
+        rank, world_size = rank_and_world(collective)
+        loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
+        loaded.saved_world_size = layout.saved_world_size(metadata)
+        if target is None:
+            state = layout.metadata_target(metadata)
         else:
-            state = layout.align_optimizer_target(state, metadata)
-        state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
-            location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
-        )
-        if not lightning_layout and only is None:
-            state[layout.EXTRA_KEY] = b""
-            if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
-                own = rank if loaded.saved_world_size == world_size else 0
-                state[layout.RANK_KEY] = {str(own): b""}
-    try:
-        with single_process_ok():
-            dcp.load(
-                state,
-                storage_reader=storage_reader(location),
-                planner=layout.SafeLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
-                no_dist=not distributed(collective),
+            state = {k: v for k, v in target.items() if only is None or k in only}
+            if lightning_layout:
+                state = _to_lightning_layout(state, model_key)
+            else:
+                state = layout.align_optimizer_target(state, metadata)
+            state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
+                location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )
-    except (Exception, dcp.CheckpointException) as err:  # DCP gathers every rank's failure: raise the first
-        raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
-    if lightning_layout:
-        loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
-        state = _from_lightning_layout(state, model_key)
-    elif layout.EXTRA_KEY in state:
-        blob = state.pop(layout.EXTRA_KEY)
-        loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
-    blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
-    if blobs:
-        loaded.rank_objects = decode_extra(
-            next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
-        )
-        loaded.rank_objects_exact = loaded.saved_world_size == world_size
-    loaded.tree = state
-    return loaded
+            if not lightning_layout and only is None:
+                for key in _other_tree_keys(metadata, state):  # other saved state dicts: full CPU tensors
+                    state.update(layout.metadata_target(metadata, prefixes=(key + ".",)))
+                state[layout.EXTRA_KEY] = b""
+                if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
+                    own = rank if loaded.saved_world_size == world_size else 0
+                    state[layout.RANK_KEY] = {str(own): b""}
+        try:
+            local_load.load(
+                state,
+                reader=storage_reader(location),
+                planner=FastLoadPlanner(weights_only=weights_only, allow_partial_load=not strict),
+                distributed=distributed(collective),
+            )
+        except Exception as err:  # raised on every rank alike: the lowest failing rank's error
+            raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
+        if lightning_layout:
+            loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
+            state = _from_lightning_layout(state, model_key)
+        elif layout.EXTRA_KEY in state:
+            blob = state.pop(layout.EXTRA_KEY)
+            loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
+        blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
+        if blobs:
+            loaded.rank_objects = decode_extra(
+                next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
+            )
+            loaded.rank_objects_exact = loaded.saved_world_size == world_size
+        loaded.tree = state
+        return loaded
+
+
+def _other_tree_keys(metadata: Any, target: dict[str, Any]) -> list[str]:
+    """Top-level keys of saved tensor entries the target lacks (besides the blobs and the model/optimizer keys)."""
+    mappings = metadata.planner_data or {}
+    keys = {mappings.get(k, (k,))[0] for k, m in metadata.state_dict_metadata.items() if hasattr(m, "chunks")}
+    known = {layout.MODEL_KEY, layout.OPTIMIZER_KEY, layout.EXTRA_KEY, layout.RANK_KEY, *target}
+    return sorted(k for k in keys if isinstance(k, str) and k not in known)
 
 
 def _to_lightning_layout(target: dict[str, Any], model_key: str) -> dict[str, Any]:

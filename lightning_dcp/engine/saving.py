@@ -2,13 +2,14 @@
 
 ``torch.distributed.checkpoint.save`` pickles every rank's whole plan to the coordinator and back at every save,
 gathers every ``WriteResult`` object, and broadcasts the complete metadata to every rank at the end. With thousands
-of tensors that exchange costs more than writing the bytes. Here, with DCP's own planner and storage-writer
-interfaces (the files are exactly the ones ``dcp.save`` writes through the same writer):
+of tensors (or of ranks) that exchange costs more than writing the bytes. Here, with DCP's own planner and
+storage-writer interfaces (the files are exactly the ones ``dcp.save`` writes through the same writer):
 
-1. :func:`prepare` (collective): each rank makes its local plan; ranks exchange a 16-byte signature of it, and when
-   every rank's signature equals the one of the previous save through the same group, every rank reuses its
-   previous final plan (and the coordinator its metadata) without sending a plan; otherwise plans are gathered,
-   the coordinator makes the global plan and scatters it, as DCP does;
+1. :func:`prepare` (collective): each rank makes its local plan and sends the coordinator a 16-byte signature of
+   its shared part and its few private items (:mod:`lightning_dcp.engine.global_plan`). When every rank's plan is
+   the one of the previous save through the same group, every rank reuses its previous final plan (and the
+   coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal plans sends its plan, the
+   coordinator makes the global plan and scatters each rank's part;
 2. :func:`write` (collective): each rank writes its items, the coordinator gathers compact results
    ``(key, offset, file, offset, length, checksum)`` and finishes (``.metadata``, ``.commit``), and every rank
    learns the outcome.
@@ -20,12 +21,15 @@ write in the background (:mod:`lightning_dcp.engine.async_save`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import pickle
 import threading
+from collections.abc import Iterator
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
@@ -33,9 +37,11 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.dcp_io import compact_result
+from lightning_dcp.engine.global_plan import Group, global_plan, split_private
 from lightning_dcp.engine.planning import plan_signature
 
-__all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
+__all__ = ["PreparedSave", "RankFailure", "agree", "gc_paused", "prepare", "save", "write"]
 
 
 class RankFailure(RuntimeError):
@@ -65,9 +71,10 @@ class PreparedSave:
 
 @dataclasses.dataclass
 class _Cached:
-    signatures: list[bytes]
+    signatures: list[Any]  # the coordinator's: per rank, (shared-plan signature, private-plan signature)
     plan: SavePlan
     metadata: Metadata | None
+    generation: int = 0  # which global plan this is: every rank must hold the same one to reuse it
 
 
 _CACHE: dict[Any, _Cached] = {}
@@ -103,37 +110,96 @@ def prepare(
         signature = plan_signature(local)
     if not distributed:
         _raise_first([error])
-        plans, metadata = planner.create_global_plan([local])
-        plan = planner.finish_plan(writer.prepare_global_plan(plans)[0])
-        return PreparedSave(plan, planner, writer, group, False, 0, metadata)
-    signatures: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(signatures, (signature, _portable(error)), group=group)
-    _raise_first([e for _, e in signatures])
-    signatures = [s for s, _ in signatures]
-    key = (type(planner).__name__, type(writer).__name__, id(group), len(signatures), rank)
+        key = (type(planner).__name__, type(writer).__name__, None, 1, 0)
+        with _CACHE_LOCK:
+            cached = _CACHE.get(key)
+        if cached is None or cached.signatures != [signature]:
+            plans, metadata = planner.create_global_plan([local])
+            cached = _Cached([signature], writer.prepare_global_plan(plans)[0], metadata)
+            with _CACHE_LOCK:
+                _CACHE[key] = cached
+        return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, False, 0, cached.metadata)
+    size = dist.get_world_size(group)
+    key = (type(planner).__name__, type(writer).__name__, id(group), size, rank)
     with _CACHE_LOCK:
         cached = _CACHE.get(key)
-    if cached is not None and cached.signatures == signatures:
-        # Same plans everywhere as last time: the same global plan, with nothing sent.
+    shared, private, shared_signature = None, None, None
+    if local is not None:
+        shared, private, shared_signature = _split(local, signature)
+    # 1. The coordinator learns every rank's shared-plan signature, private items and errors (small, O(ranks)).
+    summary = (shared_signature, private, _portable(error), cached.generation if cached is not None else None)
+    gathered: list[Any] | None = [None] * size if coordinator else None
+    dist.gather_object(summary, gathered, dst=_global_rank(group, 0), group=group)
+    decision: list[Any] = [None]
+    if coordinator:
+        decision[0] = _decide(gathered, cached)
+    dist.broadcast_object_list(decision, src=_global_rank(group, 0), group=group)
+    kind, detail = decision[0]
+    if kind == "error":
+        raise RankFailure(*detail)
+    if kind == "reuse":  # the same plans everywhere as last time: the same global plan, nothing else sent
         return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, True, rank, cached.metadata)
-    gathered: list[Any] | None = [None] * len(signatures) if coordinator else None
-    dist.gather_object(local, gathered, dst=_global_rank(group, 0), group=group)
+    # 2. Each group's lowest rank sends its shared plan; the coordinator makes every rank's final plan.
+    representatives, generation = detail
+    plans_in: list[Any] | None = [None] * size if coordinator else None
+    dist.gather_object(shared if rank in representatives else None, plans_in, dst=_global_rank(group, 0), group=group)
     outcome: list[Any] = [None]
     if coordinator:
         try:
-            plans, metadata = planner.create_global_plan(gathered)
-            plans = writer.prepare_global_plan(plans)
-            scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(plans)]
+            groups = [Group(ranks, plans_in[ranks[0]]) for ranks in _groups([g[0] for g in gathered])]
+            positions, metadata = global_plan(planner, groups, [g[1] for g in gathered])
+            scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(positions)]
         except Exception as err:
-            scattered = [(None, _portable(err), None)] * len(signatures)
+            scattered = [(None, _portable(err), None)] * size
     dist.scatter_object_list(outcome, scattered if coordinator else None, src=_global_rank(group, 0), group=group)
-    central, error, metadata = outcome[0]
-    failed = [None] * len(signatures)
+    mine, error, metadata = outcome[0]
+    failed = [None] * size
     failed[0] = error
     _raise_first(failed)
+    # This rank's final plan: the items it writes, from its own local plan; the file prefix DCP's writer gives it.
+    own = [*shared.items, *private.items]
+    prefix = writer.prepare_global_plan([SavePlan([])] * size)[rank].storage_data
+    central = dataclasses.replace(local, items=[own[p] for p in mine], storage_data=prefix)
+    signatures = [(g[0], plan_signature(g[1])) for g in gathered] if coordinator else []
     with _CACHE_LOCK:
-        _CACHE[key] = _Cached(signatures, central, metadata)
+        _CACHE[key] = _Cached(signatures, central, metadata, generation)
     return PreparedSave(planner.finish_plan(central), planner, writer, group, True, rank, metadata)
+
+
+def _decide(gathered: list[tuple], cached: _Cached | None) -> tuple[str, Any]:
+    """The coordinator's decision: ``("error", (rank, error))``, ``("reuse", None)`` or ``("plan", (reps, gen))``."""
+    for rank, (_, _, error, _) in enumerate(gathered):
+        if error is not None:
+            return "error", (rank, error)
+    signatures = [(g[0], plan_signature(g[1])) for g in gathered]
+    if cached is not None and cached.signatures == signatures and all(g[3] == cached.generation for g in gathered):
+        return "reuse", None
+    generation = (cached.generation if cached is not None else 0) + 1
+    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, generation)
+
+
+def _groups(signatures: list[bytes]) -> list[list[int]]:
+    """Ranks grouped by equal shared-plan signature, each group in rank order, groups by their lowest rank."""
+    groups: dict[bytes, list[int]] = {}
+    for rank, signature in enumerate(signatures):
+        groups.setdefault(signature, []).append(rank)
+    return list(groups.values())
+
+
+_SPLITS: dict[bytes, tuple[SavePlan, SavePlan, bytes]] = {}
+
+
+def _split(local: SavePlan, signature: bytes) -> tuple[SavePlan, SavePlan, bytes]:
+    """``split_private(local)`` and the shared part's signature, remembered by the whole plan's signature."""
+    with _CACHE_LOCK:
+        found = _SPLITS.get(signature)
+    if found is None:
+        shared, private = split_private(local)
+        found = (shared, private, plan_signature(shared))
+        with _CACHE_LOCK:
+            _SPLITS.clear()  # one run's structure at a time
+            _SPLITS[signature] = found
+    return found
 
 
 def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None:
@@ -148,9 +214,13 @@ def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None
     compact = None
     if error is None:
         try:
-            future = prepared.writer.write_data(prepared.plan, prepared.planner)
-            future.wait()
-            compact = [_compact(result) for result in future.value()]
+            write_compact = getattr(prepared.writer, "write_compact", None)
+            if write_compact is not None:
+                compact = write_compact(prepared.plan, prepared.planner)
+            else:
+                future = prepared.writer.write_data(prepared.plan, prepared.planner)
+                future.wait()
+                compact = [compact_result(result) for result in future.value()]
         except Exception as err:
             error = err
     if not prepared.distributed:
@@ -204,31 +274,40 @@ def save(
     Raises:
         RankFailure: The save failed on some rank (on every rank); nothing was finished.
     """
+    with gc_paused():
+        write(prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed))
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector meanwhile, and run it afterwards if it was enabled.
+
+    A checkpoint creates tens of thousands of small objects (plans, metadata, checksum lists): each burst of them
+    triggers collections over the whole heap of a training process, which cost more than the work itself.
+    """
     enabled = gc.isenabled()
     gc.disable()
     try:
-        write(prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed))
+        yield
     finally:
         if enabled:
             gc.enable()
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _compact(result: WriteResult) -> tuple:
-    info, digest = result.storage_data
-    offset = None if result.index.offset is None else tuple(result.index.offset)
-    return (result.index.fqn, offset, result.size_in_bytes, info.relative_path, info.offset, info.length, digest)
-
-
 def _finish(prepared: PreparedSave, compact: list[list[tuple]]) -> None:
+    finish_compact = getattr(prepared.writer, "finish_compact", None)
+    if finish_compact is not None:
+        finish_compact(prepared.metadata, compact)
+        return
     results = [
         [
             WriteResult(
-                index=MetadataIndex(fqn, offset),
+                index=MetadataIndex(fqn, None if offset is None else torch.Size(offset)),
                 size_in_bytes=size,
-                storage_data=(StorageInfo(path, start, length), digest),
+                storage_data=StorageInfo(path, start, length),
             )
-            for fqn, offset, size, path, start, length, digest in rank_results
+            for fqn, offset, size, path, start, length, _ in rank_results
         ]
         for rank_results in compact
     ]

@@ -11,7 +11,8 @@ Three layouts are recognised, all plain DCP directories underneath:
 - ``"dcp"``: any other DCP directory; every tensor is a weight named by its flat DCP key.
 
 Tensors are read with ``dcp.load`` into a partial target built from the metadata, one bounded batch at a time,
-through :func:`~lightning_dcp.engine.dcp_io.storage_reader` and :class:`~lightning_dcp.engine.layout.SafeLoadPlanner`;
+through :func:`~lightning_dcp.engine.dcp_reader.storage_reader` and
+:class:`~lightning_dcp.engine.layout.SafeLoadPlanner`;
 nothing is ever unpickled with ``weights_only=False``.
 """
 
@@ -30,7 +31,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.dcp_io import storage_reader
+from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.integrity import not_one_checkpoint
 from lightning_dcp.engine.marker import METADATA_FILE
 from lightning_dcp.engine.metadata import read_metadata

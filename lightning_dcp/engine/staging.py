@@ -28,7 +28,23 @@ _IMMUTABLE = (int, float, complex, str, bytes, bool, type(None))
 
 
 class StagingRaceError(RuntimeError):
-    """A tensor changed while its deferred staging copy was being made; the save it belonged to is dropped."""
+    """Tensors changed in place while their deferred staging copies were being made: the save is dropped.
+
+    Attributes:
+        names: The changed tensors' keys.
+    """
+
+    def __init__(self, names: list[str]) -> None:
+        shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        super().__init__(
+            f"{shown} changed in place after an async save was called and before its background staging copy was"
+            " made, outside an optimizer step (which waits for the copies); the save was dropped rather than written"
+            " with tensors of two different steps."
+        )
+        self.names = list(names)
+
+    def __reduce__(self) -> tuple:  # crosses process boundaries inside RankFailure
+        return (type(self), (self.names,))
 
 
 @dataclasses.dataclass
@@ -77,15 +93,19 @@ class Stager(AsyncStager):
         return staged
 
     def stage_items(
-        self, items: Iterable[WriteItem], resolve: Callable[[WriteItem], Any], *, defer_from: int | None = None
+        self,
+        items: Iterable[WriteItem],
+        resolve: Callable[[WriteItem], Any],
+        *,
+        defer: Callable[[WriteItem, torch.Tensor], bool] | None = None,
     ) -> tuple[dict[Any, Any], list[Deferred]]:
         """Copies of the data of ``items`` (``resolve`` gives it: a tensor, or a blob already serialized).
 
         Args:
             items: The write items of this rank's plan.
             resolve: The planner's ``resolve_data``.
-            defer_from: CPU tensors of at least this many bytes get their buffer now and their copy later
-                (:meth:`finish`); ``None`` copies everything now.
+            defer: Which CPU tensors get their buffer now and their copy later (:meth:`finish`); ``None`` copies
+                everything now.
 
         Returns:
             ``({item.index: staged data}, deferred copies)``: tensors in this stager's buffers, blobs as they are.
@@ -98,7 +118,7 @@ class Stager(AsyncStager):
             if isinstance(data, torch.Tensor):
                 key = ("item", item.index.fqn, tuple(item.index.offset) if item.index.offset is not None else ())
                 source = data.detach()
-                if defer_from is not None and source.device.type == "cpu" and source.nbytes >= defer_from:
+                if defer is not None and source.device.type == "cpu" and defer(item, source):
                     data = self._buffer(source, key)
                     deferred.append(Deferred(item.index.fqn, source, data, tensor_version(source)))
                 else:
@@ -112,17 +132,18 @@ class Stager(AsyncStager):
     def finish(deferred: Iterable[Deferred]) -> None:
         """Make the deferred copies (any thread), checking that no source changed since it was planned.
 
+        Every copy is made and checked before anything is raised, so that the error names every tensor that changed.
+
         Raises:
-            StagingRaceError: A source tensor was modified in place before its copy was complete.
+            StagingRaceError: Some source tensors were modified in place before their copy was complete.
         """
+        changed = []
         for copy_ in deferred:
             copy_.buffer.copy_(copy_.source)
             if tensor_version(copy_.source) != copy_.version:
-                raise StagingRaceError(
-                    f"{copy_.name!r} was modified in place while an async save was staging it, outside an optimizer"
-                    " step (which waits for staging); the save was dropped rather than written torn. Save"
-                    " synchronously, or change the tensor after the save has been staged (`wait()`)."
-                )
+                changed.append(copy_.name)
+        if changed:
+            raise StagingRaceError(changed)
 
     def synchronize_staging(self) -> None:
         """Staging is complete when :meth:`stage` returns: nothing to wait for."""

@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -85,8 +86,25 @@ def save_state(
         info={**(info or {}), **layout_info},
         storage_options=storage_options,
         collective=True,
+        volatile=_volatile(state, tree, layout_info),
         step=next((v for k in _STEP_KEYS if isinstance(v := state.get(k), int) and not isinstance(v, bool)), None),
     )
+
+
+def _volatile(state: Mapping[str, Any], tree: Mapping[str, Any], info: Mapping[str, Any]) -> list[torch.Tensor]:
+    """What may change in place before the next optimizer step: module buffers and tensors of neither role."""
+    volatile = [b for value in state.values() if isinstance(value, Module) for b in unwrap(value).buffers()]
+    held = {*info.get(layout.MODULES_INFO, ()), *info.get(layout.OPTIMIZERS_INFO, ())}
+    stack = [value for key, value in tree.items() if key not in held]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            volatile.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return volatile
 
 
 _STEP_KEYS = ("global_step", "step", "iteration", "iter_num")

@@ -21,13 +21,13 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
@@ -136,10 +136,10 @@ def split_state(
     for key, obj in state.items():
         role = None
         if isinstance(obj, Module):
-            value, role = get_model_state_dict(modules[key], options=StateDictOptions()), layout.MODULES_INFO
+            value, role = model_state_dict(modules[key]), layout.MODULES_INFO
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
-            value, role = get_optimizer_state_dict(owner, obj, options=StateDictOptions()), layout.OPTIMIZERS_INFO
+            value, role = optimizer_state_dict(owner, obj), layout.OPTIMIZERS_INFO
         else:
             value = obj.state_dict() if is_stateful(obj) else obj
         keep, value = _filtered(key, value, filters)
@@ -230,7 +230,7 @@ def load_targets(
             targets.modules[key] = modules[key]
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
-            live = get_optimizer_state_dict(owner, obj, options=StateDictOptions())
+            live = optimizer_state_dict(owner, obj)
             _check_exact(path, key, live, saved[key])
             targets.tree[key] = live
             targets.optimizers[key] = (owner, obj)
@@ -247,7 +247,7 @@ def _module_target(
 ) -> dict[str, Any]:
     mappings = metadata.planner_data or {}
     saved_fqns = {str(mappings.get(flat, (flat,))[1]): meta for flat, meta in saved.items() if flat != key}
-    live = get_model_state_dict(module, options=StateDictOptions())
+    live = model_state_dict(module)
     missing = sorted(set(live) - set(saved_fqns))
     unexpected = sorted(set(saved_fqns) - set(live))
     mismatched = _mismatched({fqn: (saved_fqns[fqn], value) for fqn, value in live.items() if fqn in saved_fqns})

@@ -55,6 +55,10 @@ class DCPStrategyMixin:
             background. At most one save is in flight; the next save, a load and :meth:`wait_for_save` wait for
             it and raise its error. Call :meth:`wait_for_save` before the process exits (Fabric never tears its
             strategy down), or the last save is not committed.
+        defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
+            copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
+            copies; everything else is copied before it returns (see
+            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`). ``False`` copies everything before returning.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -68,11 +72,16 @@ class DCPStrategyMixin:
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
+        defer_staging: bool = True,
         **kwargs: Any,
     ) -> None:
         self._refuse_plugin(kwargs.pop("checkpoint_io", None))
         self.checkpointer = Checkpointer(
-            storage_options=storage_options, thread_count=thread_count, sync_files=sync_files, async_save=async_save
+            storage_options=storage_options,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            async_save=async_save,
+            defer_staging=defer_staging,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
         super().__init__(*args, **kwargs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -41,9 +41,13 @@ class DCPCheckpointIO(CheckpointIO):
             returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
             flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
             is raised there. Removals requested while it is in flight run after it commits.
-        defer_staging: With ``async_save``, make the staging copies of large CPU tensors in the background as well
-            (``save_checkpoint`` then returns in milliseconds); optimizer steps wait for them, and a tensor changed
-            in place otherwise before it is copied fails that save instead of tearing it. See
+        defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
+            copied into the staging buffers in the background after ``save_checkpoint`` returned, while the next
+            optimizer step waits for the copies; buffers a forward pass updates (BatchNorm statistics), parameters
+            no optimizer holds (an EMA copy), GPU tensors and the rest of the state are copied before it returns.
+            A tensor that changes outside optimizer steps (weight clipping after the step) is detected and copied
+            at the call from then on; a save it would have torn is dropped with a warning naming it instead.
+            ``False`` copies everything before returning. See
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
@@ -80,7 +84,7 @@ class DCPCheckpointIO(CheckpointIO):
         thread_count: int = 1,
         sync_files: bool = True,
         async_save: bool = False,
-        defer_staging: bool = False,
+        defer_staging: bool = True,
         local_dir: str | os.PathLike | None = None,
         local_keep: int = 2,
         incremental: bool = False,
@@ -111,6 +115,11 @@ class DCPCheckpointIO(CheckpointIO):
         return self.checkpointer.async_save
 
     @property
+    def last_step_wait(self) -> float | None:
+        """Seconds optimizer steps waited for the last async save's background staging copies (after ``wait``)."""
+        return self.checkpointer.last_step_wait
+
+    @property
     def tiers(self) -> Tiers | None:
         """The local tier and its uploader (``local_dir``), or ``None``."""
         return self.checkpointer.tiers
@@ -131,6 +140,7 @@ class DCPCheckpointIO(CheckpointIO):
         collective: bool = False,
         info: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
+        volatile: Iterable[torch.Tensor] | None = None,
     ) -> None:
         """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
 
@@ -144,6 +154,10 @@ class DCPCheckpointIO(CheckpointIO):
                 does (stock Lightning strategies), which then writes everything without any collective.
             info: Extra facts recorded in the checkpoint (strategy name, ...).
             rank_state: This rank's own state (its RNG states), written by this rank as ``rank_states.{rank}``.
+            volatile: With ``async_save`` and ``defer_staging``: the tensors that may change in place before the
+                next optimizer step (the module's buffers); staged before this returns, the other CPU tensors in the
+                background. ``None`` (Lightning's own strategies call without it): everything is staged before this
+                returns.
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -163,6 +177,7 @@ class DCPCheckpointIO(CheckpointIO):
             info={**(info or {}), **layout_info},
             storage_options=storage_options,
             collective=collective,
+            volatile=volatile,
             step=checkpoint.get("global_step"),
         )
 

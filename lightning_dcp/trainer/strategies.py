@@ -30,8 +30,6 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
 )
@@ -44,6 +42,7 @@ from lightning_dcp._compat import (
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.memory import is_memory_sentinel
@@ -167,6 +166,17 @@ class DCPStrategyMixin:
         self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
 
     @override
+    def on_validation_start(self) -> None:
+        """Wait for the staging copies of an async save in flight: validation may change weights in place.
+
+        Weight-averaging callbacks (``EMAWeightAveraging``) swap the averaged weights in at the start of every
+        validation epoch, outside any optimizer step.
+        """
+        super().on_validation_start()
+        if self._dcp_sharded:
+            self._dcp_io.checkpointer.wait_for_staging()
+
+    @override
     def teardown(self) -> None:
         """Finish the background save in flight (if any) before the strategy lets the process group go.
 
@@ -194,7 +204,7 @@ class DCPStrategyMixin:
         """Sharded: ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded, nothing is gathered)."""
         if not self._dcp_sharded:
             return super().lightning_module_state_dict()
-        return get_model_state_dict(self._dcp_module(), options=StateDictOptions())
+        return model_state_dict(self._dcp_module())
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -203,7 +213,7 @@ class DCPStrategyMixin:
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        return get_optimizer_state_dict(self._dcp_module(), optimizer, options=StateDictOptions())
+        return optimizer_state_dict(self._dcp_module(), optimizer)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None) -> None:
@@ -220,6 +230,7 @@ class DCPStrategyMixin:
             collective=True,
             info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
             rank_state=collect_rank_state(self.lightning_module.trainer, checkpoint),  # RNG, this rank's loaders
+            volatile=list(self._dcp_module().buffers()),  # a forward pass changes buffers before the next step
         )
 
     @override
@@ -242,12 +253,10 @@ class DCPStrategyMixin:
         if not self._dcp_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         module = self._dcp_module()
-        target: dict[str, Any] = {layout.MODEL_KEY: get_model_state_dict(module, options=StateDictOptions())}
+        target: dict[str, Any] = {layout.MODEL_KEY: model_state_dict(module)}
         trainer = self.lightning_module.trainer
         if self.optimizers and trainer.state.fn == TrainerFn.FITTING:
-            target[layout.OPTIMIZER_KEY] = [
-                get_optimizer_state_dict(module, optimizer, options=StateDictOptions()) for optimizer in self.optimizers
-            ]
+            target[layout.OPTIMIZER_KEY] = [optimizer_state_dict(module, optimizer) for optimizer in self.optimizers]
         checkpoint = self._dcp_io.load_checkpoint(
             checkpoint_path,
             weights_only=weights_only,

@@ -1,8 +1,9 @@
-"""Async saves whose staging copies run in the background: optimizer steps wait for them; other changes are caught."""
+"""Async saves whose staging copies run in the background while the next optimizer step waits for them."""
 
 from __future__ import annotations
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -13,37 +14,122 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.staging import Stager, StagingRaceError
 
 
-def test_optimizer_step_right_after_the_save_waits_for_the_staging_copies(tmp_path):
+class _Net(torch.nn.Module):
+    """Two large optimizer-held weights, a BatchNorm (buffers a forward pass changes) and an EMA copy of a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(512, 512)
+        self.b = torch.nn.Linear(512, 512)
+        self.norm = torch.nn.BatchNorm1d(512)
+        self.ema = torch.nn.Parameter(self.a.weight.detach().clone(), requires_grad=False)  # no optimizer holds it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.norm(self.a(x))).square().mean()
+
+
+def _step(net: _Net, optimizer: torch.optim.Optimizer) -> None:
+    optimizer.zero_grad()
+    net(torch.randn(8, 512)).backward()
+    optimizer.step()
+    with torch.no_grad():  # an EMA callback after the step: changes a parameter no optimizer holds
+        net.ema.mul_(0.9).add_(net.a.weight, alpha=0.1)
+
+
+def _tree(net: _Net, optimizer: torch.optim.Optimizer) -> dict:
+    state = optimizer.state_dict()
+    return {"state_dict": {k: v.detach() for k, v in net.state_dict().items()}, "optimizer": state["state"]}
+
+
+def _saved(path: str) -> dict:
+    return Checkpointer().load(path).tree
+
+
+def test_cpu_tensors_but_buffers_are_copied_in_the_background_and_the_next_step_waits(tmp_path, caplog):
     torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(512, 1024)) for _ in range(8)]  # 2 MiB each: copied in the background
-    optimizer = torch.optim.SGD(params, lr=1.0)
-    before = [p.detach().clone() for p in params]
-    checkpointer = Checkpointer(async_save=True, defer_staging=True)
-    path = str(tmp_path / "a.ckpt")
-    checkpointer.save({"state_dict": {f"p{i}": p.detach() for i, p in enumerate(params)}}, path, objects={})
-    for p in params:
-        p.grad = torch.ones_like(p)
-    optimizer.step()  # the next training step: changes every parameter once the copies are made
-    checkpointer.wait()
-    loaded = Checkpointer().load(path).tree["state_dict"]
-    for i, value in enumerate(before):
-        assert torch.equal(loaded[f"p{i}"], value)
-        assert torch.equal(params[i].detach(), value - 1.0)
-    assert os.path.isfile(os.path.join(path, ".commit"))
+    net = _Net()
+    optimizer = torch.optim.AdamW([p for n, p in net.named_parameters() if n != "ema"], lr=0.1)
+    _step(net, optimizer)
+    checkpointer = Checkpointer(async_save=True)  # deferred staging is the default
+    for i in range(3):
+        expected = {k: v.clone() for k, v in _tree(net, optimizer)["state_dict"].items()}
+        path = str(tmp_path / f"s{i}.ckpt")
+        checkpointer.save(_tree(net, optimizer), path, objects={}, volatile=list(net.buffers()))
+        deferred = checkpointer._async.last_deferred
+        _step(net, optimizer)  # forward (BatchNorm statistics), step, EMA: right after the save
+        checkpointer.wait()
+        saved = _saved(path)["state_dict"]
+        assert expected.keys() == saved.keys()
+        for key, value in expected.items():
+            assert torch.equal(saved[key], value), (i, key)
+        assert os.path.isfile(os.path.join(path, ".commit"))
+        # Weights, AdamW state and the EMA copy (changed only after steps) are copied in the background ...
+        assert {"state_dict.a.weight", "state_dict.norm.weight", "optimizer.0.exp_avg", "state_dict.ema"} <= set(
+            deferred
+        )
+        # ... the buffers the next forward pass changes (BatchNorm statistics) at the call.
+        assert not any(".running_" in k or "num_batches" in k for k in deferred)
+        assert checkpointer.last_step_wait is not None and checkpointer.last_step_wait >= 0.0
+    # Without the volatile tensors named (Lightning's own strategies), everything is copied at the call.
+    checkpointer.save(_tree(net, optimizer), str(tmp_path / "plain.ckpt"), objects={})
+    assert checkpointer._async.last_deferred == []
+    checkpointer.close()
+    assert "dropped" not in caplog.text
+
+
+def test_a_tensor_changed_before_its_background_copy_drops_the_save_with_a_warning_never_tears_it(tmp_path):
+    torch.manual_seed(0)
+    weights = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(40)]  # 160 MiB copied in the background
+    optimizer = torch.optim.SGD(weights, lr=0.1)
+    checkpointer = Checkpointer(async_save=True)
+
+    def step() -> None:
+        for w in weights:
+            w.grad = torch.ones_like(w)
+        optimizer.step()
+
+    step()
+    tree = lambda: {"w": {str(i): w.detach() for i, w in enumerate(weights)}}  # noqa: E731
+    last = weights[-1]
+    before = last.detach().clone()
+    path = str(tmp_path / "raced.ckpt")
+    checkpointer.save(tree(), path, objects={}, volatile=[])
+    assert "w.39" in checkpointer._async.last_deferred
+    with torch.no_grad():
+        last.mul_(2.0)  # right after the call, outside a step: before its background copy in all likelihood
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checkpointer.wait()
+    dropped = [w for w in caught if "was dropped" in str(w.message)]
+    if os.path.exists(os.path.join(path, ".commit")):  # the copy won the race: the checkpoint holds the old value
+        assert dropped == [] and torch.equal(_saved(path)["w"]["39"], before)
+    else:  # never committed, never torn; the warning names the tensor, which is copied at the call from now on
+        assert len(dropped) == 1 and "'w.39'" in str(dropped[0].message)
+        checkpointer.save(tree(), str(tmp_path / "after.ckpt"), objects={}, volatile=[])
+        assert "w.39" not in checkpointer._async.last_deferred and "w.0" in checkpointer._async.last_deferred
+        checkpointer.wait()
     checkpointer.close()
 
 
-def test_a_tensor_changed_before_its_deferred_copy_fails_the_save_instead_of_tearing_it():
+def test_a_tensor_changed_before_its_deferred_copy_drops_the_save_naming_it():
     live = torch.randn(256, 1024)
-    item = WriteItem(index=MetadataIndex("w", [0, 0]), type=WriteItemType.TENSOR)
+    other = torch.randn(16)
+    items = [WriteItem(index=MetadataIndex(name, [0]), type=WriteItemType.TENSOR) for name in ("w", "small")]
+    data = {"w": live, "small": other}
     stager = Stager(pin_memory=False)
-    staged, deferred = stager.stage_items([item], lambda _: live, defer_from=1 << 20)
-    assert len(deferred) == 1 and staged[item.index] is deferred[0].buffer
-    live.add_(1.0)  # changed in place after the save was planned, outside an optimizer step
-    with pytest.raises(StagingRaceError, match="'w' was modified in place"):
+    staged, deferred = stager.stage_items(items, lambda i: data[i.index.fqn], defer=lambda i, t: i.index.fqn == "w")
+    assert [d.name for d in deferred] == ["w"] and staged[items[0].index] is deferred[0].buffer
+    expected = other.clone()
+    other.add_(1.0)  # copied at the call: later changes are not seen
+    assert torch.equal(staged[items[1].index], expected)
+    live.add_(1.0)  # changed in place after the save was planned, before the background copy
+    with pytest.raises(StagingRaceError, match="'w' changed in place") as err:
         Stager.finish(deferred)
-    small = torch.randn(16)  # below the threshold: copied at once, later changes are not seen
-    staged, deferred = stager.stage_items([item], lambda _: small, defer_from=1 << 20)
-    expected = small.clone()
-    small.add_(1.0)
-    assert deferred == [] and torch.equal(staged[item.index], expected)
+    assert err.value.names == ["w"]
+    assert isinstance(pickle_round_trip(err.value), StagingRaceError)
+
+
+def pickle_round_trip(error: Exception) -> Exception:
+    import pickle
+
+    return pickle.loads(pickle.dumps(error))

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from lightning_dcp._compat import tensor_version
 from lightning_dcp.engine import saving
-from lightning_dcp.engine.async_save import DEFER_FROM, STEP_GATE
+from lightning_dcp.engine.async_save import STEP_GATE
 from lightning_dcp.engine.dcp_io import save_planner
 from lightning_dcp.engine.localfs import new_token, remove_path
 from lightning_dcp.engine.marker import parse_commit
@@ -53,6 +53,11 @@ LAST_ENTRY = "last"
 log = logging.getLogger(__name__)
 
 Persister = Callable[["Saved", Part], None]
+
+
+DEFER_FROM = 1 << 20
+"""CPU tensors from this size on are copied behind an async save's call (parameters and optimizer state, in practice;
+optimizer steps wait for the copies); smaller ones are copied at the call."""
 
 
 class Saved:
@@ -300,14 +305,14 @@ class MemoryTier:
                     saved = self._write(prepared, writer, name, staging)
                 finally:
                     inflight.copied.set()
-                    STEP_GATE.done(inflight.copied)
+                    STEP_GATE.release(inflight.copied)
                 self.timings = {"write": time.perf_counter() - started}
             self._after_commit(saved, persist=persist)
         except BaseException as err:
             inflight.error = err
         finally:
             inflight.copied.set()
-            STEP_GATE.done(inflight.copied)
+            STEP_GATE.release(inflight.copied)
             inflight.finished.set()
 
     def _after_commit(self, saved: Saved, *, persist: bool) -> None:

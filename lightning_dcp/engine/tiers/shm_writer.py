@@ -28,12 +28,13 @@ from typing import Any
 import torch
 import xxhash
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.dcp_io import compact_result
 from lightning_dcp.engine.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
 from lightning_dcp.engine.records import tensor_record
 
@@ -167,17 +168,27 @@ class ShmWriter(FileSystemWriter):
         return future
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Write the metadata file; build the marker with each file's records (the memory tier commits it)."""
+        """DCP's entry point: the results as :meth:`finish_compact` takes them."""
+        self.finish_compact(metadata, [[compact_result(r) for r in rank_results] for rank_results in results])
+
+    def finish_compact(self, metadata: Metadata, results: list[list[tuple]]) -> None:
+        """Write the metadata file; build the marker with each file's records (the memory tier commits it).
+
+        ``results``: per rank, ``(fqn, offsets, size, file, offset, length, checksum)`` of each record
+        (:func:`~lightning_dcp.engine.dcp_io.compact_result`).
+        """
         files: dict[str, dict[str, Any]] = {}
         plain = []
         for rank_results in results:
             plain.append([])
-            for result in rank_results:
-                info, digest = result.storage_data
-                entry = files.setdefault(info.relative_path, {"size": 0, "records": []})
-                entry["records"].append([info.offset, info.length, digest])
-                entry["size"] = max(entry["size"], info.offset + info.length)
-                plain[-1].append(dataclasses.replace(result, storage_data=info))
+            for fqn, offsets, size, name, offset, length, digest in rank_results:
+                entry = files.setdefault(name, {"size": 0, "records": []})
+                entry["records"].append([offset, length, digest])
+                entry["size"] = max(entry["size"], offset + length)
+                index = MetadataIndex(fqn, None if offsets is None else torch.Size(offsets))
+                plain[-1].append(
+                    WriteResult(index=index, size_in_bytes=size, storage_data=StorageInfo(name, offset, length))
+                )
         super().finish(metadata, plain)
         with open(os.path.join(os.fspath(self.path), METADATA_FILE), "rb") as f:
             self.metadata_bytes = f.read()

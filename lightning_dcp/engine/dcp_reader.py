@@ -1,0 +1,445 @@
+"""The DCP storage reader lightning_dcp uses: every record verified against ``.commit``, metadata read safely.
+
+Any DCP directory loads (ours, Lightning's sharded layout, plain DCP); a directory with lightning_dcp's ``.commit``
+must account for every record read, and every record's checksum is checked (see :class:`_VerifyingReader`). Local
+files are read with few large calls (runs of small records at once, large records straight into their targets,
+:mod:`~lightning_dcp.engine.reading`); object stores with concurrent ranged reads and bounded memory
+(:mod:`~lightning_dcp.engine.remote_read`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+from collections.abc import Iterator
+from typing import IO, Any
+
+import torch
+import xxhash
+from torch.distributed.checkpoint import FileSystemReader, StorageReader
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.futures import Future
+
+from lightning_dcp._compat import FsspecReader, StorageInfo, narrow_tensor_by_index
+from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.engine.dcp_io import keep_options
+from lightning_dcp.engine.fileout import PIECE
+from lightning_dcp.engine.marker import (
+    COMMIT_FILE,
+    MAX_MARKER_BYTES,
+    METADATA_FILE,
+    MarkerError,
+    checksum,
+    parse_commit,
+)
+from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
+from lightning_dcp.engine.reading import SMALL_RECORD, Source, read_raw
+from lightning_dcp.engine.records import tensor_record
+from lightning_dcp.engine.remote_read import Range, RangedReads, StreamedRecord, address_of, split
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
+
+__all__ = ["storage_reader"]
+
+
+def storage_reader(location: Location) -> StorageReader:
+    """A DCP storage reader for ``location`` that verifies record checksums and reads metadata safely."""
+    if location.local:
+        return _LocalReader(location.path)
+    return keep_options(_FsspecReader(location.url, **location.storage_options), location.storage_options)
+
+
+# ------------------------------------------------------------------------------------------------------ reading
+class _VerifyingReader:
+    """Read records as DCP's filesystem readers do, checking each record against ``.commit`` first.
+
+    A checkpoint with a ``.commit`` marker (lightning_dcp's) must account for every record read: a record that the
+    marker does not list, that lies outside its file, or whose bytes do not match the recorded checksum fails with
+    :class:`CorruptCheckpointError` naming the file; so does a record that does not decode to what the metadata
+    says. Directories without a marker (Lightning's own sharded layout, plain DCP) are read unchecked.
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        if kwargs.get("rank") is not None:  # per-rank metadata (no collectives): not a layout we write
+            raise NotACheckpointError("Per-rank DCP metadata files are not supported.")
+        with self.fs.create_stream(self.fs.concat_path(self.path, METADATA_FILE), "rb") as f:
+            data = f.read(MAX_METADATA_BYTES + 1)
+        if len(data) > MAX_METADATA_BYTES:
+            raise NotACheckpointError(f"{self.path}/{METADATA_FILE} is larger than {MAX_METADATA_BYTES} bytes.")
+        metadata = load_metadata(data, where=f"{self.path}/{METADATA_FILE}")
+        self._metadata_bytes = data
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self.checksums: dict[tuple[str, int], tuple[int, int]] | None = None
+        self._tensor_meta = {
+            key: meta for key, meta in metadata.state_dict_metadata.items() if isinstance(meta, TensorStorageMetadata)
+        }
+        try:
+            with self.fs.create_stream(self.fs.concat_path(self.path, COMMIT_FILE), "rb") as f:
+                data = f.read(MAX_MARKER_BYTES + 1)
+        except FileNotFoundError:
+            return  # not written by lightning_dcp: nothing to verify against
+        try:
+            marker = parse_commit(data)
+        except MarkerError as err:
+            raise CorruptCheckpointError(f"{self.path}/{COMMIT_FILE} is not valid: {err}.", file=COMMIT_FILE) from None
+        read = getattr(self, "_metadata_bytes", None)
+        if read is not None and (len(read), checksum(read)) != (
+            marker["metadata"]["size"],
+            marker["metadata"]["checksum"],
+        ):
+            raise CorruptCheckpointError(
+                f"{self.path}/{METADATA_FILE} does not match the size and checksum recorded in {COMMIT_FILE}."
+                " Restore the file or resume from another checkpoint.",
+                file=METADATA_FILE,
+            )
+        self.checksums = {}
+        self.sizes = {name: entry["size"] for name, entry in marker["files"].items()}
+        for name, entry in marker["files"].items():
+            for offset, length, digest in entry["records"]:
+                self.checksums[(name, offset)] = (length, digest)
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        per_file, names = self._per_file(plan)
+        for name in names:
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
+                source = Source(stream)
+                try:
+                    self._read_file(stream, source, name, per_file[name], planner)
+                finally:
+                    source.close()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _per_file(self, plan: LoadPlan) -> tuple[dict[str, list], list[str]]:
+        """The plan's items by file (``(offset, storage info, read item)``, in file order) and the files' order."""
+        per_file: dict[str, list] = {}
+        storage_data = self.storage_data
+        for item in plan.items:
+            info = storage_data[item.storage_index]
+            per_file.setdefault(info.relative_path, []).append((info.offset, info, item))
+        for entries in per_file.values():
+            entries.sort(key=lambda e: e[0])
+        names = sorted(per_file)
+        # Ranks that read the same files (replicated state) start at different ones: each file comes from the disk
+        # once, read by one rank while another reads another, and from the page cache for the rest.
+        first = (self.rank or 0) % len(names) if names else 0
+        return per_file, names[first:] + names[:first]
+
+    def _read_file(self, stream: IO[bytes], source: Source, name: str, entries: list, planner: LoadPlanner) -> None:
+        """Read ``entries`` of one file: runs of small records with one call each, larger ones into their targets."""
+        size = stream.seek(0, os.SEEK_END)
+        for run, start, end, part in _runs(entries):
+            if not run:
+                _, info, item = part[0]
+                self._read_one(stream, source, name, size, info, item, planner)
+                continue
+            for _, info, item in part:
+                self._expected(name, size, info, item)  # each record inside the file before reading
+            span, address = source.read_span(start, end - start)
+            self._take_run(name, size, part, start, span, address, planner)
+
+    def _take_run(self, name, size, part, start, span: memoryview, address: int, planner: LoadPlanner) -> None:
+        for offset, info, item in part:
+            rel = offset - start
+            record = span[rel : rel + info.length]
+            self._guarded(name, item, self._take, name, size, info, item, record, address + rel, planner)
+
+    def _read_one(self, stream, source, name, size, info, item, planner) -> None:
+        expected = self._expected(name, size, info, item)
+
+        def read() -> None:
+            if not self._read_in_place(source, name, info, expected, item, planner):
+                self._apply(self._read_record(stream, name, info, expected, item), item, planner)
+
+        self._guarded(name, item, read)
+
+    def _guarded(self, name: str, item: Any, fn: Any, *args: Any) -> None:
+        try:
+            fn(*args)
+        except CheckpointError:
+            raise
+        except Exception as err:  # a record that is not what the metadata says it is
+            raise CorruptCheckpointError(
+                f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
+                f" describes it ({describe_load_error(err)}).",
+                file=name,
+            ) from None
+
+    def _take(
+        self, name: str, size: int, info: StorageInfo, item: Any, record: memoryview, address: int, planner: LoadPlanner
+    ) -> None:
+        """Apply one record already in memory (``record``, at ``address``): checked, then copied to its target."""
+        expected = self._expected(name, size, info, item)
+        if len(record) != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
+                file=name,
+            )
+        if expected is not None and _digest(record) != expected:
+            raise self._corrupt(name, item)
+        if item.type == LoadItemType.TENSOR:
+            meta = self._tensor_meta.get(item.storage_index.fqn)
+            sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+            if sizes is not None:
+                layout = tensor_record(meta.properties.dtype, sizes)
+                data, end = layout.data_offset, layout.data_offset + layout.nbytes
+                if info.length == layout.length and record[:data] == layout.prefix and record[end:] == layout.suffix:
+                    self._copy_raw(item, meta.properties.dtype, sizes, address + data, layout.nbytes, planner)
+                    return
+        self._apply(bytes(record), item, planner)
+
+    def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
+            raise TypeError(
+                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
+            )
+        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+        direct = whole and target.device.type == "cpu" and target.is_contiguous()
+        into = target if direct else torch.empty(sizes, dtype=dtype)
+        if nbytes:
+            ctypes.memmove(into.data_ptr(), address, nbytes)
+        if not direct:
+            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
+
+    def _read_in_place(
+        self, source: Source, name: str, info: StorageInfo, expected: int | None, item: Any, planner: LoadPlanner
+    ) -> bool:
+        """Read a tensor record in our layout straight into its target (:mod:`lightning_dcp.engine.reading`).
+
+        Returns False when the record is not in that layout (the general path then reads it).
+        """
+        if item.type != LoadItemType.TENSOR:
+            return False
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+        if sizes is None:
+            return False
+        dtype = meta.properties.dtype
+        target = planner.resolve_tensor(item).detach()
+        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
+            raise TypeError(
+                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
+            )
+        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+        direct = whole and target.device.type == "cpu" and target.is_contiguous()
+        into = target if direct else torch.empty(sizes, dtype=dtype)
+        digest = read_raw(source, info.offset, info.length, tensor_record(dtype, sizes), into)
+        if digest is None:
+            return False
+        if expected is not None and digest != expected:
+            raise self._corrupt(name, item)
+        if not direct:
+            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
+        return True
+
+    def _apply(self, record: bytes, item: Any, planner: LoadPlanner) -> None:
+        if item.type == LoadItemType.BYTE_IO:
+            planner.load_bytes(item, io.BytesIO(record))
+            return
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+        if sizes is None:
+            raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
+        check_archive(record)  # nothing the archive claims is allocated beyond what it holds
+        tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+        del record  # at most two copies of the largest record alive: decoded tensor and target
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")
+        if tuple(tensor.size()) != sizes or tensor.dtype != meta.properties.dtype:
+            raise TypeError(
+                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata's chunk is {meta.properties.dtype}{sizes}"
+            )
+        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
+        target = planner.resolve_tensor(item).detach()
+        if target.size() != tensor.size() or target.dtype != tensor.dtype:
+            raise TypeError(
+                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata says {target.dtype}{tuple(target.size())}"
+            )
+        target.copy_(tensor)
+        planner.commit_tensor(item, target)
+
+    def _expected(self, name: str, size: int, info: StorageInfo, item: Any) -> int | None:
+        """The checksum ``.commit`` records for this record (``None`` without a marker).
+
+        Raises ``CorruptCheckpointError`` when the record lies outside its file or the marker does not list it.
+        """
+        fqn = item.storage_index.fqn
+        if info.offset + info.length > size:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends at {size}.",
+                file=name,
+            )
+        if self.checksums is None:
+            return None
+        expected = self.checksums.get((name, info.offset))
+        if expected is None or expected[0] != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name}: record {fqn!r} (bytes {info.offset}..{info.offset + info.length}) is not listed"
+                f" in {COMMIT_FILE}; the checkpoint's files and its commit marker disagree.",
+                file=name,
+            )
+        return expected[1]
+
+    def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, expected: int | None, item: Any) -> bytes:
+        stream.seek(info.offset)
+        record = stream.read(info.length)
+        if len(record) != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
+                file=name,
+            )
+        if expected is not None and checksum(record) != expected:
+            raise self._corrupt(name, item)
+        return record
+
+    def _corrupt(self, name: str, item: Any) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded at"
+            " save. Restore the file or resume from another checkpoint.",
+            file=name,
+        )
+
+
+def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:
+    """The shape of the saved chunk of ``meta`` that starts at ``index.offset`` (its ``index`` hint tried first)."""
+    key = tuple(index.offset) if index.offset is not None else (0,) * len(meta.size)
+    hint = index.index
+    if hint is not None and 0 <= hint < len(meta.chunks) and tuple(meta.chunks[hint].offsets) == key:
+        return tuple(meta.chunks[hint].sizes)
+    for chunk in meta.chunks:
+        if tuple(chunk.offsets) == key:
+            return tuple(chunk.sizes)
+    return None
+
+
+_GAP = 64 << 10
+"""Records this close together are read with the ones before them (the bytes between are read and skipped)."""
+
+
+def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
+    """``(run, start, end, entries)``: runs of small records close together (at most ``PIECE`` bytes), or one record."""
+    count, i = len(entries), 0
+    while i < count:
+        offset, info, _ = entries[i]
+        if info.length > SMALL_RECORD:
+            yield False, offset, offset + info.length, entries[i : i + 1]
+            i += 1
+            continue
+        j, end = i, offset
+        while j < count:
+            start_j, info_j, _ = entries[j]
+            if info_j.length > SMALL_RECORD or start_j - end > _GAP or start_j + info_j.length - offset > PIECE:
+                break
+            end = max(end, start_j + info_j.length)
+            j += 1
+        yield True, offset, end, entries[i:j]
+        i = j
+
+
+_digest = xxhash.xxh3_64_intdigest
+
+
+class _LocalReader(_VerifyingReader, FileSystemReader):
+    pass
+
+
+class _FsspecReader(_VerifyingReader, FsspecReader):
+    """Object stores and other fsspec filesystems: a rank's reads as concurrent ranged requests, bounded in memory."""
+
+    concurrent = True
+    """Concurrent ranged reads; ``False`` reads each file through one stream, in order (for comparisons)."""
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        if not self.concurrent:
+            return super().read_data(plan, planner)
+        per_file, names = self._per_file(plan)
+        ranges: list[Range] = []
+        jobs = []
+        for name in names:
+            path = str(self.fs.concat_path(self.path, name))
+            size = self._file_size(name, path)
+            for run, start, end, part in _runs(per_file[name]):
+                for _, info, item in part:
+                    self._expected(name, size, info, item)  # each record inside the file before reading
+                pieces = [Range(path, start, end)] if run else split(path, start, end)
+                ranges += pieces
+                jobs.append((run, name, size, part, path, len(pieces)))
+        fetched = RangedReads(lambda path, start, end: self.fs.fs.cat_file(path, start=start, end=end))(ranges)
+        try:
+            for run, name, size, part, path, count in jobs:
+                if run:
+                    piece, data = next(fetched)
+                    self._take_run(name, size, part, piece.start, memoryview(data), address_of(data), planner)
+                else:
+                    _, info, item = part[0]
+                    self._guarded(name, item, self._stream_one, fetched, count, path, name, size, info, item, planner)
+        finally:
+            fetched.close()  # requests still in flight are cancelled or awaited
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _file_size(self, name: str, path: str) -> int:
+        size = getattr(self, "sizes", {}).get(name)
+        return size if size is not None else self.fs.fs.size(path)
+
+    def _stream_one(self, fetched, count: int, path: str, name: str, size: int, info, item, planner) -> None:
+        """One large record from ``count`` fetched ranges: into its target as it arrives when it is in our layout."""
+        expected = self._expected(name, size, info, item)
+        target, layout = self._direct_target(item, info, planner)
+        if target is not None:
+            record = StreamedRecord(info.length, layout.data_offset, layout.nbytes, target.data_ptr())
+        else:
+            record = StreamedRecord(info.length)
+        for _ in range(count):
+            _, data = next(fetched)
+            record.add(memoryview(data), address_of(data))
+        if record.position != info.length:
+            raise CorruptCheckpointError(
+                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
+                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
+                file=name,
+            )
+        if expected is not None and record.hasher.intdigest() != expected:
+            raise self._corrupt(name, item)
+        if target is not None:
+            if bytes(record.kept) == layout.prefix + layout.suffix:
+                planner.commit_tensor(item, target)
+                return
+            data = self.fs.fs.cat_file(path, start=info.offset, end=info.offset + info.length)  # not our layout
+        else:
+            data = bytes(record.kept)
+        self._apply(data, item, planner)
+
+    def _direct_target(self, item, info, planner) -> tuple[torch.Tensor | None, Any]:
+        """The target tensor and record layout when the record's raw bytes can land in the target as they are."""
+        if item.type != LoadItemType.TENSOR:
+            return None, None
+        meta = self._tensor_meta.get(item.storage_index.fqn)
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+        if sizes is None:
+            return None, None
+        layout = tensor_record(meta.properties.dtype, sizes)
+        target = planner.resolve_tensor(item).detach()
+        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+        direct = (
+            whole and target.device.type == "cpu" and target.is_contiguous() and target.dtype == meta.properties.dtype
+        )
+        if not direct or info.length != layout.length or tuple(target.size()) != sizes:
+            return None, None
+        return target, layout

@@ -1,0 +1,67 @@
+"""A BatchNorm model with Lightning's EMAWeightAveraging, saved asynchronously every step: exact resumes.
+
+The default async save copies parameters, AdamW state and the EMA weights in the background while the next
+optimizer step waits for them; BatchNorm's running statistics, which the next forward pass changes in place, are
+copied at the call. EMAWeightAveraging's ``current_model_state`` is saved as DCP entries, not in the rank-0 blob.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.callbacks import EMAWeightAveraging
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
+from lightning_dcp.engine.metadata import read_metadata
+from lightning_dcp.engine.storage import Location
+from tests._trainer import assert_same, make_trainer, seed
+
+
+class NormNet(LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(3)
+        return DataLoader(TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 2, generator=g)), batch_size=8)
+
+
+def _fit(tmp: str, epochs: int, *, ckpt_path: str | None = None) -> tuple[NormNet, EMAWeightAveraging]:
+    seed()
+    model, ema = NormNet(), EMAWeightAveraging(decay=0.9)
+    checkpoint = DCPModelCheckpoint(dirpath=tmp, every_n_epochs=1, save_top_k=-1, save_last=True)
+    trainer = make_trainer(
+        1,
+        strategy="dcp_single_device",
+        max_epochs=epochs,
+        callbacks=[checkpoint, ema],
+        plugins=[DCPCheckpointIO(async_save=True)],
+    )
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return model, ema
+
+
+def test_ema_and_batchnorm_with_deferred_async_saves_resume_exactly(tmp_path):
+    reference, reference_ema = _fit(str(tmp_path / "ref"), 3)
+    _fit(str(tmp_path / "run"), 2)  # a save at each epoch's end, the next epoch's first step right after it
+    epoch1 = str(tmp_path / "run" / "epoch=1-step=16.ckpt")
+    keys = read_metadata(Location(epoch1)).state_dict_metadata
+    assert any(k.startswith("current_model_state.") for k, m in keys.items() if isinstance(m, TensorStorageMetadata))
+    assert "current_model_state.net.1.running_mean" in keys  # BatchNorm statistics, copied at the call
+    resumed, resumed_ema = _fit(str(tmp_path / "run"), 3, ckpt_path=epoch1)
+    assert_same(resumed.state_dict(), reference.state_dict(), "model")  # weights, BatchNorm statistics
+    assert_same(resumed_ema._average_model.state_dict(), reference_ema._average_model.state_dict(), "ema")
+    assert os.path.isfile(tmp_path / "run" / "last.ckpt" / ".commit")

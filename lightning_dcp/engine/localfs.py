@@ -16,6 +16,8 @@ import stat
 import uuid
 from typing import BinaryIO
 
+from lightning_dcp.engine.marker import COMMIT_FILE
+
 __all__ = [
     "SNAPSHOT_PREFIX",
     "STAGING_INFIX",
@@ -91,8 +93,15 @@ def open_regular(path: str) -> BinaryIO:
 def remove_path(path: str) -> None:
     """Delete ``path`` (directory tree, file or link) if it exists; a link never deletes its target.
 
-    Entries that vanish meanwhile (a concurrent removal of the same checkpoint) are not an error.
+    Entries that vanish meanwhile (a concurrent removal of the same checkpoint) are not an error. A checkpoint
+    directory loses its ``.commit`` marker first, so that a removal cut short (a kill) never leaves a marker vouching
+    for files that are gone.
     """
+    if os.path.isdir(path) and not os.path.islink(path):
+        try:
+            os.unlink(os.path.join(path, COMMIT_FILE))
+        except (FileNotFoundError, IsADirectoryError, PermissionError):
+            pass
     for _ in range(3):  # a concurrent removal took some entries: finish what is left
         try:
             if os.path.islink(path) or os.path.isfile(path):

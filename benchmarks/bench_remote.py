@@ -79,13 +79,14 @@ def _entry(rank: int, world_size: int, url: str, options: dict, mix: str, scale:
                 shutil.rmtree(local, ignore_errors=True)
                 os.makedirs(local, exist_ok=True)
             else:
+                default = dcp_reader._FsspecReader.concurrent
                 dcp_reader._FsspecReader.concurrent = method == "load"
                 base = _peak_rss_mb()
                 _reset_peak()
                 _, seconds = _timed(restore)
                 if method == "load" and round_ > 0:
                     rss.append(_max_over_ranks(_peak_rss_mb() - base))
-                dcp_reader._FsspecReader.concurrent = True
+                dcp_reader._FsspecReader.concurrent = default
             if round_ > 0:
                 runs[method].append(seconds)
     shutil.rmtree(local, ignore_errors=True)

@@ -16,7 +16,6 @@ from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
-import xxhash
 from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
@@ -178,15 +177,7 @@ class _VerifyingReader:
         self, name: str, size: int, info: StorageInfo, item: Any, record: memoryview, address: int, planner: LoadPlanner
     ) -> None:
         """Apply one record already in memory (``record``, at ``address``): checked, then copied to its target."""
-        expected = self._expected(name, size, info, item)
-        if len(record) != info.length:
-            raise CorruptCheckpointError(
-                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
-                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
-                file=name,
-            )
-        if expected is not None and _digest(record) != expected:
-            raise self._corrupt(name, item)
+        self._check_record(record, name, info, self._expected(name, size, info, item), item)
         if item.type == LoadItemType.TENSOR:
             meta = self._tensor_meta.get(item.storage_index.fqn)
             sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
@@ -297,6 +288,11 @@ class _VerifyingReader:
     def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, expected: int | None, item: Any) -> bytes:
         stream.seek(info.offset)
         record = stream.read(info.length)
+        self._check_record(record, name, info, expected, item)
+        return record
+
+    def _check_record(self, record: Any, name: str, info: StorageInfo, expected: int | None, item: Any) -> None:
+        """A record read whole (``info.length`` bytes) whose checksum matches ``.commit`` (when it records one)."""
         if len(record) != info.length:
             raise CorruptCheckpointError(
                 f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
@@ -305,7 +301,6 @@ class _VerifyingReader:
             )
         if expected is not None and checksum(record) != expected:
             raise self._corrupt(name, item)
-        return record
 
     def _corrupt(self, name: str, item: Any) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -349,9 +344,6 @@ def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
             j += 1
         yield True, offset, end, entries[i:j]
         i = j
-
-
-_digest = xxhash.xxh3_64_intdigest
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):

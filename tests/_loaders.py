@@ -4,6 +4,7 @@ and a user's own stateful iterable. Every item is ``(x, y, index)``, so a test c
 from __future__ import annotations
 
 import os
+from collections import Counter
 from typing import Any
 
 import torch
@@ -135,3 +136,15 @@ class OwnStatefulLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.position, self.epoch = state["position"], state["epoch"]
         self.generator.set_state(state["generator"])
+
+
+def samples_by(results: list[dict], key: int) -> dict[int, Counter]:
+    """Sample ids of all ranks grouped by epoch (``key=0``) or by optimizer step (``key=1``).
+
+    ``results``: one per rank, each with ``ids``, a list of ``(epoch, step, sample ids)``.
+    """
+    groups: dict[int, Counter] = {}
+    for result in results:
+        for entry in result["ids"]:
+            groups.setdefault(entry[key], Counter()).update(entry[2])
+    return groups

@@ -22,7 +22,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, StreamOut, open_local
-from lightning_dcp.engine.records import raw_bytes, tensor_record
+from lightning_dcp.engine.records import cpu_contiguous, raw_bytes, tensor_record
 
 __all__ = [
     "FileJob",
@@ -134,11 +134,7 @@ def make_record(item: WriteItem, data: Any) -> Record:
     """
     if item.type == WriteItemType.BYTE_IO:
         return Record([(data.getbuffer(), None)], data)
-    tensor = data.detach()
-    if tensor.device.type != "cpu":
-        tensor = tensor.cpu()
-    if not tensor.is_contiguous():
-        tensor = tensor.contiguous()
+    tensor = cpu_contiguous(data)
     layout = tensor_record(tensor.dtype, tuple(tensor.shape))
     raw = raw_bytes(tensor)
     parts = [(memoryview(layout.prefix), None), (raw, tensor.data_ptr() if raw.nbytes else None)]

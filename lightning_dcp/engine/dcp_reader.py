@@ -190,14 +190,8 @@ class _VerifyingReader:
         self._apply(bytes(record), item, planner)
 
     def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
-        target = planner.resolve_tensor(item).detach()
-        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
-            raise TypeError(
-                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
-            )
-        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
-        direct = whole and target.device.type == "cpu" and target.is_contiguous()
-        into = target if direct else torch.empty(sizes, dtype=dtype)
+        target, into = _destination(item, dtype, sizes, planner)
+        direct = into is target
         if nbytes:
             ctypes.memmove(into.data_ptr(), address, nbytes)
         if not direct:
@@ -218,14 +212,8 @@ class _VerifyingReader:
         if sizes is None:
             return False
         dtype = meta.properties.dtype
-        target = planner.resolve_tensor(item).detach()
-        if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
-            raise TypeError(
-                f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}"
-            )
-        whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
-        direct = whole and target.device.type == "cpu" and target.is_contiguous()
-        into = target if direct else torch.empty(sizes, dtype=dtype)
+        target, into = _destination(item, dtype, sizes, planner)
+        direct = into is target
         digest = read_raw(source, info.offset, info.length, tensor_record(dtype, sizes), into)
         if digest is None:
             return False
@@ -308,6 +296,24 @@ class _VerifyingReader:
             " save. Restore the file or resume from another checkpoint.",
             file=name,
         )
+
+
+def _destination(
+    item: Any, dtype: torch.dtype, sizes: tuple, planner: LoadPlanner
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(target, into)`` for a tensor record of ``sizes``: the planner's target and where the record's bytes go.
+
+    ``into`` is the target itself when the record is its whole, contiguous CPU memory; else a new chunk to copy from.
+
+    Raises:
+        TypeError: The target's dtype or shape differs from what the record holds.
+    """
+    target = planner.resolve_tensor(item).detach()
+    if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
+        raise TypeError(f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}")
+    whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
+    direct = whole and target.device.type == "cpu" and target.is_contiguous()
+    return target, target if direct else torch.empty(sizes, dtype=dtype)
 
 
 def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:

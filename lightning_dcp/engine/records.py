@@ -31,7 +31,7 @@ import torch
 
 from lightning_dcp._compat import rebuild_tensor, rebuild_tensor_v3, storage_type_name
 
-__all__ = ["RecordLayout", "raw_bytes", "tensor_record"]
+__all__ = ["RecordLayout", "cpu_contiguous", "raw_bytes", "tensor_record"]
 
 _ALIGNMENT = 64
 _ARCHIVE = "archive/"
@@ -65,6 +65,14 @@ class RecordLayout:
     def data_offset(self) -> int:
         """Offset of the raw bytes inside the record."""
         return len(self.prefix)
+
+
+def cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` detached, on the CPU and contiguous (a copy only where it is not already): what a record holds."""
+    tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()
+    return tensor if tensor.is_contiguous() else tensor.contiguous()
 
 
 def raw_bytes(tensor: torch.Tensor) -> memoryview:

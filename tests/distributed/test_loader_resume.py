@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dcp import ElasticResume
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.fabric import DCPDDPStrategy
-from tests._loaders import SAMPLES, LoaderDataModule, make_litdata, make_loader
+from tests._loaders import SAMPLES, LoaderDataModule, make_litdata, make_loader, samples_by
 from tests._models import IdLoggingModel
 from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
@@ -107,15 +107,6 @@ def _other_ranks(rank: int, world_size: int, tmp: str) -> None:
             _fit(tmp, "sdl0", world_size, "refused", resume=True, elastic=False)
 
 
-def _by(results: list[dict], key: int) -> dict[int, Counter]:
-    """Sample ids of all ranks grouped by epoch (``key=0``) or by optimizer step (``key=1``)."""
-    groups: dict[int, Counter] = {}
-    for result in results:
-        for entry in result["ids"]:
-            groups.setdefault(entry[key], Counter()).update(entry[2])
-    return groups
-
-
 def test_stateful_loaders_resume_mid_epoch(tmp_path):
     tmp = str(tmp_path)
     make_litdata(tmp)
@@ -128,10 +119,10 @@ def test_stateful_loaders_resume_mid_epoch(tmp_path):
 
     for kind in (*KINDS, "own"):
         full = results("full", kind, 2)
-        full_steps = _by(full, 1)
+        full_steps = samples_by(full, 1)
         assert sorted(full_steps) == list(range(STEPS)), kind
         assert all(sum(c.values()) == GLOBAL_BATCH for c in full_steps.values()), kind
-        assert all(c == Counter(range(SAMPLES)) for c in _by(full, 0).values()), kind
+        assert all(c == Counter(range(SAMPLES)) for c in samples_by(full, 0).values()), kind
         first = [{"ids": [e for e in r["ids"] if e[1] < 6]} for r in full]
         # Same world size: every rank's batches and the final state are those of the uninterrupted run, bit for bit.
         for name in ("resumed2", "plain2") if kind == "sdl2" else ("resumed2",):
@@ -146,17 +137,20 @@ def test_stateful_loaders_resume_mid_epoch(tmp_path):
         for world_size, accumulate in ((1, 2), (3, 1)):
             resumed = results(f"resumed{world_size}", kind, world_size)
             assert all(r["accumulate"] == accumulate for r in resumed), kind
-            steps = _by(first + resumed, 1)
+            steps = samples_by(first + resumed, 1)
             assert sorted(steps) == list(range(STEPS)), (kind, world_size)
             assert all(sum(c.values()) == GLOBAL_BATCH for c in steps.values()), (kind, world_size)
-            assert all(c == Counter(range(SAMPLES)) for c in _by(first + resumed, 0).values()), (kind, world_size)
+            assert all(c == Counter(range(SAMPLES)) for c in samples_by(first + resumed, 0).values()), (
+                kind,
+                world_size,
+            )
             assert steps == full_steps, (kind, world_size)  # a world-size-independent order: same samples per step
             assert all(r["global_step"] == STEPS for r in resumed), (kind, world_size)
 
     # Fabric: the loader in the saved state; 4 steps of 12 samples, saved after step 2.
     for kind in KINDS:
         full = results("fabric-full", kind, 2)
-        assert all(c == Counter(range(SAMPLES)) for c in _by(full, 0).values()), kind
+        assert all(c == Counter(range(SAMPLES)) for c in samples_by(full, 0).values()), kind
         for rank, resumed in enumerate(results("fabric-resumed2", kind, 2)):
             assert full[rank]["ids"][:2] + resumed["ids"] == full[rank]["ids"], (kind, rank)
             assert resumed["step"] == 4, kind
@@ -164,6 +158,6 @@ def test_stateful_loaders_resume_mid_epoch(tmp_path):
     first = [{"ids": r["ids"][:2]} for r in results("fabric-full", "litdata", 2)]
     for world_size in (1, 3):
         resumed = results(f"fabric-resumed{world_size}", "litdata", world_size)
-        steps = _by(first + resumed, 1)
+        steps = samples_by(first + resumed, 1)
         assert sorted(steps) == list(range(4)) and all(sum(c.values()) == GLOBAL_BATCH for c in steps.values())
-        assert _by(first + resumed, 0)[0] == Counter(range(SAMPLES)), world_size
+        assert samples_by(first + resumed, 0)[0] == Counter(range(SAMPLES)), world_size

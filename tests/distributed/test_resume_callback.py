@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_dcp import ElasticResume
+from tests._loaders import samples_by
 from tests._models import IdLoggingModel, IndexedDataModule
 from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
@@ -98,15 +99,6 @@ def _ckpt(tmp: str) -> str:
     return os.path.join(tmp, "ckpts", CKPT)
 
 
-def _by(results: list[dict], key: int) -> dict[int, Counter]:
-    """Sample ids of all ranks grouped by epoch (``key=0``) or by optimizer step (``key=1``)."""
-    groups: dict[int, Counter] = {}
-    for result in results:
-        for entry in result["ids"]:
-            groups.setdefault(entry[key], Counter()).update(entry[2])
-    return groups
-
-
 def _assert_close(a, b, path: str = "") -> None:
     """Equal up to float summation order (another world size adds the same gradients in another order)."""
     if isinstance(a, torch.Tensor) and a.is_floating_point():
@@ -133,7 +125,7 @@ def test_elastic_resume(tmp_path):
         return [load_result(tmp, name, r) for r in range(world_size)]
 
     full, first = results("full", 2), results("first", 2)
-    full_steps, full_epochs = _by(full, 1), _by(full, 0)
+    full_steps, full_epochs = samples_by(full, 1), samples_by(full, 0)
     assert sorted(full_steps) == list(range(STEPS))
     assert all(sum(c.values()) == 16 for c in full_steps.values())
     assert all(c == Counter(range(SAMPLES)) for c in full_epochs.values())
@@ -159,15 +151,15 @@ def test_elastic_resume(tmp_path):
         assert not torch.equal(full_dropout["params"]["body.0.weight"], full[rank]["params"]["body.0.weight"])
 
     # Without the callback Lightning restarts epoch 1 at its first batch: samples seen twice, others never.
-    plain_epoch1 = _by(first + results("plain2", 2), 0)[1]
+    plain_epoch1 = samples_by(first + results("plain2", 2), 0)[1]
     assert plain_epoch1 != full_epochs[1] and max(plain_epoch1.values()) == 2
 
     # Other world sizes: same accumulation-adjusted global batch, same samples per step and per epoch.
     for world_size, accumulate in ((1, 4), (4, 1)):
         resumed = results(f"resumed{world_size}", world_size)
         assert all(r["accumulate"] == accumulate for r in resumed)
-        assert _by(first + resumed, 1) == full_steps
-        assert _by(first + resumed, 0) == full_epochs
+        assert samples_by(first + resumed, 1) == full_steps
+        assert samples_by(first + resumed, 0) == full_epochs
         assert resumed[0]["state"]["samples_total"] == EPOCHS * SAMPLES
         assert resumed[0]["state"]["global_batch_size"] == 16
         for rank in range(world_size):

@@ -36,7 +36,7 @@ from torch.futures import Future
 from lightning_dcp._compat import StorageInfo
 from lightning_dcp.engine.dcp_io import compact_result
 from lightning_dcp.engine.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
-from lightning_dcp.engine.records import tensor_record
+from lightning_dcp.engine.records import cpu_contiguous, tensor_record
 
 __all__ = ["Mappings", "ShmWriter", "data_file"]
 
@@ -210,11 +210,7 @@ def _layout(items: list[WriteItem], planner: SavePlanner) -> tuple[list[_Slot], 
             slots.append(_Slot(item, raw, position, len(raw), b"", b""))
             position += len(raw)
             continue
-        tensor = data.detach()
-        if tensor.device.type != "cpu":
-            tensor = tensor.cpu()
-        if not tensor.is_contiguous():
-            tensor = tensor.contiguous()
+        tensor = cpu_contiguous(data)
         record = tensor_record(tensor.dtype, tuple(tensor.shape))
         position += -(position + record.data_offset) % _ALIGN
         slots.append(_Slot(item, tensor, position, record.length, record.prefix, record.suffix))

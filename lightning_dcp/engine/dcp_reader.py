@@ -10,6 +10,7 @@ and bounded memory (:mod:`~lightning_dcp.engine.remote_read`, off by default: se
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import os
 from collections.abc import Iterator
@@ -141,16 +142,59 @@ class _VerifyingReader:
                 _, info, item = part[0]
                 self._read_one(stream, source, name, size, info, item, planner)
                 continue
-            for _, info, item in part:
-                self._expected(name, size, info, item)  # each record inside the file before reading
+            checked = self._checked(name, size, part)  # each record inside the file before reading
             span, address = source.read_span(start, end - start)
-            self._take_run(name, size, part, start, span, address, planner)
+            self._take_run(name, checked, start, span, address, planner)
 
-    def _take_run(self, name, size, part, start, span: memoryview, address: int, planner: LoadPlanner) -> None:
-        for offset, info, item in part:
-            rel = offset - start
-            record = span[rel : rel + info.length]
-            self._guarded(name, item, self._take, name, size, info, item, record, address + rel, planner)
+    def _checked(self, name: str, size: int, part: list) -> list[tuple[int, StorageInfo, Any, int | None]]:
+        """``part``'s ``(offset, storage info, read item)`` with each record's checksum (:meth:`_expected`)."""
+        return [(offset, info, item, self._expected(name, size, info, item)) for offset, info, item in part]
+
+    def _take_run(self, name: str, checked: list, start: int, span: memoryview, address: int, planner) -> None:
+        """Apply a run of records read in one call (``span``, from file offset ``start``, at memory ``address``).
+
+        Each record is checked (its length, its checksum against ``.commit``), then its raw bytes are copied into
+        its target when it is a tensor record in our layout, or it is decoded the general way. One loop with what
+        every record needs looked up once per shape: thousands of small records cost microseconds each.
+        """
+        tensor_meta = self._tensor_meta
+        resolve, commit = planner.resolve_tensor, planner.commit_tensor
+        item = None
+        try:
+            for offset, info, item, expected in checked:
+                rel = offset - start
+                length = info.length
+                record = span[rel : rel + length]
+                if record.nbytes != length:
+                    self._check_record(record, name, info, expected, item)  # raises: truncated
+                if expected is not None and checksum(record) != expected:
+                    raise self._corrupt(name, item)
+                meta = tensor_meta.get(item.storage_index.fqn) if item.type == LoadItemType.TENSOR else None
+                sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+                if sizes is not None:
+                    dtype = meta.properties.dtype
+                    full, begin, end, prefix, suffix = _frame(dtype, sizes)
+                    if length == full and record[:begin] == prefix and record[end:] == suffix:
+                        target = resolve(item).detach()
+                        if (
+                            target.dtype == dtype
+                            and item.lengths == sizes
+                            and target.shape == sizes
+                            and not any(item.storage_offsets)
+                            and target.device.type == "cpu"
+                            and target.is_contiguous()
+                        ):  # the whole chunk into its own memory: what _copy_raw does, without its lookups
+                            if end > begin:
+                                ctypes.memmove(target.data_ptr(), address + rel + begin, end - begin)
+                            commit(item, target)
+                        else:
+                            self._copy_raw(item, dtype, sizes, address + rel + begin, end - begin, planner)
+                        continue
+                self._apply(bytes(record), item, planner)
+        except CheckpointError:
+            raise
+        except Exception as err:  # a record that is not what the metadata says it is
+            raise self._undecodable(name, item, err) from None
 
     def _read_one(self, stream, source, name, size, info, item, planner) -> None:
         expected = self._expected(name, size, info, item)
@@ -167,27 +211,14 @@ class _VerifyingReader:
         except CheckpointError:
             raise
         except Exception as err:  # a record that is not what the metadata says it is
-            raise CorruptCheckpointError(
-                f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-                f" describes it ({describe_load_error(err)}).",
-                file=name,
-            ) from None
+            raise self._undecodable(name, item, err) from None
 
-    def _take(
-        self, name: str, size: int, info: StorageInfo, item: Any, record: memoryview, address: int, planner: LoadPlanner
-    ) -> None:
-        """Apply one record already in memory (``record``, at ``address``): checked, then copied to its target."""
-        self._check_record(record, name, info, self._expected(name, size, info, item), item)
-        if item.type == LoadItemType.TENSOR:
-            meta = self._tensor_meta.get(item.storage_index.fqn)
-            sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
-            if sizes is not None:
-                layout = tensor_record(meta.properties.dtype, sizes)
-                data, end = layout.data_offset, layout.data_offset + layout.nbytes
-                if info.length == layout.length and record[:data] == layout.prefix and record[end:] == layout.suffix:
-                    self._copy_raw(item, meta.properties.dtype, sizes, address + data, layout.nbytes, planner)
-                    return
-        self._apply(bytes(record), item, planner)
+    def _undecodable(self, name: str, item: Any, err: Exception) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
+            f" describes it ({describe_load_error(err)}).",
+            file=name,
+        )
 
     def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
         target, into = _destination(item, dtype, sizes, planner)
@@ -316,13 +347,23 @@ def _destination(
     return target, target if direct else torch.empty(sizes, dtype=dtype)
 
 
+@functools.lru_cache(maxsize=8192)
+def _frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[int, int, int, bytes, bytes]:
+    """``(record length, raw bytes' start, raw bytes' end, prefix, suffix)`` of a tensor record in our layout."""
+    layout = tensor_record(dtype, sizes)
+    begin = layout.data_offset
+    return layout.length, begin, begin + layout.nbytes, layout.prefix, layout.suffix
+
+
 def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:
     """The shape of the saved chunk of ``meta`` that starts at ``index.offset`` (its ``index`` hint tried first)."""
-    key = tuple(index.offset) if index.offset is not None else (0,) * len(meta.size)
-    hint = index.index
-    if hint is not None and 0 <= hint < len(meta.chunks) and tuple(meta.chunks[hint].offsets) == key:
-        return tuple(meta.chunks[hint].sizes)
-    for chunk in meta.chunks:
+    chunks, hint, offset = meta.chunks, index.index, index.offset
+    if offset is not None and hint is not None and 0 <= hint < len(chunks):
+        chunk = chunks[hint]
+        if chunk.offsets == offset:  # torch.Size and tuples compare by value
+            return tuple(chunk.sizes)
+    key = tuple(offset) if offset is not None else (0,) * len(meta.size)
+    for chunk in chunks:
         if tuple(chunk.offsets) == key:
             return tuple(chunk.sizes)
     return None
@@ -377,19 +418,18 @@ class _FsspecReader(_VerifyingReader, FsspecReader):
             path = str(self.fs.concat_path(self.path, name))
             size = self._file_size(name, path)
             for run, start, end, part in _runs(per_file[name]):
-                for _, info, item in part:
-                    self._expected(name, size, info, item)  # each record inside the file before reading
+                checked = self._checked(name, size, part)  # each record inside the file before reading
                 pieces = [Range(path, start, end)] if run else split(path, start, end)
                 ranges += pieces
-                jobs.append((run, name, size, part, path, len(pieces)))
+                jobs.append((run, name, size, checked, path, len(pieces)))
         fetched = RangedReads(lambda path, start, end: self.fs.fs.cat_file(path, start=start, end=end))(ranges)
         try:
-            for run, name, size, part, path, count in jobs:
+            for run, name, size, checked, path, count in jobs:
                 if run:
                     piece, data = next(fetched)
-                    self._take_run(name, size, part, piece.start, memoryview(data), address_of(data), planner)
+                    self._take_run(name, checked, piece.start, memoryview(data), address_of(data), planner)
                 else:
-                    _, info, item = part[0]
+                    _, info, item, _ = checked[0]
                     self._guarded(name, item, self._stream_one, fetched, count, path, name, size, info, item, planner)
         finally:
             fetched.close()  # requests still in flight are cancelled or awaited

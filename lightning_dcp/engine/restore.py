@@ -95,6 +95,9 @@ def load_one(
             probed.append(probe(location))
             return dataclasses.replace(probed[0], metadata=None)
 
+        rank, world_size = rank_and_world(collective)
+        if rank != 0 and location.local:
+            _parse_ahead(location)
         found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)
@@ -104,7 +107,6 @@ def load_one(
         metadata = probed[0].metadata if probed else read_metadata(location)
         lightning_layout = found.kind == "lightning"
         model_key = lightning_model_key(metadata) if lightning_layout else model_key
-        rank, world_size = rank_and_world(collective)
         loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
         loaded.saved_world_size = layout.saved_world_size(metadata)
         if target is None:
@@ -148,6 +150,19 @@ def load_one(
             loaded.rank_objects_exact = loaded.saved_world_size == world_size
         loaded.tree = state
         return loaded
+
+
+def _parse_ahead(location: Location) -> None:
+    """Parse the ``.metadata`` at ``location`` (if it is a checkpoint directory) while rank 0 probes it.
+
+    The parse is remembered by the file's bytes (:func:`~lightning_dcp.engine.metadata.load_metadata`): when rank 0
+    settles on this checkpoint, reading its metadata again costs one read of the file. Anything that fails here is
+    left for the probe to report.
+    """
+    try:
+        read_metadata(location)
+    except Exception:  # not a checkpoint directory, or a broken one: rank 0's probe says which
+        pass
 
 
 def _other_tree_keys(metadata: Any, target: dict[str, Any]) -> list[str]:

@@ -42,7 +42,12 @@ from lightning_dcp._compat import (
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
+from lightning_dcp.engine.module_state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+)
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.memory import is_memory_sentinel
@@ -295,8 +300,11 @@ class DCPStrategyMixin:
         """Sharded: apply the model state with ``set_model_state_dict`` (full state from a single file)."""
         if not self._dcp_sharded:
             return super().load_model_state_dict(checkpoint, strict=strict)
-        options = StateDictOptions(full_state_dict=_is_single_file(checkpoint), strict=strict)
-        set_model_state_dict(self._dcp_module(), checkpoint[layout.MODEL_KEY], options=options)
+        if _is_single_file(checkpoint):
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(self._dcp_module(), checkpoint[layout.MODEL_KEY], options=options)
+        else:  # filled in place: DCP's set_model_state_dict unless it would only copy each tensor onto itself
+            load_model_state_dict(self._dcp_module(), checkpoint[layout.MODEL_KEY], strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -314,7 +322,10 @@ class DCPStrategyMixin:
         for optimizer, state in zip(self.optimizers, states, strict=True):
             if layout.optimizer_layout([state]) == layout.PARAM_ID:
                 state = layout.param_ids_to_fqns(state, module, optimizer)
-            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=full))
+            if full:
+                set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
+            else:
+                load_optimizer_state_dict(module, optimizer, state)
 
 
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:

@@ -1,0 +1,131 @@
+"""Applying a restored state: lightning_dcp's shortcuts give what DCP's ``set_*_state_dict`` give, bit for bit."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
+
+from lightning_dcp.engine import module_state
+from lightning_dcp.engine.module_state import (
+    load_model_state_dict,
+    load_optimizer_state_dict,
+    model_state_dict,
+    optimizer_state_dict,
+)
+
+
+def _net() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Conv2d(4, 2, 1), nn.InstanceNorm2d(2))
+
+
+def _trained(net: nn.Module) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(
+        [{"params": list(net[0].parameters())}, {"params": list(net[1:].parameters()), "lr": 0.5}]
+    )
+    net(torch.randn(2, 3, 6, 6)).sum().backward()
+    optimizer.step()
+    return optimizer
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert list(a) == list(b)
+    for key, value in a.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, b[key]) and value.dtype == b[key].dtype, key
+        elif isinstance(value, dict):
+            _assert_same(value, b[key])
+        elif isinstance(value, list):
+            assert len(value) == len(b[key])
+            for x, y in zip(value, b[key], strict=True):
+                _assert_same(x, y) if isinstance(x, dict) else None
+                assert isinstance(x, dict) or x == y
+        else:
+            assert value == b[key], key
+
+
+def test_a_model_state_filled_in_place_is_not_copied_again_and_anything_else_is_loaded():
+    net = _net()
+    state = model_state_dict(net)
+    for value in state.values():  # a restore writes into the module's own tensors
+        value.add_(1)
+    expected = {k: v.clone() for k, v in net.state_dict().items()}
+    assert module_state._holds_module_tensors(net, state)
+    load_model_state_dict(net, state, strict=True)
+    _assert_same(net.state_dict(), expected)
+
+    fresh = {k: v.clone() * 3 for k, v in state.items()}  # other tensors: DCP's load copies them in
+    assert not module_state._holds_module_tensors(net, fresh)
+    load_model_state_dict(net, fresh, strict=True)
+    _assert_same(net.state_dict(), fresh)
+
+    partial = dict(model_state_dict(net))
+    partial.pop("2.weight")
+    assert not module_state._holds_module_tensors(net, partial)  # non-strict with a key missing: DCP's path
+    load_model_state_dict(net, partial, strict=False)
+    with pytest.raises(RuntimeError, match="2.weight"):
+        load_model_state_dict(net, partial, strict=True)
+
+
+def test_load_hooks_and_own_load_methods_keep_dcps_path():
+    net = _net()
+    calls = []
+    handle = net[2].register_load_state_dict_post_hook(lambda module, keys: calls.append(module))
+    load_model_state_dict(net, model_state_dict(net), strict=True)
+    assert calls == [net[2]]
+    handle.remove()
+
+    class Custom(nn.Linear):
+        def _load_from_state_dict(self, state_dict, prefix, *args):
+            calls.append(prefix)
+            super()._load_from_state_dict(state_dict, prefix, *args)
+
+    custom = nn.Sequential(Custom(2, 2))
+    load_model_state_dict(custom, model_state_dict(custom), strict=True)
+    assert calls[-1] == "0."
+
+
+def test_optimizer_state_applied_as_dcps_set_optimizer_state_dict_applies_it():
+    net = _net()
+    net[2].bias.requires_grad_(False)  # DCP drops the state of parameters that need no grad
+    optimizer = _trained(net)
+    model_state_dict(net)  # what a restore's target is built from first
+    twin_net = copy.deepcopy(net)
+    twin = torch.optim.AdamW(
+        [{"params": list(twin_net[0].parameters())}, {"params": list(twin_net[1:].parameters()), "lr": 0.5}]
+    )
+    twin.load_state_dict(optimizer.state_dict())
+    saved = copy.deepcopy(optimizer_state_dict(net, optimizer))
+    for values in saved["state"].values():
+        values["exp_avg"].mul_(7)
+    saved["param_groups"][1]["lr"] = 0.125
+    saved["state"]["2.bias"] = copy.deepcopy(saved["state"]["2.weight"])
+
+    assert module_state._split_by_fqn(net, optimizer, saved) is not None  # the shortcut applies
+    load_optimizer_state_dict(net, optimizer, copy.deepcopy(saved))
+    set_optimizer_state_dict(twin_net, twin, copy.deepcopy(saved), options=StateDictOptions())
+    _assert_same(optimizer.state_dict(), twin.state_dict())
+    assert optimizer.param_groups[1]["lr"] == 0.125 and optimizer.param_groups[1]["params"][0] is net[1].weight
+
+    missing = copy.deepcopy(saved)
+    del missing["state"]["0.weight"]
+    assert module_state._split_by_fqn(net, optimizer, missing) is None
+    with pytest.raises(RuntimeError, match="0.weight"):  # DCP's error for it
+        load_optimizer_state_dict(net, optimizer, missing)
+
+
+def test_set_backed_members_answer_in_as_the_list_does():
+    members = module_state._Members(["a.weight", "b.bias"])
+    assert "a.weight" in members and "c" not in members and [] not in members
+    assert members == ["a.weight", "b.bias"] and "b.bias" in copy.deepcopy(members)
+
+
+def test_full_state_dicts_still_go_through_dcp():
+    net = _net()
+    full = {k: v.clone() + 2 for k, v in net.state_dict().items()}
+    set_model_state_dict(net, full, options=StateDictOptions(full_state_dict=True))
+    _assert_same(net.state_dict(), full)

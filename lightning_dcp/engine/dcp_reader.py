@@ -174,7 +174,7 @@ class _VerifyingReader:
                 if sizes is not None:
                     dtype = meta.properties.dtype
                     full, begin, end, prefix, suffix = _frame(dtype, sizes)
-                    if length == full and record[:begin] == prefix and record[end:] == suffix:
+                    if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
                         target = resolve(item).detach()
                         if (
                             target.dtype == dtype

@@ -21,12 +21,12 @@ from typing import Any, Literal
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.blob import load_stock_file
 from lightning_dcp.engine.integrity import check_checkpoint
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
+from lightning_dcp.engine.planning import flatten
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
@@ -196,7 +196,7 @@ def fit_target(
                 " (`configure_optimizers`). Resume with the same optimizers, or load only the model weights"
                 " (`lightning_dcp.load_model_weights`).",
             )
-    flat, _ = flatten_state_dict(target)
+    flat, _ = flatten(target)  # DCP's flat keys, in one pass
     model_prefix = model_key + "."
 
     def excluded(key: str) -> bool:

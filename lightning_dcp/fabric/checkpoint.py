@@ -39,6 +39,7 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
@@ -251,10 +252,10 @@ def _load_dict(
             url, target=targets.tree, strict=False, collective=True, only=only, weights_only=weights_only
         )
         tree = loaded.tree
-    for key, module in targets.modules.items():
-        set_model_state_dict(module, tree[key], options=StateDictOptions(strict=False))
+    for key, module in targets.modules.items():  # filled in place: DCP's set_* where they do more than copy
+        load_model_state_dict(module, tree[key], strict=False)
     for key, (owner, optimizer) in targets.optimizers.items():
-        set_optimizer_state_dict(owner, optimizer, tree[key], options=StateDictOptions())
+        load_optimizer_state_dict(owner, optimizer, tree[key])
     remainder = objects
     for key, obj in list(state.items()):
         if key in targets.modules or key in targets.optimizers:

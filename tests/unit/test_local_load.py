@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
+
+import pytest
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
+from lightning_dcp import CorruptCheckpointError
 from lightning_dcp.engine import planning
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dcp_reader import storage_reader
@@ -50,3 +55,36 @@ def test_fast_local_plan_equals_dcps_for_whole_chunked_partial_and_blob_entries(
     Checkpointer().load(path, target=target, strict=False, only=["state_dict"])
     for key, value in tree["state_dict"].items():
         assert torch.equal(target["state_dict"][key], value), key
+
+
+def test_runs_of_small_records_load_bit_equal_and_any_damaged_byte_fails_naming_the_file(tmp_path):
+    torch.manual_seed(1)
+    tree = {"state_dict": {f"l{i}.{p}": torch.randn(3 + i % 5, 4) for i in range(120) for p in ("w", "b")}}
+    tree["state_dict"]["steps"] = torch.arange(7, dtype=torch.int64)
+    path = str(tmp_path / "c.ckpt")
+    Checkpointer().save(tree, path, objects={"k": 1})
+
+    def load() -> dict:
+        target = {"state_dict": {k: torch.full_like(v, -1) for k, v in tree["state_dict"].items()}}
+        Checkpointer().load(path, target=target, only=["state_dict"])
+        return target["state_dict"]
+
+    loaded = load()  # many records, read in runs with one call each
+    assert all(torch.equal(loaded[k], v) and loaded[k].dtype == v.dtype for k, v in tree["state_dict"].items())
+    commit = json.loads((tmp_path / "c.ckpt" / ".commit").read_text())
+    name, entry = max(commit["files"].items(), key=lambda e: len(e[1]["records"]))
+    records = sorted(entry["records"])
+    offset, length, _ = records[len(records) // 2]  # a record inside a run
+    for position in (offset + 3, offset + length // 2, offset + length - 5):  # its framing, data, directory
+        with open(os.path.join(path, name), "r+b") as f:
+            f.seek(position)
+            byte = f.read(1)
+            f.seek(position)
+            f.write(bytes([byte[0] ^ 0x20]))
+            f.flush()
+            with pytest.raises(CorruptCheckpointError, match=name):
+                load()
+            f.seek(position)
+            f.write(byte)
+    loaded = load()
+    assert all(torch.equal(loaded[k], v) for k, v in tree["state_dict"].items())

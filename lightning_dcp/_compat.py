@@ -157,6 +157,23 @@ def unwrap_checkpoint_io(checkpoint_io: object) -> object:
     return checkpoint_io
 
 
+_PLAIN_STATE_LOADERS = (
+    torch.nn.Module._load_from_state_dict,
+    torch.nn.modules.batchnorm._NormBase._load_from_state_dict,
+    torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict,
+)
+
+
+def loads_only_own_keys(module: torch.nn.Module) -> bool:
+    """Whether ``module.load_state_dict`` does nothing but copy its own keys (no load hooks, a stock loader).
+
+    Reads ``torch.nn.Module``'s private loader and hook registries (torch 2.x names).
+    """
+    if module._load_state_dict_pre_hooks or module._load_state_dict_post_hooks:
+        return False
+    return type(module)._load_from_state_dict in _PLAIN_STATE_LOADERS
+
+
 def storage_type_name(dtype: torch.dtype) -> str:
     """The legacy storage class name ``torch.save`` records for ``dtype`` (``torch.float32`` -> ``"FloatStorage"``)."""
     return torch.storage._dtype_to_storage_type_map()[dtype]

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_dcp._compat import ShardedTensor
+from lightning_dcp._compat import ShardedTensor, loads_only_own_keys
 
 __all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
 
@@ -110,13 +110,6 @@ def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Op
         optimizer.load_state_dict(split)
 
 
-_LOADS_OWN_KEYS = {
-    torch.nn.Module._load_from_state_dict,
-    torch.nn.modules.batchnorm._NormBase._load_from_state_dict,
-    torch.nn.modules.instancenorm._InstanceNorm._load_from_state_dict,
-}
-
-
 def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
     """Whether loading ``state`` into ``module`` would only copy each of the module's tensors onto itself."""
     keys = _MODELS.get(module)
@@ -124,11 +117,8 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
         return False
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
         return False
-    for m in module.modules():
-        if m._load_state_dict_pre_hooks or m._load_state_dict_post_hooks:
-            return False
-        if type(m)._load_from_state_dict not in _LOADS_OWN_KEYS:
-            return False
+    if not all(loads_only_own_keys(m) for m in module.modules()):
+        return False
     current = module.state_dict()
     if tuple(current) != keys:
         return False

@@ -263,8 +263,8 @@ def main(argv: list[str] | None = None) -> int:
     missing = _missing()
     if missing:
         print(
-            f"bench_flash_peers: skipped, {' and '.join(missing)} not importable. Install them in a separate "
-            "environment (pip install dlrover grpcio, torch pinned), never in the project's."
+            f"bench_flash_peers: skipped, {' and '.join(missing)} not importable. Install dlrover and grpcio in a "
+            "separate environment (torch pinned), never in the project's (see benchmarks/README.md)."
         )
         return 0
     area = f"/dev/shm/lightning_dcp-peers-{uuid.uuid4().hex[:8]}"

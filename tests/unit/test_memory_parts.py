@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import os
 
+import torch
+
+from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.marker import encode_commit
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers import memory_io
+from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete
 
 
@@ -54,3 +60,35 @@ def test_a_torn_part_is_not_listed_and_an_evicted_one_becomes_a_free_slot(tmp_pa
     staging = store.staging("s3", 0, "abc")
     store.take_slot(staging)  # the next save reuses the slot's files (and their pages)
     assert os.stat(os.path.join(staging, "__0_0.distcp")).st_ino == inode and store.free_slots() == []
+
+
+def _mixed(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "state_dict": {
+            "odd": torch.randint(-100, 100, (7,), dtype=torch.int8, generator=g),  # 7 bytes: the next record's offset
+            "bf16": torch.randn(33, 5, generator=g).to(torch.bfloat16),
+            "f16": torch.randn(3, 1000, generator=g).to(torch.float16),
+            "i64": torch.randint(0, 1 << 40, (300,), generator=g),
+            "mask": torch.rand(129, generator=g) > 0.5,
+            "scalar": torch.tensor(float(seed)),
+            "empty": torch.empty(0, 4),
+            "big": torch.randn(700, 1024, generator=g),  # several 1 MiB pieces, the last one partial
+        }
+    }
+
+
+def test_a_memory_save_copies_every_dtype_exactly_and_reuses_its_slot(tmp_path):
+    tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0)
+    checkpointer = Checkpointer(memory=tier)
+    memory_io.bind(checkpointer, Location(str(tmp_path / "durable")))
+    for seed in (1, 2, 3):  # the third save overwrites the first one's files through the free slot
+        with checkpointer.into_memory():
+            checkpointer.save(_mixed(seed), str(tmp_path / "durable" / f"s{seed}"), objects={"seed": seed}, step=seed)
+        target = {"state_dict": {k: torch.empty_like(v) for k, v in _mixed(0)["state_dict"].items()}}
+        loaded = checkpointer.load(str(tmp_path / "shm" / "last"), target=target)
+        assert loaded.tier == "memory" and loaded.objects["seed"] == seed
+        for key, value in _mixed(seed)["state_dict"].items():
+            assert target["state_dict"][key].dtype == value.dtype and torch.equal(target["state_dict"][key], value), key
+    assert [p.name for p in tier.store.parts()] == ["s3"] and len(tier.store.free_slots()) == 1
+    checkpointer.close()

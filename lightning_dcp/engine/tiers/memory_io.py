@@ -120,9 +120,9 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
             return loaded
         failures.append((name, failures_seen[0]))
     target = directory.child("last") if directory is not None else location
+    _warn(failures, target.url)  # before the fallback, which may raise (nothing durable): the reason stays visible
     loaded = checkpointer.load_candidates(target, collective=collective, **options)
     loaded.tier = "durable"
-    _warn(failures, loaded.url)
     return loaded
 
 

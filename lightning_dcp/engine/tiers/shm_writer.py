@@ -41,7 +41,7 @@ from lightning_dcp.engine.records import cpu_contiguous, tensor_record
 __all__ = ["Mappings", "ShmWriter", "data_file"]
 
 _ALIGN = 64
-_PIECE = 8 << 20  # copied then hashed while in the cache (L2/L3)
+_PIECE = 1 << 20  # copied then hashed while in L2 (1-2 MiB pieces measured fastest)
 _ROOM = 4 << 20  # spare room for the objects to grow without a new mapping
 _GRANULE = 1 << 20
 
@@ -219,7 +219,11 @@ def _layout(items: list[WriteItem], planner: SavePlanner) -> tuple[list[_Slot], 
 
 
 def _write_record(view: memoryview, target: torch.Tensor | None, slot: _Slot) -> int:
-    """Copy one record into the mapping at its offset, hashing each piece right after it is copied."""
+    """Copy one record into the mapping at its offset, hashing each piece right after it is copied.
+
+    The elements are copied in their own dtype (the record's data is 64-byte aligned): a byte-wise ``copy_`` runs
+    ~1.3x slower here. Pieces of :data:`_PIECE` bytes stay in L2 between the copy and the hash.
+    """
     hasher = xxhash.xxh3_64()
     at = slot.offset
     if isinstance(slot.data, bytes):
@@ -229,12 +233,19 @@ def _write_record(view: memoryview, target: torch.Tensor | None, slot: _Slot) ->
     view[at : at + len(slot.prefix)] = slot.prefix
     hasher.update(slot.prefix)
     at += len(slot.prefix)
-    source = slot.data.reshape(-1).view(torch.uint8) if slot.data.numel() else None
-    nbytes = 0 if source is None else source.numel()
-    for begin in range(0, nbytes, _PIECE):
-        end = min(begin + _PIECE, nbytes)
-        target[at + begin : at + end].copy_(source[begin:end])
-        hasher.update(view[at + begin : at + end])
+    tensor = slot.data
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes:
+        size = tensor.element_size()
+        if at % size == 0 and not tensor.is_quantized:
+            source, dest = tensor.reshape(-1), target[at : at + nbytes].view(tensor.dtype)
+        else:
+            source, dest, size = tensor.reshape(-1).view(torch.uint8), target[at : at + nbytes], 1
+        count, step = source.numel(), max(1, _PIECE // size)
+        for begin in range(0, count, step):
+            end = min(begin + step, count)
+            dest[begin:end].copy_(source[begin:end])
+            hasher.update(view[at + begin * size : at + end * size])
     at += nbytes
     view[at : at + len(slot.suffix)] = slot.suffix
     hasher.update(slot.suffix)

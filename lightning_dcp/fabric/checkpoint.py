@@ -39,9 +39,11 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers import memory_io, recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
     LOADERS_INFO,
@@ -131,6 +133,11 @@ def load_state(
     """
     weights_only = True if weights_only is None else weights_only
     checkpointer.wait(collective=True)  # a background save to this path must land before it is probed
+    location = checkpointer.location(path)
+    if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
+        memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
+    if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
+        return _load_newest(checkpointer, path, state, strict=strict, weights_only=weights_only)
     found = on_rank0(True, lambda: probe(checkpointer.location(path)))
     if found.kind == "file":
         return _load_file(checkpointer.location(found.url), state, strict=strict, weights_only=weights_only)
@@ -161,6 +168,33 @@ def load_state(
             remainder[key] = value
     _restore_rng(head)
     return remainder
+
+
+def _load_newest(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool,
+    weights_only: bool,
+) -> dict[str, Any]:
+    """``path`` designates the newest checkpoint across the memory tier and its durable directory: load that one.
+
+    The engine picks it (:func:`~lightning_dcp.engine.tiers.memory_io.load_newest`, reading no tensor); a
+    durable one is then loaded by its URL, a memory one from the whole copy assembled in each node's area
+    (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), which is removed afterwards. Collective.
+    """
+    head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
+    if head.tier != "memory":
+        return load_state(checkpointer, head.url, state, strict=strict, weights_only=weights_only)
+    memory, name = checkpointer.memory, Location(head.url).name
+    ident = next(ident for _, n, ident in recovery.restorable(memory) if n == name)
+    into = recovery.assemble(memory, name, ident)
+    try:
+        shared = recovery.shared_path(memory, into)
+        return load_state(checkpointer, shared, state, strict=strict, weights_only=weights_only)
+    finally:
+        recovery.release(memory, into)
 
 
 def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str]) -> dict[str, Any]:

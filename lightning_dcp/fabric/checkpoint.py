@@ -123,6 +123,9 @@ def load_state(
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` as ``Strategy.load_checkpoint`` does (see this module's docstring).
 
+    With a memory tier, a ``last`` path of a directory (and the tier's ``memory_dir/last``) loads the newest committed
+    checkpoint across memory, the peers' replicas and that directory, which becomes the one the tier persists into.
+
     Collective: call on all ranks with the same ``path``.
 
     Raises:
@@ -138,6 +141,18 @@ def load_state(
         memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
     if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
         return _load_newest(checkpointer, path, state, strict=strict, weights_only=weights_only)
+    return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
+
+
+def _load_one(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool,
+    weights_only: bool,
+) -> dict[str, Any]:
+    """:func:`load_state` of the one checkpoint (or file) at ``path``. Collective."""
     found = on_rank0(True, lambda: probe(checkpointer.location(path)))
     if found.kind == "file":
         return _load_file(checkpointer.location(found.url), state, strict=strict, weights_only=weights_only)
@@ -186,13 +201,15 @@ def _load_newest(
     """
     head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
     if head.tier != "memory":
-        return load_state(checkpointer, head.url, state, strict=strict, weights_only=weights_only)
+        return _load_one(checkpointer, head.url, state, strict=strict, weights_only=weights_only)
     memory, name = checkpointer.memory, Location(head.url).name
-    ident = next(ident for _, n, ident in recovery.restorable(memory) if n == name)
+    ident = next((ident for _, n, ident in recovery.restorable(memory) if n == name), None)
+    if ident is None:
+        raise CheckpointError(f"The memory tier lost {name!r} while it was being loaded; load {path!r} again.")
     into = recovery.assemble(memory, name, ident)
     try:
         shared = recovery.shared_path(memory, into)
-        return load_state(checkpointer, shared, state, strict=strict, weights_only=weights_only)
+        return _load_one(checkpointer, shared, state, strict=strict, weights_only=weights_only)
     finally:
         recovery.release(memory, into)
 

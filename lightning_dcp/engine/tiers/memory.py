@@ -86,6 +86,7 @@ class _InFlight:
         self.finished = threading.Event()
         self.error: BaseException | None = None
         self.versions: list[tuple[str, torch.Tensor, int]] = []
+        self.thread: threading.Thread | None = None
 
     def on_copied(self) -> None:
         for fqn, source, version in self.versions:
@@ -262,6 +263,7 @@ class MemoryTier:
             name="lightning_dcp-memory",
             daemon=True,
         )
+        inflight.thread = thread
         thread.start()
 
     def _persist_due(self) -> bool:
@@ -393,6 +395,7 @@ class MemoryTier:
         if inflight is None:
             return
         inflight.finished.wait()
+        inflight.thread.join()  # its frames, which hold the tier's group, are gone before anyone destroys it
         if inflight.error is not None:
             raise checkpoint_failure(
                 inflight.error, f"The memory-tier save of {inflight.name!r} failed in the background"

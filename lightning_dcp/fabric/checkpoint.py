@@ -21,7 +21,8 @@ restripes the epoch's rest itself; any other loader is refused (:func:`lightning
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -140,7 +141,8 @@ def load_state(
     if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
         memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
     if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
-        return _load_newest(checkpointer, path, state, strict=strict, weights_only=weights_only)
+        with _newest(checkpointer, path, weights_only=weights_only) as newest:
+            return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
     return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
 
 
@@ -185,31 +187,25 @@ def _load_one(
     return remainder
 
 
-def _load_newest(
-    checkpointer: Checkpointer,
-    path: str,
-    state: Module | Optimizer | dict[str, Any] | None,
-    *,
-    strict: bool,
-    weights_only: bool,
-) -> dict[str, Any]:
-    """``path`` designates the newest checkpoint across the memory tier and its durable directory: load that one.
+@contextlib.contextmanager
+def _newest(checkpointer: Checkpointer, path: str, *, weights_only: bool) -> Iterator[str]:
+    """``path`` designates the newest checkpoint across the memory tier and its durable directory: where it is.
 
-    The engine picks it (:func:`~lightning_dcp.engine.tiers.memory_io.load_newest`, reading no tensor); a
-    durable one is then loaded by its URL, a memory one from the whole copy assembled in each node's area
-    (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), which is removed afterwards. Collective.
+    The engine picks it (:func:`~lightning_dcp.engine.tiers.memory_io.load_newest`, reading no tensor): a durable
+    one is given by its URL, a memory one as the whole copy assembled in each node's area
+    (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), removed on leaving the context. Collective.
     """
     head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
     if head.tier != "memory":
-        return _load_one(checkpointer, head.url, state, strict=strict, weights_only=weights_only)
+        yield head.url
+        return
     memory, name = checkpointer.memory, Location(head.url).name
     ident = next((ident for _, n, ident in recovery.restorable(memory) if n == name), None)
     if ident is None:
         raise CheckpointError(f"The memory tier lost {name!r} while it was being loaded; load {path!r} again.")
     into = recovery.assemble(memory, name, ident)
     try:
-        shared = recovery.shared_path(memory, into)
-        return _load_one(checkpointer, shared, state, strict=strict, weights_only=weights_only)
+        yield recovery.shared_path(memory, into)
     finally:
         recovery.release(memory, into)
 

@@ -9,7 +9,8 @@ tensors of 128 MiB (replicated, as DDP: each rank writes half). Measured through
 - ``disk_sync``: a synchronous save of the same state to ``--disk`` (local disk, fsync);
 - ``recover_memory``: fresh processes load ``last`` from memory; ``recover_replica``: the same after node 1's area is
   wiped (its part comes from node 0's replica); ``recover_local``: from the checkpoint persisted to ``--disk``
-  (page cache dropped where permitted). Not measured yet: recovery from S3.
+  (page cache dropped where permitted); ``recover_s3``: the same checkpoint persisted to S3 (SeaweedFS on loopback,
+  started by the benchmark; ``--no-s3`` or no ``weed`` binary: skipped), both memory areas gone.
 
 ``python -m benchmarks.bench_memory --gib 1 --repeats 5``; prints one JSON object.
 """
@@ -64,7 +65,7 @@ def _median_stall(checkpointer: Checkpointer, tree: dict, path: str, repeats: in
     return statistics.median(stalls)
 
 
-def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str) -> None:
+def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, s3: tuple | None) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tree = _tree(gib)
@@ -87,6 +88,10 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str) 
     result["memory_async"] = _median_stall(checkpointer, tree, f"{base}/disk/mem", repeats, memory=True)
     result["disk_sync"] = _median_stall(Checkpointer(), tree, f"{base}/disk/plain", max(1, repeats // 2), memory=False)
     tier.persist(tier.saved[-1])  # the newest memory checkpoint, persisted to the disk tier
+    if s3 is not None:  # and to S3 (the remote tier, without `local_dir`)
+        memory_io.bind(checkpointer, Location(s3[0], storage_options=s3[1]))
+        tier.saved[-1].persisted = False
+        tier.persist(tier.saved[-1])
     checkpointer.close()
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -95,11 +100,11 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str) 
             json.dump(gathered, f)
 
 
-def _recover(rank: int, world: int, base: str, gib: float, path: str, out: str) -> None:
+def _recover(rank: int, world: int, base: str, gib: float, path: str, out: str, options: dict | None = None) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tier = MemoryTier(f"{base}/shm{rank}")
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(memory=tier, storage_options=options)
     memory_io.bind(checkpointer, Location(f"{base}/disk/mem"))
     target = _target(gib)
     dist.barrier()
@@ -120,19 +125,32 @@ def _drop_caches() -> None:
         pass
 
 
+def _s3_server(workdir: str, *, skip: bool) -> tuple:
+    """A SeaweedFS server on loopback and ``(bucket URL, storage options)``; ``(None, None)`` when skipped."""
+    from tests._s3 import S3Server, weed_binary
+
+    if skip or weed_binary() is None:
+        return None, None
+    server = S3Server(os.path.join(workdir, "s3"))
+    server.start()
+    return server, (f"s3://{server.new_bucket()}/mem", server.storage_options())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--disk", default=None, help="directory on a local disk (default: a temporary one)")
+    parser.add_argument("--no-s3", action="store_true", help="skip the recovery from S3 (SeaweedFS on loopback)")
     args = parser.parse_args(argv)
     base = f"/dev/shm/lightning_dcp-bench-{uuid.uuid4().hex[:8]}"
     disk = args.disk or tempfile.mkdtemp(prefix="lightning_dcp-bench-")
     os.makedirs(base)
     os.symlink(disk, f"{base}/disk")
     out = f"{disk}/result.json"
+    server, s3 = _s3_server(disk, skip=args.no_s3)
     try:
-        spawn(_save, 2, base, args.gib, args.repeats, out, timeout=1800)
+        spawn(_save, 2, base, args.gib, args.repeats, out, s3, timeout=1800)
         with open(out) as f:
             ranks = json.load(f)
         report = {k: max(r[k] for r in ranks) for k in ranks[0] if isinstance(ranks[0][k], float)}
@@ -152,11 +170,19 @@ def main(argv: list[str] | None = None) -> int:
         spawn(_recover, 2, base, args.gib, f"{base}/disk/mem/{persisted}", out, timeout=1800)
         with open(out) as f:
             report["recover_local"] = json.load(f)
+        report["recover_s3"] = None
+        if s3 is not None:
+            _drop_caches()  # the server's files too
+            spawn(_recover, 2, base, args.gib, f"{s3[0]}/{persisted}", out, s3[1], timeout=1800)
+            with open(out) as f:
+                report["recover_s3"] = json.load(f)
         report["gib"] = args.gib
         report["sync_vs_memcpy"] = report["memory_sync"] / report["memcpy"]
         report["async_vs_disk_sync"] = report["memory_async"] / report["disk_sync"]
         print(json.dumps(report, indent=1))
     finally:
+        if server is not None:
+            server.stop()
         shutil.rmtree(base, ignore_errors=True)
         if args.disk is None:
             shutil.rmtree(disk, ignore_errors=True)

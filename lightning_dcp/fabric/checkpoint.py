@@ -21,7 +21,8 @@ restripes the epoch's rest itself; any other loader is refused (:func:`lightning
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -39,10 +40,12 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers import memory_io, recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
     LOADERS_INFO,
@@ -122,6 +125,9 @@ def load_state(
 ) -> dict[str, Any]:
     """Load the checkpoint at ``path`` as ``Strategy.load_checkpoint`` does (see this module's docstring).
 
+    With a memory tier, a ``last`` path of a directory (and the tier's ``memory_dir/last``) loads the newest committed
+    checkpoint across memory, the peers' replicas and that directory, which becomes the one the tier persists into.
+
     Collective: call on all ranks with the same ``path``.
 
     Raises:
@@ -132,6 +138,24 @@ def load_state(
     """
     weights_only = True if weights_only is None else weights_only
     checkpointer.wait(collective=True)  # a background save to this path must land before it is probed
+    location = checkpointer.location(path)
+    if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
+        memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
+    if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
+        with _newest(checkpointer, path, weights_only=weights_only) as newest:
+            return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
+    return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
+
+
+def _load_one(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool,
+    weights_only: bool,
+) -> dict[str, Any]:
+    """:func:`load_state` of the one checkpoint (or file) at ``path``. Collective."""
     found = on_rank0(True, lambda: probe(checkpointer.location(path)))
     if found.kind == "file":
         return _load_file(checkpointer.location(found.url), state, strict=strict, weights_only=weights_only)
@@ -162,6 +186,29 @@ def load_state(
             remainder[key] = value
     _restore_rng(head)
     return remainder
+
+
+@contextlib.contextmanager
+def _newest(checkpointer: Checkpointer, path: str, *, weights_only: bool) -> Iterator[str]:
+    """``path`` designates the newest checkpoint across the memory tier and its durable directory: where it is.
+
+    The engine picks it (:func:`~lightning_dcp.engine.tiers.memory_io.load_newest`, reading no tensor): a durable
+    one is given by its URL, a memory one as the whole copy assembled in each node's area
+    (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), removed on leaving the context. Collective.
+    """
+    head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
+    if head.tier != "memory":
+        yield head.url
+        return
+    memory, name = checkpointer.memory, Location(head.url).name
+    ident = next((ident for _, n, ident in recovery.restorable(memory) if n == name), None)
+    if ident is None:
+        raise CheckpointError(f"The memory tier lost {name!r} while it was being loaded; load {path!r} again.")
+    into = recovery.assemble(memory, name, ident)
+    try:
+        yield recovery.shared_path(memory, into)
+    finally:
+        recovery.release(memory, into)
 
 
 def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str]) -> dict[str, Any]:

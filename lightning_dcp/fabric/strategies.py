@@ -5,7 +5,9 @@
 committed only once every rank finished (optionally in the background), every record is checksummed, any fsspec
 storage works, and loads reshard to the current world size and across these strategies. Importing ``lightning_dcp``
 registers ``"dcp_single_device"``, ``"dcp_ddp"``, ``"dcp_fsdp"`` and ``"dcp_model_parallel"`` in Fabric's strategy
-registry, so ``Fabric(strategy="dcp_ddp")`` works.
+registry, so ``Fabric(strategy="dcp_ddp")`` works. ``memory=MemoryTier(...)`` turns the memory tier on: every
+``fabric.save`` goes to host shared memory (replicated to peer nodes, every Mth persisted), and ``fabric.load`` of
+``last`` in the saves' directory takes the newest committed checkpoint across memory, replicas and the durable tiers.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 
 __all__ = [
@@ -59,6 +62,12 @@ class DCPStrategyMixin:
             copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
             copies; everything else is copied before it returns (see
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`). ``False`` copies everything before returning.
+        memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): every ``fabric.save(path,
+            state)`` then saves into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in
+            the background unless the tier's ``async_save=False``), and every ``persist_every``-th into ``path``
+            itself. ``fabric.load(dir + "/last", state)`` (``dir`` the directory of the saves), or of the tier's
+            ``memory_dir + "/last"``, loads the newest committed checkpoint across memory, peers' replicas and
+            ``dir``. The tier leaves its process group at interpreter exit (or :meth:`teardown`).
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -73,6 +82,7 @@ class DCPStrategyMixin:
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = True,
+        memory: MemoryTier | None = None,
         **kwargs: Any,
     ) -> None:
         self._refuse_plugin(kwargs.pop("checkpoint_io", None))
@@ -82,6 +92,7 @@ class DCPStrategyMixin:
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
+            memory=memory,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
         super().__init__(*args, **kwargs)
@@ -116,7 +127,8 @@ class DCPStrategyMixin:
         Modules and optimizers become FQN-keyed state dicts (``get_model_state_dict`` /
         ``get_optimizer_state_dict``), tensors become DCP entries written by every rank, the other values go into
         one blob written by rank 0, and each rank adds its RNG states. The directory is committed once every rank
-        finished; an existing checkpoint at ``path`` is replaced only then.
+        finished; an existing checkpoint at ``path`` is replaced only then. With a memory tier (``memory=``) the
+        checkpoint goes to host shared memory under ``path``'s name, and to ``path`` when it is persisted.
 
         Args:
             path: Target directory, a local path or fsspec URL; rank 0's value is used on every rank.
@@ -129,14 +141,15 @@ class DCPStrategyMixin:
         Raises:
             CheckpointError: Writing failed on some rank (nothing was committed).
         """
-        save_state(
-            self.checkpointer,
-            self.broadcast(os.fspath(path)),
-            state,
-            filters=filter,
-            info={"strategy": type(self).__name__},
-            storage_options=storage_options,
-        )
+        with self.checkpointer.into_memory():  # a no-op without a memory tier
+            save_state(
+                self.checkpointer,
+                self.broadcast(os.fspath(path)),
+                state,
+                filters=filter,
+                info={"strategy": type(self).__name__},
+                storage_options=storage_options,
+            )
 
     # ----------------------------------------------------------------------------------------------- load
     def load_checkpoint(

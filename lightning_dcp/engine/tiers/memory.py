@@ -16,15 +16,19 @@ A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these step
    (:mod:`~lightning_dcp.engine.tiers.persist`).
 
 At most one save is in flight; the next save, :meth:`wait`, a load and :meth:`close` wait for it and raise its error.
+:meth:`close` (the strategy's teardown, or at interpreter exit) then leaves the tier's gloo group in a defined order
+(:func:`~lightning_dcp.engine.tiers.nodes.leave`).
 Restores are in :mod:`~lightning_dcp.engine.tiers.recovery`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +43,7 @@ from lightning_dcp.engine.dcp_io import save_planner
 from lightning_dcp.engine.localfs import new_token, remove_path
 from lightning_dcp.engine.marker import parse_commit
 from lightning_dcp.engine.staging import StagingRaceError
-from lightning_dcp.engine.tiers.nodes import Topology, discover, single_process
+from lightning_dcp.engine.tiers.nodes import Topology, discover, leave, single_process
 from lightning_dcp.engine.tiers.parts import Part, PartStore, identity
 from lightning_dcp.engine.tiers.replication import replicate
 from lightning_dcp.engine.tiers.shm_writer import Mappings, ShmWriter
@@ -82,6 +86,7 @@ class _InFlight:
         self.finished = threading.Event()
         self.error: BaseException | None = None
         self.versions: list[tuple[str, torch.Tensor, int]] = []
+        self.thread: threading.Thread | None = None
 
     def on_copied(self) -> None:
         for fqn, source, version in self.versions:
@@ -182,6 +187,7 @@ class MemoryTier:
         if distributed:
             self.group = dist.new_group(backend="gloo")
             self.topology = discover(self.memory_dir, group=self.group)
+            atexit.register(_close_at_exit, weakref.ref(self))
         else:
             self.topology = single_process()
         if self.topology.leader:
@@ -257,6 +263,7 @@ class MemoryTier:
             name="lightning_dcp-memory",
             daemon=True,
         )
+        inflight.thread = thread
         thread.start()
 
     def _persist_due(self) -> bool:
@@ -388,14 +395,31 @@ class MemoryTier:
         if inflight is None:
             return
         inflight.finished.wait()
+        inflight.thread.join()  # its frames, which hold the tier's group, are gone before anyone destroys it
         if inflight.error is not None:
             raise checkpoint_failure(
                 inflight.error, f"The memory-tier save of {inflight.name!r} failed in the background"
             ) from None
 
     def close(self) -> None:
-        """Wait for the save in flight, then unmap the files (they stay in the area). Raises like :meth:`wait`."""
+        """Wait for the save in flight, unmap the files (they stay in the area), then leave the tier's group.
+
+        Collective: call on all ranks (a later save joins a new group). Raises like :meth:`wait`.
+        """
         try:
             self.wait()
         finally:
             self.mappings.close()
+            group, self.group, self.topology = self.group, None, None
+            leave(group)
+
+
+def _close_at_exit(ref: weakref.ref) -> None:
+    """At interpreter exit, close a tier nobody closed (Fabric never tears its strategy down)."""
+    tier = ref()
+    if tier is None or tier.group is None:
+        return
+    try:
+        tier.close()
+    except Exception as err:
+        log.warning("lightning_dcp: closing the memory tier at exit: %s", err)

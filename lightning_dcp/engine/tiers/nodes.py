@@ -4,17 +4,23 @@ A node here is what can lose its memory as a whole: the ranks of one machine, wh
 Ranks name their area (host name and resolved path of the memory directory), every rank gathers every rank's
 answer, and nodes are numbered in the order of their lowest global rank. Simulated nodes on one machine (each with
 its own memory directory) are nodes like any other.
+
+The tier's gloo group is left with :func:`leave` before the interpreter exits.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import logging
 import os
 import socket
 
 import torch.distributed as dist
 
-__all__ = ["Topology", "discover", "single_process"]
+__all__ = ["Topology", "discover", "leave", "single_process"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,3 +90,28 @@ def discover(memory_dir: str, *, group: dist.ProcessGroup | None) -> Topology:
 def single_process() -> Topology:
     """The topology of a run without a process group: one node of one rank."""
     return Topology(rank=0, world_size=1, node=0, ranks=((0,),))
+
+
+def leave(group: dist.ProcessGroup | None, *, timeout: float = 60.0) -> None:
+    """Leave the tier's gloo group in a defined order: a barrier of every rank (at most ``timeout`` s), then destroy it.
+
+    Gloo's worker threads keep each finished collective until they drop it, and dropping one whose tensors Python
+    created (``all_gather_object``, ``broadcast_object_list``) takes the GIL. A thread that does so while the
+    interpreter finalizes is ended in the middle of a destructor and the process aborts ("terminate called without an
+    active exception", SIGABRT), after a run that finished correctly. Destroying the group while the interpreter is
+    alive joins those threads first (the caller drops its last reference to ``group`` right after). The barrier makes
+    sure no peer still waits for a message of this rank when its connections close; a peer that left or does not
+    arrive in time is logged, not raised.
+
+    Collective: call on all ranks of ``group`` (a rank that does not come delays the others by ``timeout``).
+    """
+    if group is None or not dist.is_available() or not dist.is_initialized():
+        return  # never joined, or destroyed with the default group
+    try:
+        dist.monitored_barrier(group=group, timeout=datetime.timedelta(seconds=timeout), wait_all_ranks=True)
+    except RuntimeError as err:
+        log.warning("lightning_dcp: leaving the memory tier's group without every peer: %s", err)
+    try:
+        dist.destroy_process_group(group)
+    except ValueError:  # already destroyed (with the default group)
+        pass

@@ -14,6 +14,7 @@ Every function is collective over the memory tier's group.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,7 +29,7 @@ from lightning_dcp.errors import CheckpointError
 if TYPE_CHECKING:
     from lightning_dcp.engine.tiers.memory import MemoryTier
 
-__all__ = ["assemble", "release", "restorable"]
+__all__ = ["assemble", "release", "restorable", "shared_path"]
 
 _SLIM = ("committed_at", "metadata", "order")
 
@@ -138,3 +139,23 @@ def release(tier: MemoryTier, directory: str) -> None:
     tier.gather(None)
     if tier.topology.leader:
         remove_path(directory)
+
+
+def shared_path(tier: MemoryTier, directory: str) -> str:
+    """``directory`` (this node's assembled copy), once checked to name a whole copy on every rank.
+
+    A front end that loads by one path for all ranks (rank 0's, as Fabric's load does) reads each node's own copy
+    when the copies have the same path on every machine (the same ``memory_dir`` everywhere), or rank 0's copy when
+    every rank runs on one machine (simulated nodes).
+
+    Raises:
+        CheckpointError: The ranks run on several machines with different paths of the memory area.
+    """
+    seen = tier.gather((socket.gethostname(), directory))
+    if len({path for _, path in seen}) > 1 and len({host for host, _ in seen}) > 1:
+        raise CheckpointError(
+            f"Loading from the memory tier by one path needs the same `memory_dir` on every machine; the ranks have"
+            f" {sorted({os.path.dirname(path) for _, path in seen})}. Give every node the same path (e.g."
+            " `/dev/shm/run1`)."
+        )
+    return directory

@@ -134,9 +134,9 @@ def replicate(
     sources = {f: os.path.join(own_dir, f) for f in files if os.path.exists(os.path.join(own_dir, f))}
     error = None
     try:
-        for transfer in transfers:  # the staging directory of each incoming part, then the transfers
-            if transfer.dst == topology.rank:
-                os.makedirs(staging[topology.node_of(transfer.src)], exist_ok=True)
+        for j in range(topology.nodes):  # the staging directory of each incoming part (even one this rank gets
+            if topology.node in topology.replica_nodes(j, replicas):  # nothing of: its leader commits it), then
+                os.makedirs(staging[j], exist_ok=True)  # the transfers
         mine = [t for t in transfers if topology.rank in (t.src, t.dst)]
         for source_node in range(topology.nodes):
             part = [t for t in mine if topology.node_of(t.src) == source_node]

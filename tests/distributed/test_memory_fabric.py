@@ -1,0 +1,60 @@
+"""Fabric with the memory tier, on 4 real gloo processes as 2 simulated nodes of 2 ranks (an area each under /dev/shm).
+
+``DCPDDPStrategy(memory=MemoryTier(...))`` is the one line: every ``fabric.save`` goes to memory, replicated to the
+other node, every 2nd persisted. Then node 1's area is wiped and the durable directory removed, and fresh processes
+``fabric.load(".../last", state)``: the newest checkpoint comes from node 0's area (node 1's part from its replica),
+with the exact weights and optimizer state (another world size from a replica: tests/distributed/test_memory_tier.py).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+from lightning_dcp import MemoryTier
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers.parts import PartStore
+from lightning_dcp.fabric import DCPDDPStrategy
+from tests._spawn import spawn
+from tests._trainer import assert_same, load_result, save_result
+from tests.distributed.test_fabric import _fabric, _full, _setup, _train
+from tests.distributed.test_memory_tier import base  # noqa: F401  (the fixture: a fresh directory under /dev/shm)
+
+
+def _save_worker(rank: int, world_size: int, root: str) -> None:
+    tier = MemoryTier(f"{root}/shm{rank // 2}", replicas=1, persist_every=2)
+    fabric = _fabric(world_size, DCPDDPStrategy(memory=tier))
+    model, optimizer = _setup(fabric)
+    for step in (2, 4, 6):
+        _train(fabric, model, optimizer, 2)
+        fabric.save(f"{root}/durable/step-{step}", {"model": model, "optimizer": optimizer, "step": step})
+    save_result(root, "saved", rank, _full(model, optimizer))
+    fabric.strategy.wait_for_save()
+    assert tier.topology.nodes == 2 and {"write", "replicate"} <= set(tier.timings)
+
+
+def _load_worker(rank: int, world_size: int, root: str) -> None:
+    fabric = _fabric(world_size, DCPDDPStrategy(memory=MemoryTier(f"{root}/shm{rank // 2}")))
+    model, optimizer = _setup(fabric, seed=99)  # other weights: everything must come from memory
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    assert fabric.load(f"{root}/durable/last", state) == {}
+    assert state["step"] == 6
+    assert_same(_full(model, optimizer), load_result(root, "saved"), "restored from memory")
+    _train(fabric, model, optimizer, 1)  # training goes on
+
+
+def test_fabric_saves_to_memory_and_restores_from_a_replica(base):  # noqa: F811
+    spawn(_save_worker, 4, base)
+    for node in range(2):  # each node: its own part and the other's replica of the newest save only
+        assert sorted((p.name, p.node) for p in PartStore(f"{base}/shm{node}").parts()) == [
+            ("step-6", 0),
+            ("step-6", 1),
+        ]
+    assert sorted(os.listdir(f"{base}/durable")) == ["step-4"]  # persist_every=2: the second save
+    assert Location(f"{base}/durable/step-4").is_committed()
+
+    shutil.rmtree(f"{base}/shm1")  # node 1 lost with its memory, and no durable copy of step 6 anywhere
+    shutil.rmtree(f"{base}/durable")
+    spawn(_load_worker, 4, base)  # node 1 (an empty area) gets its part from node 0's replica
+    assert not any(name.startswith(".load") for name in os.listdir(f"{base}/shm0"))  # assembled copies removed
+    assert_same(load_result(base, "saved", 3), load_result(base, "saved"), "the ranks' saved states")  # DDP: alike

@@ -19,8 +19,9 @@ values that are neither a module's nor an optimizer's), GPU tensors (copied into
 non-tensor state are copied before the call returns, the CPU ones in one batched copy. From a run's second save on,
 planning moves to the background thread too (its collectives run over the save's own group): the call flattens the
 state, makes those copies and records the version counter of every tensor it leaves live; the thread copies first
-the live tensors this rank wrote in the previous save (the plan of a run rarely changes), then plans, then copies
-whatever else its plan names, and checks every version. Safety net: every deferred copy checks the tensor's in-place
+the live tensors this rank wrote in the previous save (the plan of a run rarely changes) and lets optimizer steps go
+on, then plans, copies whatever else its plan names (none unless the plan changed) and checks every version. Safety
+net: every deferred copy checks the tensor's in-place
 version counter afterwards; a tensor that changed before its copy was made (weight clipping right after a save, by
 an in-place operation on the parameter) drops that save, which is never committed (no checkpoint mixes two steps,
 and the removals queued behind it do not run), with a warning naming it at the next call; that tensor is copied at
@@ -72,6 +73,7 @@ class _InFlight:
         self.removals: list[Location] = []
         self.error: BaseException | None = None
         self.dropped: list[str] = []  # tensors that changed before their deferred copy: the save was dropped
+        self.dropped_outside_steps = True  # whether they changed outside optimizer steps (copied at the call since)
         self.finished = threading.Event()
         self.removed = threading.Event()  # the removals queued behind it are done too
         self.staged = threading.Event()
@@ -92,31 +94,38 @@ class _InFlight:
         self.finished.set()
         self.removed.set()
 
-    def run(self, stage: Callable[[], tuple[saving.PreparedSave, BaseException | None]]) -> None:
+    def release(self) -> None:
+        """The staging copies optimizer steps wait for are made: let them go (idempotent)."""
+        self.staged.set()
+        _GATE.release(self.staged)
+
+    def run(self, stage: Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]) -> None:
         """The background thread: ``stage()``, then write, finish, commit (rank 0), deferred removals.
 
-        ``stage`` plans the save if the call left that to this thread, makes the deferred staging copies and returns
-        the prepared save with this rank's staging error (``None`` when it has none).
+        ``stage(release)`` plans the save if the call left that to this thread, makes the deferred staging copies
+        (calling ``release`` once optimizer steps may go on, if before it returns) and returns the prepared save with
+        this rank's staging error (``None`` when it has none).
         """
         with saving.gc_paused():
             self._run(stage)
 
-    def _run(self, stage: Callable[[], tuple[saving.PreparedSave, BaseException | None]]) -> None:
+    def _run(self, stage: Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]) -> None:
         try:
-            prepared, staging_error = stage()
+            prepared, staging_error = stage(self.release)
         except BaseException as err:  # planning failed (on every rank alike): nothing to write
             self.fail(err)
             return
         finally:
-            self.staged.set()
-            _GATE.release(self.staged)
+            self.release()
         try:
             saving.write(prepared, error=staging_error)
         except BaseException as err:
             race = next(iter(getattr(err, "failures", {}).values()), None)
             if isinstance(race, StagingRaceError):  # dropped on every rank alike, with a warning: not an error
                 self.dropped = race.names
-                self.learn(race.names)
+                self.dropped_outside_steps = race.outside_steps
+                if race.outside_steps:
+                    self.learn(race.names)
             else:
                 self.error = err
             if self.rank == 0:
@@ -299,7 +308,7 @@ class AsyncSaves:
         if deferred:
             _GATE.hold(inflight.staged, inflight.add_step_wait)
 
-        def stage_now() -> tuple[saving.PreparedSave, BaseException | None]:
+        def stage_now(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None]:
             try:
                 Stager.finish(deferred)
             except Exception as err:
@@ -318,15 +327,15 @@ class AsyncSaves:
         planner: BalancedSavePlanner,
         group: dist.ProcessGroup | None,
         distributed: bool,
-    ) -> Callable[[], tuple[saving.PreparedSave, BaseException | None]]:
+    ) -> Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]:
         """Copy what may change before the next optimizer step now; return what the background thread runs first.
 
         The volatile tensors, those learned to change outside optimizer steps, GPU tensors and mutable non-tensor
         leaves are copied here (the CPU tensors in one batched copy); every other tensor stays live, its version
         counter recorded now. The background thread first copies the live tensors of ``last_items`` (what this rank
-        wrote last time, almost always what it writes now), then plans the save (collective over the save's own
-        group), copies the live tensors of its plan not copied yet and checks every version: a tensor changed after
-        this call drops the save.
+        wrote last time, almost always what it writes now) and lets optimizer steps go on, then plans the save
+        (collective over the save's own group), copies the live tensors of its plan not copied yet and checks every
+        version: a tensor changed after this call and before its copy drops the save.
         """
         at_call = self._at_call
         now = {_storage(t) for t in volatile}
@@ -340,15 +349,16 @@ class AsyncSaves:
         planner.use_flat(snapshot, mappings)
         self.last_deferred = list(versions)
 
-        def stage() -> tuple[saving.PreparedSave, BaseException | None]:
+        def stage(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None]:
             made: list[Deferred] = []
             if error is None:
                 try:
-                    made = Stager.copy(
-                        self.stager.stage_deferred(last_items, lambda i: _live(snapshot, i), versions)[1]
-                    )
+                    _, early = self.stager.stage_deferred(last_items, lambda i: _live(snapshot, i), versions)
+                    made = Stager.copy(early, check=True)
                 except Exception:  # e.g. out of memory: made again below, where a failure counts
                     made = []
+                if made:
+                    release()  # optimizer steps go on while the save is planned
             prepared = saving.prepare(snapshot, writer=writer, planner=planner, group=group, distributed=distributed)
             self._last_items = prepared.plan.items
             if error is not None:
@@ -356,7 +366,7 @@ class AsyncSaves:
             try:
                 staged, deferred = self.stager.stage_deferred(prepared.plan.items, planner.resolve_data, versions)
                 prepared.planner = _Staged(staged)
-                Stager.finish(deferred, made=made)
+                Stager.finish(deferred, made=made, held=not made)
             except Exception as err:
                 return prepared, err
             return prepared, None
@@ -364,7 +374,7 @@ class AsyncSaves:
         return stage
 
     @staticmethod
-    def _run(inflight: _InFlight, stage: Callable[[], tuple[saving.PreparedSave, BaseException | None]]) -> None:
+    def _run(inflight: _InFlight, stage: Callable[..., tuple[saving.PreparedSave, BaseException | None]]) -> None:
         thread = threading.Thread(target=inflight.run, args=(stage,), name="lightning_dcp-save")
         thread.daemon = True
         thread.start()
@@ -390,11 +400,17 @@ class AsyncSaves:
         inflight.finished.wait()
         self.last_step_wait = inflight.step_wait
         if inflight.dropped:
+            names = ", ".join(repr(n) for n in inflight.dropped[:5])
             rank_zero_warn(
                 f"lightning_dcp: the async save to {inflight.location.url!r} was dropped (not committed; earlier"
-                f" checkpoints are intact): {', '.join(repr(n) for n in inflight.dropped[:5])} changed in place after"
-                " the save was called and before its background copy was made, outside an optimizer step. These"
-                " tensors are now copied when a save is called."
+                f" checkpoints are intact): {names} changed in place after the save was called and before its"
+                " background copy was made, "
+                + (
+                    "outside an optimizer step. These tensors are now copied when a save is called."
+                    if inflight.dropped_outside_steps
+                    else "by an optimizer step that ran before them because the save's plan had changed since the"
+                    " previous save; the next save copies by the new plan."
+                )
             )
         if inflight.error is not None:
             raise checkpoint_failure(

@@ -32,19 +32,27 @@ class StagingRaceError(RuntimeError):
 
     Attributes:
         names: The changed tensors' keys.
+        outside_steps: Whether they changed while optimizer steps were held (so outside any step, and they are to
+            be copied at the call from now on); ``False`` when steps may have run meanwhile (the save's plan changed
+            after the hold was lifted early, see :mod:`lightning_dcp.engine.async_save`).
     """
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], outside_steps: bool = True) -> None:
         shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        when = (
+            "outside an optimizer step (which waits for the copies)"
+            if outside_steps
+            else "by an optimizer step allowed to run before them (the save's plan had changed since the last save)"
+        )
         super().__init__(
             f"{shown} changed in place after an async save was called and before its background staging copy was"
-            " made, outside an optimizer step (which waits for the copies); the save was dropped rather than written"
-            " with tensors of two different steps."
+            f" made, {when}; the save was dropped rather than written with tensors of two different steps."
         )
         self.names = list(names)
+        self.outside_steps = outside_steps
 
     def __reduce__(self) -> tuple:  # crosses process boundaries inside RankFailure
-        return (type(self), (self.names,))
+        return (type(self), (self.names, self.outside_steps))
 
 
 @dataclasses.dataclass
@@ -62,6 +70,7 @@ class Deferred:
     source: torch.Tensor
     buffer: torch.Tensor
     version: int
+    changed: bool = False  # found changed when it was copied early (see Stager.finish's ``made``)
 
 
 class Stager(AsyncStager):
@@ -199,29 +208,34 @@ class Stager(AsyncStager):
         return staged, deferred
 
     @staticmethod
-    def finish(deferred: Iterable[Deferred], *, made: Iterable[Deferred] = ()) -> None:
+    def finish(deferred: Iterable[Deferred], *, made: Iterable[Deferred] = (), held: bool = True) -> None:
         """Make the deferred copies (any thread, one batched call), checking that no source changed meanwhile.
 
-        ``made``: copies made earlier (:meth:`copy`); a deferred copy into the same buffer from the same memory is
-        not made again, only checked. Every copy is made and checked before anything is raised, so that the error
-        names every tensor that changed.
+        ``made``: copies made (and checked, their ``changed`` set) earlier; a deferred copy into the same buffer from
+        the same memory is neither made nor checked again. ``held``: whether optimizer steps were held until now
+        (``False``: a change of a copy made here may come from a step). Every copy is made and checked before
+        anything is raised, so that the error names every tensor that changed.
 
         Raises:
             StagingRaceError: Some source tensors were modified in place before their copy was complete.
         """
         deferred = list(deferred)
-        done = {_copied(c) for c in made}
-        Stager.copy(c for c in deferred if _copied(c) not in done)
-        changed = [copy_.name for copy_ in deferred if tensor_version(copy_.source) != copy_.version]
-        if changed:
-            raise StagingRaceError(changed)
+        done = {_copied(c): c.changed for c in made}
+        rest = Stager.copy(c for c in deferred if _copied(c) not in done)
+        early = [c.name for c in deferred if done.get(_copied(c))]
+        late = [c.name for c in rest if tensor_version(c.source) != c.version]
+        if early or late:
+            raise StagingRaceError(early + late, outside_steps=held or not late)
 
     @staticmethod
-    def copy(deferred: Iterable[Deferred]) -> list[Deferred]:
-        """Make these copies now, in one batched call, without any check; returns them."""
+    def copy(deferred: Iterable[Deferred], *, check: bool = False) -> list[Deferred]:
+        """Make these copies now, in one batched call; returns them. ``check``: set their ``changed``."""
         deferred = list(deferred)
         if deferred:
             foreach_copy([copy_.buffer for copy_ in deferred], [copy_.source for copy_ in deferred])
+        if check:
+            for copy_ in deferred:
+                copy_.changed = tensor_version(copy_.source) != copy_.version
         return deferred
 
     def synchronize_staging(self) -> None:

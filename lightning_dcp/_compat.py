@@ -92,6 +92,7 @@ __all__ = [
     "shift_epoch_batches",
     "storage_type_name",
     "tensor_version",
+    "foreach_copy",
     "train_loaders",
     "train_epoch_in_progress",
     "trainer_run_arguments",
@@ -107,6 +108,11 @@ TORCH_GREATER_EQUAL_2_9 = compare_version("torch", lambda a, b: a >= b, "2.9.0")
 def tensor_version(tensor: torch.Tensor) -> int:
     """The in-place version counter of ``tensor`` (shared by its views; bumped by every in-place change)."""
     return tensor._version
+
+
+def foreach_copy(destinations: list[torch.Tensor], sources: list[torch.Tensor]) -> None:
+    """``destinations[i].copy_(sources[i])`` for every ``i``, in one call (``torch._foreach_copy_``)."""
+    torch._foreach_copy_(destinations, sources)
 
 
 def dtensor_over(dtensor: Any, local: torch.Tensor) -> Any:

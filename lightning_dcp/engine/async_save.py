@@ -16,7 +16,12 @@ call returned, while every optimizer step waits until those copies are made (:cl
 pre-step hook; front ends also wait before other code that may change weights, such as Lightning's validation,
 where weight-averaging callbacks swap weights in place). The tensors a front end names *volatile* (module buffers,
 values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned buffers at once) and the
-non-tensor state are copied before the call returns. Safety net: every deferred copy checks the tensor's in-place
+non-tensor state are copied before the call returns, the CPU ones in one batched copy. From a run's second save on,
+planning moves to the background thread too (its collectives run over the save's own group): the call flattens the
+state, makes those copies and records the version counter of every tensor it leaves live; the thread copies first
+the live tensors this rank wrote in the previous save (the plan of a run rarely changes) and lets optimizer steps go
+on, then plans, copies whatever else its plan names (none unless the plan changed) and checks every version. Safety
+net: every deferred copy checks the tensor's in-place
 version counter afterwards; a tensor that changed before its copy was made (weight clipping right after a save, by
 an in-place operation on the parameter) drops that save, which is never committed (no checkpoint mixes two steps,
 and the removals queued behind it do not run), with a warning naming it at the next call; that tensor is copied at
@@ -47,6 +52,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from lightning_dcp.engine import saving
+from lightning_dcp.engine.planning import BalancedSavePlanner, flatten
 from lightning_dcp.engine.staging import Deferred, Stager, StagingRaceError
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import checkpoint_failure
@@ -67,6 +73,7 @@ class _InFlight:
         self.removals: list[Location] = []
         self.error: BaseException | None = None
         self.dropped: list[str] = []  # tensors that changed before their deferred copy: the save was dropped
+        self.dropped_outside_steps = True  # whether they changed outside optimizer steps (copied at the call since)
         self.finished = threading.Event()
         self.removed = threading.Event()  # the removals queued behind it are done too
         self.staged = threading.Event()
@@ -87,23 +94,38 @@ class _InFlight:
         self.finished.set()
         self.removed.set()
 
-    def run(self, prepared: saving.PreparedSave, deferred: list[Deferred]) -> None:
-        """The background thread: the deferred staging copies, write, finish, commit (rank 0), deferred removals."""
-        staging_error = None
+    def release(self) -> None:
+        """The staging copies optimizer steps wait for are made: let them go (idempotent)."""
+        self.staged.set()
+        _GATE.release(self.staged)
+
+    def run(self, stage: Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]) -> None:
+        """The background thread: ``stage()``, then write, finish, commit (rank 0), deferred removals.
+
+        ``stage(release)`` plans the save if the call left that to this thread, makes the deferred staging copies
+        (calling ``release`` once optimizer steps may go on, if before it returns) and returns the prepared save with
+        this rank's staging error (``None`` when it has none).
+        """
+        with saving.gc_paused():
+            self._run(stage)
+
+    def _run(self, stage: Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]) -> None:
         try:
-            Stager.finish(deferred)
-        except Exception as err:
-            staging_error = err
+            prepared, staging_error = stage(self.release)
+        except BaseException as err:  # planning failed (on every rank alike): nothing to write
+            self.fail(err)
+            return
         finally:
-            self.staged.set()
-            _GATE.release(self.staged)
+            self.release()
         try:
             saving.write(prepared, error=staging_error)
         except BaseException as err:
             race = next(iter(getattr(err, "failures", {}).values()), None)
             if isinstance(race, StagingRaceError):  # dropped on every rank alike, with a warning: not an error
                 self.dropped = race.names
-                self.learn(race.names)
+                self.dropped_outside_steps = race.outside_steps
+                if race.outside_steps:
+                    self.learn(race.names)
             else:
                 self.error = err
             if self.rank == 0:
@@ -206,6 +228,7 @@ class AsyncSaves:
         self._at_call: set[str] = set()  # keys seen changing before their deferred copy: copied at the call
         self.last_step_wait: float | None = None
         """Seconds optimizer steps waited for the deferred copies of the last save that completed (``wait``)."""
+        self._last_items: list[WriteItem] | None = None  # what this rank wrote in the last save planned
         self.last_deferred: list[str] = []
         """Keys of the tensors whose staging copies the last :meth:`start` left to the background thread."""
 
@@ -227,7 +250,10 @@ class AsyncSaves:
         abandon: Callable[[], None],
         volatile: Iterable[torch.Tensor] | None = None,
     ) -> None:
-        """Plan and stage ``state_dict`` (blocking), then write it in the background; call :meth:`wait` first.
+        """Stage ``state_dict`` (what may change before the next optimizer step), then save it in the background.
+
+        Call :meth:`wait` first. The first deferred save of a run (and every save without deferred staging) is
+        planned in the call; later deferred saves are planned in the background (see the module docstring).
 
         ``volatile``: tensors that may change in place before the next optimizer step (module buffers); their
         staging copies (of any tensor sharing their storage) are made before returning. ``None`` (not known, e.g.
@@ -248,9 +274,18 @@ class AsyncSaves:
         inflight = _InFlight(location, rank, commit, abandon)
         inflight.learn = self._at_call.update
         self._inflight = inflight
+        last_items = self._last_items
+        if self.defer and volatile is not None and isinstance(planner, BalancedSavePlanner) and last_items:
+            flat, mappings = flatten(state_dict)
+            if all(type(v) in _PLAIN for v in flat.values() if isinstance(v, torch.Tensor)):
+                stage = self._snapshot(flat, mappings, volatile, last_items, writer, planner, group, distributed)
+                _GATE.hold(inflight.staged, inflight.add_step_wait)
+                self._run(inflight, stage)
+                return
         deferred: list[Deferred] = []
         try:
             prepared = saving.prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed)
+            self._last_items = prepared.plan.items
             error: BaseException | None = None
             try:
                 defer = None
@@ -272,7 +307,75 @@ class AsyncSaves:
             return
         if deferred:
             _GATE.hold(inflight.staged, inflight.add_step_wait)
-        thread = threading.Thread(target=inflight.run, args=(prepared, deferred), name="lightning_dcp-save")
+
+        def stage_now(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None]:
+            try:
+                Stager.finish(deferred)
+            except Exception as err:
+                return prepared, err
+            return prepared, None
+
+        self._run(inflight, stage_now)
+
+    def _snapshot(
+        self,
+        flat: dict[str, Any],
+        mappings: dict[str, tuple],
+        volatile: Iterable[torch.Tensor],
+        last_items: list[WriteItem],
+        writer: StorageWriter,
+        planner: BalancedSavePlanner,
+        group: dist.ProcessGroup | None,
+        distributed: bool,
+    ) -> Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None]]:
+        """Copy what may change before the next optimizer step now; return what the background thread runs first.
+
+        The volatile tensors, those learned to change outside optimizer steps, GPU tensors and mutable non-tensor
+        leaves are copied here (the CPU tensors in one batched copy); every other tensor stays live, its version
+        counter recorded now. The background thread first copies the live tensors of ``last_items`` (what this rank
+        wrote last time, almost always what it writes now) and lets optimizer steps go on, then plans the save
+        (collective over the save's own group), copies the live tensors of its plan not copied yet and checks every
+        version: a tensor changed after this call and before its copy drops the save.
+        """
+        at_call = self._at_call
+        now = {_storage(t) for t in volatile}
+        error: BaseException | None = None
+        try:
+            snapshot, versions = self.stager.snapshot(
+                flat, defer=lambda key, tensor: key not in at_call and _storage(tensor) not in now
+            )
+        except Exception as err:  # e.g. out of memory: planned anyway, then every rank fails the write with it
+            snapshot, versions, error = flat, {}, err
+        planner.use_flat(snapshot, mappings)
+        self.last_deferred = list(versions)
+
+        def stage(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None]:
+            made: list[Deferred] = []
+            if error is None:
+                try:
+                    _, early = self.stager.stage_deferred(last_items, lambda i: _live(snapshot, i), versions)
+                    made = Stager.copy(early, check=True)
+                except Exception:  # e.g. out of memory: made again below, where a failure counts
+                    made = []
+                if made:
+                    release()  # optimizer steps go on while the save is planned
+            prepared = saving.prepare(snapshot, writer=writer, planner=planner, group=group, distributed=distributed)
+            self._last_items = prepared.plan.items
+            if error is not None:
+                return prepared, error
+            try:
+                staged, deferred = self.stager.stage_deferred(prepared.plan.items, planner.resolve_data, versions)
+                prepared.planner = _Staged(staged)
+                Stager.finish(deferred, made=made, held=not made)
+            except Exception as err:
+                return prepared, err
+            return prepared, None
+
+        return stage
+
+    @staticmethod
+    def _run(inflight: _InFlight, stage: Callable[..., tuple[saving.PreparedSave, BaseException | None]]) -> None:
+        thread = threading.Thread(target=inflight.run, args=(stage,), name="lightning_dcp-save")
         thread.daemon = True
         thread.start()
 
@@ -297,11 +400,17 @@ class AsyncSaves:
         inflight.finished.wait()
         self.last_step_wait = inflight.step_wait
         if inflight.dropped:
+            names = ", ".join(repr(n) for n in inflight.dropped[:5])
             rank_zero_warn(
                 f"lightning_dcp: the async save to {inflight.location.url!r} was dropped (not committed; earlier"
-                f" checkpoints are intact): {', '.join(repr(n) for n in inflight.dropped[:5])} changed in place after"
-                " the save was called and before its background copy was made, outside an optimizer step. These"
-                " tensors are now copied when a save is called."
+                f" checkpoints are intact): {names} changed in place after the save was called and before its"
+                " background copy was made, "
+                + (
+                    "outside an optimizer step. These tensors are now copied when a save is called."
+                    if inflight.dropped_outside_steps
+                    else "by an optimizer step that ran before them because the save's plan had changed since the"
+                    " previous save; the next save copies by the new plan."
+                )
             )
         if inflight.error is not None:
             raise checkpoint_failure(
@@ -332,8 +441,27 @@ class AsyncSaves:
         _GATE.wait_all()
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _live(flat: dict[str, Any], item: WriteItem) -> torch.Tensor | None:
+    """The live tensor (or row range of it) ``item`` of an earlier plan names in ``flat``; ``None`` if none fits."""
+    tensor = flat.get(item.index.fqn)
+    if not isinstance(tensor, torch.Tensor) or item.tensor_data is None:
+        return None
+    chunk = item.tensor_data.chunk
+    if tuple(chunk.sizes) == tuple(tensor.shape):
+        return tensor
+    if tensor.dim() == 0 or tuple(chunk.sizes[1:]) != tuple(tensor.shape[1:]) or any(chunk.offsets[1:]):
+        return None
+    if chunk.offsets[0] + chunk.sizes[0] > tensor.shape[0]:
+        return None
+    return tensor.detach().narrow(0, chunk.offsets[0], chunk.sizes[0])
+
+
 def _storage(tensor: torch.Tensor) -> int:
-    return tensor.untyped_storage().data_ptr()
+    """The address of ``tensor``'s storage (its own address when it starts there: no storage object made)."""
+    return tensor.data_ptr() if tensor.storage_offset() == 0 else tensor.untyped_storage().data_ptr()
 
 
 def _quietly(fn: Callable[[], None]) -> None:

@@ -173,6 +173,21 @@ class Checkpointer:
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
+        with saving.gc_paused():  # thousands of short-lived objects (see saving.gc_paused)
+            self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
+
+    def _save(
+        self,
+        tree: dict[str, Any],
+        path: str | os.PathLike,
+        objects: dict[str, Any] | None,
+        rank_objects: dict[str, Any] | None,
+        info: dict[str, Any] | None,
+        storage_options: dict[str, Any] | None,
+        collective: bool,
+        volatile: Iterable[torch.Tensor] | None,
+        step: int | None,
+    ) -> None:
         started = time.perf_counter()
         location = self.location(path, storage_options)
         if self._into_memory:

@@ -46,6 +46,15 @@ class BalancedSavePlanner(DefaultSavePlanner):
         self.split = split
         self.chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         self._chunked: set[str] = set()
+        self._flat: tuple[dict[str, Any], dict[str, tuple]] | None = None
+
+    def use_flat(self, flat: dict[str, Any], mappings: dict[str, tuple]) -> None:
+        """Plan the next save from this flat state dict (``flatten``'s output, possibly with values replaced).
+
+        The state dict then given to :meth:`set_up_planner` is not flattened again (an async save flattened it in
+        the caller and replaced what it copied there by the copies).
+        """
+        self._flat = (flat, mappings)
 
     def set_up_planner(
         self, state_dict: dict[str, Any], storage_meta: Any = None, is_coordinator: bool = False
@@ -57,7 +66,7 @@ class BalancedSavePlanner(DefaultSavePlanner):
         if not self.flatten_state_dict:
             super().set_up_planner(state_dict, storage_meta=storage_meta, is_coordinator=is_coordinator)
             return
-        flat, self.mappings = flatten(state_dict)
+        flat, self.mappings = flatten(state_dict) if self._flat is None else self._flat
         sharded = self.flatten_sharded_tensors and any(isinstance(v, ShardedTensor) for v in flat.values())
         keep = self.flatten_sharded_tensors
         self.flatten_state_dict, self.flatten_sharded_tensors = False, sharded  # flattened here already
@@ -147,17 +156,28 @@ def flatten(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple
     """
     flat: dict[str, Any] = {}
     mappings: dict[str, tuple] = {}
+    tensor, parameter = torch.Tensor, torch.nn.Parameter
 
     def visit(path: tuple, key: str, value: Any) -> None:
-        if isinstance(value, Mapping):
-            for k, v in value.items():
-                k = str(k)
-                visit((*path, k), f"{key}.{k}", v)
-            return
-        if isinstance(value, list) and not _terminal_list(value):
-            for i, v in enumerate(value):
-                visit((*path, i), f"{key}.{i}", v)
-            return
+        kind = type(value)
+        if kind is not tensor and kind is not parameter:
+            if kind is dict or (kind is not list and isinstance(value, Mapping)):
+                for k, v in value.items():
+                    k = str(k)
+                    child = type(v)
+                    if child is tensor or child is parameter:  # the common leaf, without a call
+                        name = f"{key}.{k}"
+                        if name in flat:
+                            raise ValueError(f"duplicated flatten key {name}")
+                        flat[name] = v
+                        mappings[name] = (*path, k)
+                    else:
+                        visit((*path, k), f"{key}.{k}", v)
+                return
+            if isinstance(value, list) and not _terminal_list(value):
+                for i, v in enumerate(value):
+                    visit((*path, i), f"{key}.{i}", v)
+                return
         if key in flat:
             raise ValueError(f"duplicated flatten key {key}")
         flat[key] = value

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_dcp._compat import ShardedTensor, dtensor_over, sharded_tensor_over, tensor_version
+from lightning_dcp._compat import ShardedTensor, dtensor_over, foreach_copy, sharded_tensor_over, tensor_version
 
 __all__ = ["Deferred", "Stager", "StagingRaceError"]
 
@@ -32,19 +32,27 @@ class StagingRaceError(RuntimeError):
 
     Attributes:
         names: The changed tensors' keys.
+        outside_steps: Whether they changed while optimizer steps were held (so outside any step, and they are to
+            be copied at the call from now on); ``False`` when steps may have run meanwhile (the save's plan changed
+            after the hold was lifted early, see :mod:`lightning_dcp.engine.async_save`).
     """
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], outside_steps: bool = True) -> None:
         shown = ", ".join(repr(n) for n in names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        when = (
+            "outside an optimizer step (which waits for the copies)"
+            if outside_steps
+            else "by an optimizer step allowed to run before them (the save's plan had changed since the last save)"
+        )
         super().__init__(
             f"{shown} changed in place after an async save was called and before its background staging copy was"
-            " made, outside an optimizer step (which waits for the copies); the save was dropped rather than written"
-            " with tensors of two different steps."
+            f" made, {when}; the save was dropped rather than written with tensors of two different steps."
         )
         self.names = list(names)
+        self.outside_steps = outside_steps
 
     def __reduce__(self) -> tuple:  # crosses process boundaries inside RankFailure
-        return (type(self), (self.names,))
+        return (type(self), (self.names, self.outside_steps))
 
 
 @dataclasses.dataclass
@@ -62,6 +70,7 @@ class Deferred:
     source: torch.Tensor
     buffer: torch.Tensor
     version: int
+    changed: bool = False  # found changed when it was copied early (see Stager.finish's ``made``)
 
 
 class Stager(AsyncStager):
@@ -113,37 +122,121 @@ class Stager(AsyncStager):
         self._cuda_copies = False
         staged: dict[Any, Any] = {}
         deferred: list[Deferred] = []
+        now: list[Deferred] = []  # CPU copies made before returning, in one batched call
         for item in items:
             data = resolve(item)
             if isinstance(data, torch.Tensor):
                 key = ("item", item.index.fqn, tuple(item.index.offset) if item.index.offset is not None else ())
                 source = data.detach()
-                if defer is not None and source.device.type == "cpu" and defer(item, source):
-                    data = self._buffer(source, key)
-                    deferred.append(Deferred(item.index.fqn, source, data, tensor_version(source)))
-                else:
+                if not source.is_cpu:
                     data = self._copy_tensor(source, key)
+                else:
+                    data = self._buffer(source, key)
+                    copy_ = Deferred(item.index.fqn, source, data, tensor_version(source))
+                    (deferred if defer is not None and defer(item, source) else now).append(copy_)
             staged[item.index] = data
+        Stager.copy(now)
         if self._cuda_copies:
             torch.cuda.synchronize()
         return staged, deferred
 
-    @staticmethod
-    def finish(deferred: Iterable[Deferred]) -> None:
-        """Make the deferred copies (any thread), checking that no source changed since it was planned.
+    def snapshot(
+        self, flat: dict[str, Any], *, defer: Callable[[str, torch.Tensor], bool]
+    ) -> tuple[dict[str, Any], dict[str, int]]:
+        """What a save call copies of a flat state dict (plain tensors only) before returning; the rest stays live.
 
-        Every copy is made and checked before anything is raised, so that the error names every tensor that changed.
+        Args:
+            flat: Flat keys to plain tensors and other leaves (``planning.flatten``'s output).
+            defer: Which CPU tensors stay live, to be copied later (:meth:`stage_deferred`).
+
+        Returns:
+            ``(snapshot, versions)``: ``flat`` with every other tensor replaced by a staging buffer holding its copy
+            (the CPU ones copied in one batched call) and mutable leaves deep-copied; and the in-place version
+            counter, now, of each tensor left live (by key).
+        """
+        self._cuda_copies = False
+        out: dict[str, Any] = {}
+        versions: dict[str, int] = {}
+        buffers: list[torch.Tensor] = []
+        sources: list[torch.Tensor] = []
+        for key, value in flat.items():
+            if isinstance(value, torch.Tensor):
+                if not value.is_cpu:
+                    out[key] = self._copy_tensor(value, ("flat", key))
+                elif defer(key, value):
+                    versions[key] = tensor_version(value)
+                    out[key] = value
+                else:
+                    source = value.detach()
+                    out[key] = buffer = self._buffer(source, ("flat", key))
+                    buffers.append(buffer)
+                    sources.append(source)
+            elif isinstance(value, _IMMUTABLE):
+                out[key] = value
+            else:
+                out[key] = copy.deepcopy(value)
+        if buffers:
+            foreach_copy(buffers, sources)
+        if self._cuda_copies:
+            torch.cuda.synchronize()
+        return out, versions
+
+    def stage_deferred(
+        self, items: Iterable[WriteItem], resolve: Callable[[WriteItem], Any | None], versions: dict[str, int]
+    ) -> tuple[dict[Any, Any], list[Deferred]]:
+        """The data of ``items`` after :meth:`snapshot`: live tensors (keys in ``versions``) get a buffer to copy into.
+
+        ``resolve`` may return ``None`` for an item it cannot resolve (skipped).
+
+        Returns:
+            ``({item.index: data}, deferred copies)``: a buffer for each live tensor (its copy made by
+            :meth:`finish`, checked against its version in ``versions``), the snapshot's data as it is otherwise.
+        """
+        staged: dict[Any, Any] = {}
+        deferred: list[Deferred] = []
+        for item in items:
+            data = resolve(item)
+            if data is None:
+                continue
+            fqn = item.index.fqn
+            if fqn in versions and isinstance(data, torch.Tensor):
+                source = data.detach()
+                key = ("item", fqn, tuple(item.index.offset) if item.index.offset is not None else ())
+                data = self._buffer(source, key)
+                deferred.append(Deferred(fqn, source, data, versions[fqn]))
+            staged[item.index] = data
+        return staged, deferred
+
+    @staticmethod
+    def finish(deferred: Iterable[Deferred], *, made: Iterable[Deferred] = (), held: bool = True) -> None:
+        """Make the deferred copies (any thread, one batched call), checking that no source changed meanwhile.
+
+        ``made``: copies made (and checked, their ``changed`` set) earlier; a deferred copy into the same buffer from
+        the same memory is neither made nor checked again. ``held``: whether optimizer steps were held until now
+        (``False``: a change of a copy made here may come from a step). Every copy is made and checked before
+        anything is raised, so that the error names every tensor that changed.
 
         Raises:
             StagingRaceError: Some source tensors were modified in place before their copy was complete.
         """
-        changed = []
-        for copy_ in deferred:
-            copy_.buffer.copy_(copy_.source)
-            if tensor_version(copy_.source) != copy_.version:
-                changed.append(copy_.name)
-        if changed:
-            raise StagingRaceError(changed)
+        deferred = list(deferred)
+        done = {_copied(c): c.changed for c in made}
+        rest = Stager.copy(c for c in deferred if _copied(c) not in done)
+        early = [c.name for c in deferred if done.get(_copied(c))]
+        late = [c.name for c in rest if tensor_version(c.source) != c.version]
+        if early or late:
+            raise StagingRaceError(early + late, outside_steps=held or not late)
+
+    @staticmethod
+    def copy(deferred: Iterable[Deferred], *, check: bool = False) -> list[Deferred]:
+        """Make these copies now, in one batched call; returns them. ``check``: set their ``changed``."""
+        deferred = list(deferred)
+        if deferred:
+            foreach_copy([copy_.buffer for copy_ in deferred], [copy_.source for copy_ in deferred])
+        if check:
+            for copy_ in deferred:
+                copy_.changed = tensor_version(copy_.source) != copy_.version
+        return deferred
 
     def synchronize_staging(self) -> None:
         """Staging is complete when :meth:`stage` returns: nothing to wait for."""
@@ -187,3 +280,8 @@ class Stager(AsyncStager):
         self._cuda_copies |= non_blocking
         buffer.copy_(tensor, non_blocking=non_blocking)
         return buffer
+
+
+def _copied(copy_: Deferred) -> tuple:
+    """What identifies a copy: its buffer and the memory it copies."""
+    return id(copy_.buffer), copy_.source.data_ptr(), copy_.source.shape, copy_.source.stride()

@@ -90,24 +90,28 @@ def test_a_tensor_changed_before_its_background_copy_drops_the_save_with_a_warni
 
     step()
     tree = lambda: {"w": {str(i): w.detach() for i, w in enumerate(weights)}}  # noqa: E731
-    last = weights[-1]
-    before = last.detach().clone()
-    path = str(tmp_path / "raced.ckpt")
-    checkpointer.save(tree(), path, objects={}, volatile=[])
-    assert "w.39" in checkpointer._async.last_deferred
-    with torch.no_grad():
-        last.mul_(2.0)  # right after the call, outside a step: before its background copy in all likelihood
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        checkpointer.wait()
-    dropped = [w for w in caught if "was dropped" in str(w.message)]
-    if os.path.exists(os.path.join(path, ".commit")):  # the copy won the race: the checkpoint holds the old value
-        assert dropped == [] and torch.equal(_saved(path)["w"]["39"], before)
-    else:  # never committed, never torn; the warning names the tensor, which is copied at the call from now on
-        assert len(dropped) == 1 and "'w.39'" in str(dropped[0].message)
-        checkpointer.save(tree(), str(tmp_path / "after.ckpt"), objects={}, volatile=[])
-        assert "w.39" not in checkpointer._async.last_deferred and "w.0" in checkpointer._async.last_deferred
-        checkpointer.wait()
+    # The first save plans in the call; later ones plan in the background (after copying what they wrote last).
+    for round_, changed in enumerate((39, 38)):
+        last = weights[changed]
+        before = last.detach().clone()
+        path = str(tmp_path / f"raced{round_}.ckpt")
+        checkpointer.save(tree(), path, objects={}, volatile=[])
+        assert f"w.{changed}" in checkpointer._async.last_deferred
+        with torch.no_grad():
+            last.mul_(2.0)  # right after the call, outside a step: before its background copy in all likelihood
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            checkpointer.wait()
+        dropped = [w for w in caught if "was dropped" in str(w.message)]
+        if os.path.exists(os.path.join(path, ".commit")):  # the copy won the race: the checkpoint holds the old value
+            assert dropped == [] and torch.equal(_saved(path)["w"][str(changed)], before)
+        else:  # never committed, never torn; the warning names the tensor, which is copied at the call from now on
+            assert len(dropped) == 1 and f"'w.{changed}'" in str(dropped[0].message)
+            checkpointer.save(tree(), str(tmp_path / f"after{round_}.ckpt"), objects={}, volatile=[])
+            deferred = checkpointer._async.last_deferred
+            assert f"w.{changed}" not in deferred and "w.0" in deferred
+            checkpointer.wait()
+            assert torch.equal(_saved(str(tmp_path / f"after{round_}.ckpt"))["w"][str(changed)], last)
     checkpointer.close()
 
 

@@ -229,6 +229,7 @@ class AsyncSaves:
         self.last_step_wait: float | None = None
         """Seconds optimizer steps waited for the deferred copies of the last save that completed (``wait``)."""
         self._last_items: list[WriteItem] | None = None  # what this rank wrote in the last save planned
+        self._last_keys: frozenset[str] = frozenset()  # the flat keys of the last save planned
         self.last_deferred: list[str] = []
         """Keys of the tensors whose staging copies the last :meth:`start` left to the background thread."""
 
@@ -278,6 +279,10 @@ class AsyncSaves:
         if self.defer and volatile is not None and isinstance(planner, BalancedSavePlanner) and last_items:
             flat, mappings = flatten(state_dict)
             if all(type(v) in _PLAIN for v in flat.values() if isinstance(v, torch.Tensor)):
+                keys = frozenset(flat)
+                if keys != self._last_keys:  # new keys (optimizer state after its first step): the plan changes,
+                    last_items = []  # so steps wait until the whole plan is copied (nothing can be dropped)
+                self._last_keys = keys
                 stage = self._snapshot(flat, mappings, volatile, last_items, writer, planner, group, distributed)
                 _GATE.hold(inflight.staged, inflight.add_step_wait)
                 self._run(inflight, stage)
@@ -286,6 +291,7 @@ class AsyncSaves:
         try:
             prepared = saving.prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed)
             self._last_items = prepared.plan.items
+            self._last_keys = frozenset(getattr(planner, "state_dict", None) or ())
             error: BaseException | None = None
             try:
                 defer = None
@@ -333,7 +339,8 @@ class AsyncSaves:
         The volatile tensors, those learned to change outside optimizer steps, GPU tensors and mutable non-tensor
         leaves are copied here (the CPU tensors in one batched copy); every other tensor stays live, its version
         counter recorded now. The background thread first copies the live tensors of ``last_items`` (what this rank
-        wrote last time, almost always what it writes now) and lets optimizer steps go on, then plans the save
+        wrote last time, almost always what it writes now; empty when the state's keys changed since, and then
+        steps wait for every copy) and lets optimizer steps go on, then plans the save
         (collective over the save's own group), copies the live tensors of its plan not copied yet and checks every
         version: a tensor changed after this call and before its copy drops the save.
         """
@@ -353,8 +360,9 @@ class AsyncSaves:
             made: list[Deferred] = []
             if error is None:
                 try:
-                    _, early = self.stager.stage_deferred(last_items, lambda i: _live(snapshot, i), versions)
-                    made = Stager.copy(early, check=True)
+                    if last_items:
+                        _, early = self.stager.stage_deferred(last_items, lambda i: _live(snapshot, i), versions)
+                        made = Stager.copy(early, check=True)
                 except Exception:  # e.g. out of memory: made again below, where a failure counts
                     made = []
                 if made:

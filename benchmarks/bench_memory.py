@@ -4,7 +4,7 @@
 tensors of 128 MiB (replicated, as DDP: each rank writes half). Measured through ``Checkpointer`` (what
 ``MemoryCheckpoint`` and the Trainer's ``save_checkpoint`` call; the Trainer adds building its checkpoint dict):
 
-- ``memcpy``: ``copy_`` of this rank's half into reused buffers (the staging copy of today's async saves);
+- ``memcpy``: ``copy_`` of this rank's half into reused buffers, both ranks at once (the staging copy of async saves);
 - ``memory_sync`` / ``memory_async``: the stall of a memory-tier save (median of ``--repeats`` after one warm-up);
 - ``disk_sync``: a synchronous save of the same state to ``--disk`` (local disk, fsync);
 - ``recover_memory``: fresh processes load ``last`` from memory; ``recover_replica``: the same after node 1's area is
@@ -73,6 +73,7 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, 
     buffers = [torch.empty_like(t) for t in mine]
     copies = []
     for _ in range(repeats + 1):
+        dist.barrier()  # both ranks copy at once, as in a save (they share the memory bandwidth)
         started = time.perf_counter()
         for b, t in zip(buffers, mine, strict=True):
             b.copy_(t)
@@ -82,6 +83,7 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, 
     tier = MemoryTier(f"{base}/shm{rank}", replicas=1, persist_every=0, async_save=False)
     checkpointer = Checkpointer(memory=tier)
     result["memory_sync"] = _median_stall(checkpointer, tree, f"{base}/disk/mem", repeats, memory=True)
+    result["memory_sync_stage"] = tier.timings.get("stage")
     result["memory_sync_write"] = tier.timings.get("write")
     result["replicate"] = tier.timings.get("replicate")
     tier.async_save = True

@@ -32,6 +32,7 @@ from typing_extensions import override
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
+from lightning_dcp.fabric.preemption import Preemption
 
 __all__ = [
     "DCPDDPStrategy",
@@ -67,7 +68,10 @@ class DCPStrategyMixin:
             the background unless the tier's ``async_save=False``), and every ``persist_every``-th into ``path``
             itself. ``fabric.load(dir + "/last", state)`` (``dir`` the directory of the saves), or of the tier's
             ``memory_dir + "/last"``, loads the newest committed checkpoint across memory, peers' replicas and
-            ``dir``. The tier leaves its process group at interpreter exit (or :meth:`teardown`).
+            ``dir``. The tier leaves its process group at interpreter exit (or :meth:`teardown`). From the first
+            save on, SIGTERM is recorded instead of ending the process: the next ``fabric.save`` (on every rank)
+            saves, persists the newest memory checkpoint to its directory, then raises SIGTERM again under the
+            handler that was there before (:mod:`lightning_dcp.fabric.preemption`).
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -95,6 +99,7 @@ class DCPStrategyMixin:
             memory=memory,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+        self._preemption = Preemption()
         super().__init__(*args, **kwargs)
 
     def _refuse_plugin(self, io: CheckpointIO | None) -> None:
@@ -141,6 +146,9 @@ class DCPStrategyMixin:
         Raises:
             CheckpointError: Writing failed on some rank (nothing was committed).
         """
+        memory = self.checkpointer.memory
+        if memory is not None:
+            self._preemption.install()
         with self.checkpointer.into_memory():  # a no-op without a memory tier
             save_state(
                 self.checkpointer,
@@ -150,6 +158,8 @@ class DCPStrategyMixin:
                 info={"strategy": type(self).__name__},
                 storage_options=storage_options,
             )
+        if memory is not None:
+            self._preemption.after_save(memory, anywhere=lambda flag: self.reduce_boolean_decision(flag, all=False))
 
     # ----------------------------------------------------------------------------------------------- load
     def load_checkpoint(

@@ -49,7 +49,8 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         persist_every_seconds: Also persist the first memory checkpoint saved this long after the last persisted.
         persist_keep: Checkpoints persisted by a run that stay in ``dirpath`` (the newest); ``0`` keeps all.
         async_save: Return from a save once it is planned; the copies into shared memory run in the background
-            while optimizer steps wait for them. ``False``: return once the checkpoint is committed in memory.
+            while optimizer steps wait for them. ``False``: return once this rank's state is copied into shared
+            memory (the checkpoint is committed behind the call, once hashed).
         dirpath: Where persisted checkpoints go (local path every node reaches, or a remote URL). Default: the
             ``dirpath`` of the run's first other ``DCPModelCheckpoint``, else Lightning's default.
         filename: Name of each checkpoint, formatted like ``ModelCheckpoint``'s (``"memory-{step}"``: a distinct

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 
 from lightning_dcp import MemoryTier
 from lightning_dcp.engine.storage import Location
@@ -58,3 +59,48 @@ def test_fabric_saves_to_memory_and_restores_from_a_replica(base):  # noqa: F811
     spawn(_load_worker, 4, base)  # node 1 (an empty area) gets its part from node 0's replica
     assert not any(name.startswith(".load") for name in os.listdir(f"{base}/shm0"))  # assembled copies removed
     assert_same(load_result(base, "saved", 3), load_result(base, "saved"), "the ranks' saved states")  # DDP: alike
+
+
+class _Preempted(Exception):
+    pass
+
+
+def _preempted_worker(rank: int, world_size: int, root: str) -> None:
+    def user_handler(signum, frame):  # stands for what SIGTERM did before (the default ends the process)
+        raise _Preempted
+
+    signal.signal(signal.SIGTERM, user_handler)
+    tier = MemoryTier(f"{root}/shm{rank}", replicas=1, persist_every=0)  # never persisted on a count
+    fabric = _fabric(world_size, DCPDDPStrategy(memory=tier))
+    model, optimizer = _setup(fabric)
+    saved = []
+    try:
+        for step in (1, 2, 3, 4):
+            _train(fabric, model, optimizer, 1)
+            if step == 3 and rank == 1:
+                os.kill(os.getpid(), signal.SIGTERM)  # one rank preempted: recorded, training goes on
+            saved.append(step)
+            save_result(root, f"saved-{step}", rank, _full(model, optimizer))
+            fabric.save(f"{root}/durable/step-{step}", {"model": model, "optimizer": optimizer, "step": step})
+    except _Preempted:
+        save_result(root, "stopped", rank, {"after": saved[-1]})
+    assert signal.getsignal(signal.SIGTERM) is user_handler  # the handler that was there before is back
+
+
+def _durable_worker(rank: int, world_size: int, root: str) -> None:
+    fabric = _fabric(world_size, DCPDDPStrategy())
+    model, optimizer = _setup(fabric, seed=99)
+    state = {"model": model, "optimizer": optimizer, "step": 0}
+    fabric.load(f"{root}/durable/step-3", state)
+    assert state["step"] == 3
+    assert_same(_full(model, optimizer), load_result(root, "saved-3"), "persisted at SIGTERM")
+
+
+def test_fabric_persists_the_newest_memory_checkpoint_at_sigterm_then_stops_every_rank(base):  # noqa: F811
+    spawn(_preempted_worker, 2, base)
+    assert [load_result(base, "stopped", r)["after"] for r in (0, 1)] == [3, 3]  # every rank, at the same save
+    assert sorted(os.listdir(f"{base}/durable")) == ["step-3"]  # the newest memory checkpoint, and only it
+    assert Location(f"{base}/durable/step-3").is_committed()
+    shutil.rmtree(f"{base}/shm0")
+    shutil.rmtree(f"{base}/shm1")  # the machines are gone: the durable copy is all there is
+    spawn(_durable_worker, 2, base)

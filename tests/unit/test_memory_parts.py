@@ -92,3 +92,46 @@ def test_a_memory_save_copies_every_dtype_exactly_and_reuses_its_slot(tmp_path):
             assert target["state_dict"][key].dtype == value.dtype and torch.equal(target["state_dict"][key], value), key
     assert [p.name for p in tier.store.parts()] == ["s3"] and len(tier.store.free_slots()) == 1
     checkpointer.close()
+
+
+def test_a_sync_memory_save_holds_the_state_of_its_call_though_hashed_and_committed_behind_it(tmp_path):
+    """The call copies; the digests are taken from the area afterwards: changes after the call never reach it."""
+    tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0)
+    checkpointer = Checkpointer(memory=tier)
+    memory_io.bind(checkpointer, Location(str(tmp_path / "durable")))
+    state = _mixed(4)
+    expected = {k: v.clone() for k, v in state["state_dict"].items()}
+    with checkpointer.into_memory():
+        checkpointer.save(state, str(tmp_path / "durable" / "s4"), objects={"seed": 4}, step=4)
+    for value in state["state_dict"].values():  # at once, while the save hashes and commits in the background
+        if value.dtype.is_floating_point:
+            value.add_(1.0)
+        else:
+            value.zero_()
+    assert tier.timings["stage"] > 0
+    checkpointer.wait()
+    assert tier.timings["write"] >= tier.timings["stage"]
+    target = {"state_dict": {k: torch.empty_like(v) for k, v in expected.items()}}
+    loaded = checkpointer.load(str(tmp_path / "shm" / "last"), target=target)  # every record checked on read
+    assert loaded.tier == "memory" and loaded.url.endswith("s4")
+    assert all(torch.equal(target["state_dict"][k], v) for k, v in expected.items())
+    checkpointer.close()
+
+
+def test_the_optimizer_step_after_an_async_memory_save_waits_for_its_copy_and_never_reaches_it(tmp_path):
+    tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=True, persist_every=0)
+    checkpointer = Checkpointer(memory=tier)
+    memory_io.bind(checkpointer, Location(str(tmp_path / "durable")))
+    weight = torch.nn.Parameter(torch.randn(1024, 1024))  # 4 MiB: copied behind the call
+    optimizer = torch.optim.SGD([weight], lr=1.0)
+    weight.grad = torch.ones_like(weight)
+    before = weight.detach().clone()
+    with checkpointer.into_memory():
+        checkpointer.save({"state_dict": {"w": weight}}, str(tmp_path / "durable" / "s1"), objects={}, step=1)
+    optimizer.step()  # waits for the copy (not for the digests and the commit)
+    assert tier._inflight.copied.is_set()
+    checkpointer.wait()
+    target = {"state_dict": {"w": torch.empty(1024, 1024)}}
+    checkpointer.load(str(tmp_path / "shm" / "last"), target=target)
+    assert torch.equal(target["state_dict"]["w"], before) and torch.equal(weight.detach(), before - 1.0)
+    checkpointer.close()

@@ -6,10 +6,14 @@ A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these step
    area (a free slot when there is one: its files and pages are reused);
 2. planning (:func:`lightning_dcp.engine.saving.prepare`); with ``async_save`` the call returns here, objects and
    small tensors copied, large tensors copied in the background while optimizer steps wait for them;
-3. each rank copies its records into its mapped data file (:mod:`~lightning_dcp.engine.tiers.shm_writer`), hashing
-   each as it goes; the coordinator writes ``.metadata`` and makes the ``.commit`` marker, which every node receives;
-4. each node's leader commits its part (:class:`~lightning_dcp.engine.tiers.parts.PartStore`): the checkpoint is
-   committed in memory once every node did (a synchronous save returns here);
+3. each rank copies its records into its mapped data file (:mod:`~lightning_dcp.engine.tiers.shm_writer`); a
+   synchronous save copies them in the call and returns once they are copied (the stall is the copy), an async one
+   in the background;
+4. in the background: each rank's digests of its records (xxHash3-64, as every writer of this library records in
+   ``.commit``), hashed where they lie after a synchronous save's copy; the coordinator writes ``.metadata`` and
+   makes the ``.commit`` marker, which every node receives; each node's leader commits its part
+   (:class:`~lightning_dcp.engine.tiers.parts.PartStore`): the checkpoint is committed in memory once every node did
+   (:meth:`MemoryTier.wait` returns from here on);
 5. in the background: every part is copied to ``replicas`` other nodes and committed there once whole
    (:mod:`~lightning_dcp.engine.tiers.replication`); older parts are evicted; every ``persist_every``-th checkpoint
    (or the first after ``persist_every_seconds``) is persisted to the durable tiers
@@ -89,12 +93,17 @@ class _InFlight:
         self.thread: threading.Thread | None = None
 
     def on_copied(self) -> None:
-        for fqn, source, version in self.versions:
-            if tensor_version(source) != version:
-                raise StagingRaceError(
-                    f"{fqn!r} was modified in place while a memory-tier save was copying it, outside an optimizer step"
-                    " (which waits for the copies); the save was dropped rather than written torn."
-                )
+        """Called once this rank's tensors are copied: check that none changed meanwhile, then let steps go on."""
+        try:
+            for fqn, source, version in self.versions:
+                if tensor_version(source) != version:
+                    raise StagingRaceError(
+                        f"{fqn!r} was modified in place while a memory-tier save was copying it, outside an"
+                        " optimizer step (which waits for the copies); the save was dropped rather than written torn."
+                    )
+        finally:
+            self.copied.set()
+            STEP_GATE.release(self.copied)
 
 
 class _Captured:
@@ -132,7 +141,9 @@ class MemoryTier:
         persist_every_seconds: Also persist the first checkpoint saved this many seconds after the last persisted
             one (``None``: no time schedule).
         async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait
-            for them). ``False``: return once the checkpoint is committed in memory (replicas follow behind).
+            for them). ``False``: return once this rank's state is copied into the memory area; the checkpoint is
+            committed there behind the call (checksums, marker: a few milliseconds per GiB), then replicated.
+            Either way, :meth:`wait` returns once it is committed and replicated.
 
     Memory per node: ``(keep + 1) x (1 + replicas) x`` the node's part of a checkpoint (a part of the newest, one
     being written, and as much again for the replicas of other nodes' parts).
@@ -173,7 +184,8 @@ class MemoryTier:
         self.saved: list[Saved] = []
         """Checkpoints committed in memory by this run, oldest first (the newest ``keep``)."""
         self.timings: dict[str, float] = {}
-        """Seconds of each step of the last save: ``write`` (copies and commit), ``replicate``, ``persist``."""
+        """Seconds of each step of the last save: ``stage`` (a synchronous save's copy in the call), ``write``
+        (from the call to the commit), ``replicate``, ``persist``."""
         self._inflight: _InFlight | None = None
         self._saves = 0
         self._persisted_at = time.monotonic()
@@ -226,8 +238,9 @@ class MemoryTier:
         Collective: call on all ranks when ``distributed``.
 
         Raises:
-            CheckpointError: The previous save failed (raised at this call), or this one failed (synchronous saves;
-                nothing of it is committed).
+            CheckpointError: The previous save failed (raised at this call), or planning this one failed (nothing of
+                it is committed). A failure after planning (a copy, the commit) is raised by the next save or
+                :meth:`wait`, and nothing of that save is committed.
         """
         self.wait()
         topology = self.setup(distributed=distributed)
@@ -241,25 +254,26 @@ class MemoryTier:
         writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
         planner = save_planner(writers=topology.world_size)
         started = time.perf_counter()
+        self.timings = {}
         try:
             prepared = saving.prepare(state, writer=writer, planner=planner, group=self.group, distributed=distributed)
         except saving.RankFailure as err:
             raise checkpoint_failure(err, f"Saving {name!r} to the memory tier failed") from err
+        failed = None
         if not self.async_save:
             try:
-                saved = self._write(prepared, writer, name, staging)
-            except saving.RankFailure as err:
-                raise checkpoint_failure(err, f"Saving {name!r} to the memory tier failed") from err
-            self.timings = {"write": time.perf_counter() - started}
+                writer.stage(prepared.plan, prepared.planner)
+            except Exception as err:  # every rank learns it in the background's exchange, and fails the save
+                failed = err
+            self.timings["stage"] = time.perf_counter() - started
         else:
             prepared.planner = _Captured(planner, prepared.plan.items, inflight)
-            saved = None
             if inflight.versions:
                 STEP_GATE.hold(inflight.copied)
         self._inflight = inflight
         thread = threading.Thread(
             target=self._background,
-            args=(inflight, prepared, writer, name, staging, saved, persist, started),
+            args=(inflight, prepared, name, staging, failed, persist, started),
             name="lightning_dcp-memory",
             daemon=True,
         )
@@ -272,9 +286,10 @@ class MemoryTier:
         late = self.persist_every_seconds is not None
         return due or (late and time.monotonic() - self._persisted_at >= self.persist_every_seconds)
 
-    def _write(self, prepared: Any, writer: ShmWriter, name: str, staging: str) -> Saved:
+    def _write(self, prepared: Any, name: str, staging: str, *, failed: BaseException | None) -> Saved:
         """Steps 3-4: copy, exchange, commit every node's part. Collective; raises ``RankFailure`` everywhere."""
-        saving.write(prepared)
+        writer = prepared.writer
+        saving.write(prepared, error=failed)
         metadata, marker = self.broadcast((writer.metadata_bytes, writer.marker) if self.topology.rank == 0 else None)
         saved = Saved(name, metadata, marker, self.topology)
         error = None
@@ -299,21 +314,15 @@ class MemoryTier:
         self,
         inflight: _InFlight,
         prepared: Any,
-        writer: ShmWriter,
         name: str,
         staging: str,
-        saved: Saved | None,
+        failed: BaseException | None,
         persist: bool,
         started: float,
     ) -> None:
         try:
-            if saved is None:
-                try:
-                    saved = self._write(prepared, writer, name, staging)
-                finally:
-                    inflight.copied.set()
-                    STEP_GATE.release(inflight.copied)
-                self.timings = {"write": time.perf_counter() - started}
+            saved = self._write(prepared, name, staging, failed=failed)
+            self.timings["write"] = time.perf_counter() - started
             self._after_commit(saved, persist=persist)
         except BaseException as err:
             inflight.error = err

@@ -7,7 +7,11 @@ collectives of a save, say), so the handler installed here only records the sign
 ``fabric.save`` (a collective point of every rank) lets the ranks agree whether any of them received it, and if so,
 after that save, every rank persists the newest memory checkpoint (:meth:`MemoryTier.persist_newest`) and then
 raises SIGTERM on itself under the handler that was there before (Python's default ends the process), so the job
-stops the way it would have, a checkpoint later. The Trainer does the same through
+stops the way it would have, a checkpoint later.
+
+What is deferred stays bounded: a second SIGTERM before that save goes to the previous handler at once (a job that
+never saves again still stops), and the strategy's ``teardown`` (or the end of the process) puts the previous handler
+back. A process that ignores SIGTERM (``SIG_IGN``) keeps ignoring it. The Trainer does the same through
 :class:`~lightning_dcp.trainer.memory.MemoryCheckpoint` and Lightning's own SIGTERM flag.
 """
 
@@ -16,6 +20,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -33,31 +38,61 @@ class Preemption:
         self.received = False
         self._previous: Any = None
         self._installed = False
+        self._warned = False
 
     def install(self) -> None:
-        """Install the recording handler once (main thread only; elsewhere SIGTERM keeps its handler)."""
-        if self._installed or threading.current_thread() is not threading.main_thread():
+        """Install the recording handler (main thread only; elsewhere SIGTERM keeps its handler, with a warning)."""
+        if self._installed:
             return
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        if threading.current_thread() is not threading.main_thread():
+            if not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "lightning_dcp: `fabric.save` runs outside the main thread, so SIGTERM cannot be deferred to"
+                    " persist the newest memory checkpoint first; it keeps its handler.",
+                    stacklevel=3,
+                )
+            return
+        previous = signal.getsignal(signal.SIGTERM)
+        if previous is signal.SIG_IGN:
+            return  # the process ignores SIGTERM: nothing to defer
+        self._previous = previous
+        signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
 
+    def uninstall(self) -> None:
+        """Put the previous handler back (main thread; a no-op when not installed)."""
+        if not self._installed or threading.current_thread() is not threading.main_thread():
+            return
+        self._installed = False
+        signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self.received:  # a second one: no save came to act on the first; stop as the process would have
+            self.uninstall()
+            signal.raise_signal(signal.SIGTERM)
+            return
         self.received = True
 
     def after_save(self, memory: MemoryTier, *, anywhere: Callable[[bool], bool]) -> None:
         """If any rank received SIGTERM: persist the newest memory checkpoint, then raise SIGTERM as before.
 
         ``anywhere(flag)`` tells whether any rank's flag is set, over the training's process group (the strategy's
-        ``reduce_boolean_decision``): the memory tier's group may be busy with the save's background part.
+        ``reduce_boolean_decision``): the memory tier's group may be busy with the save's background part. SIGTERM
+        is raised again (under the previous handler) even when persisting fails.
 
         Collective: call on all ranks after each save.
+
+        Raises:
+            CheckpointError: Persisting failed (when the previous handler returns instead of ending the process).
         """
         if not anywhere(self.received) or memory.topology is None:
             return
-        name = memory.persist_newest()
-        if memory.topology.rank == 0:
-            log.warning("lightning_dcp: SIGTERM: persisted the memory checkpoint %r before exiting.", name)
-        signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
-        self._installed = False
-        self.received = False
-        signal.raise_signal(signal.SIGTERM)
+        try:
+            name = memory.persist_newest()
+            if memory.topology.rank == 0:
+                log.warning("lightning_dcp: SIGTERM: persisted the memory checkpoint %r.", name)
+        finally:
+            self.received = False
+            self.uninstall()
+            signal.raise_signal(signal.SIGTERM)

@@ -65,13 +65,15 @@ class DCPStrategyMixin:
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`). ``False`` copies everything before returning.
         memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): every ``fabric.save(path,
             state)`` then saves into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in
-            the background unless the tier's ``async_save=False``), and every ``persist_every``-th into ``path``
+            the background; with the tier's ``async_save=False`` the call makes the copies first), and every
+            ``persist_every``-th into ``path``
             itself. ``fabric.load(dir + "/last", state)`` (``dir`` the directory of the saves), or of the tier's
             ``memory_dir + "/last"``, loads the newest committed checkpoint across memory, peers' replicas and
             ``dir``. The tier leaves its process group at interpreter exit (or :meth:`teardown`). From the first
             save on, SIGTERM is recorded instead of ending the process: the next ``fabric.save`` (on every rank)
             saves, persists the newest memory checkpoint to its directory, then raises SIGTERM again under the
-            handler that was there before (:mod:`lightning_dcp.fabric.preemption`).
+            handler that was there before (:mod:`lightning_dcp.fabric.preemption`; a second SIGTERM, or
+            :meth:`teardown`, gives SIGTERM back to that handler at once).
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer.
@@ -144,7 +146,8 @@ class DCPStrategyMixin:
         Collective: call on all ranks.
 
         Raises:
-            CheckpointError: Writing failed on some rank (nothing was committed).
+            CheckpointError: Writing failed on some rank (nothing was committed). With a memory tier, a save's
+                failure after its planning is raised by the next save (or :meth:`wait_for_save`).
         """
         memory = self.checkpointer.memory
         if memory is not None:
@@ -216,6 +219,7 @@ class DCPStrategyMixin:
             CheckpointError: The background save failed; it was not committed.
         """
         try:
+            self._preemption.uninstall()
             self.checkpointer.close()
         finally:
             super().teardown()

@@ -9,15 +9,14 @@ A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these step
 3. each rank copies its records into its mapped data file (:mod:`~lightning_dcp.engine.tiers.shm_writer`); a
    synchronous save copies them in the call and returns once they are copied (the stall is the copy), an async one
    in the background;
-4. in the background: each rank's digests of its records (xxHash3-64, as every writer of this library records in
-   ``.commit``), hashed where they lie after a synchronous save's copy; the coordinator writes ``.metadata`` and
+4. in the background: each rank hashes its records where they lie in its file (xxHash3-64, as every writer of this
+   library records in ``.commit``); the coordinator writes ``.metadata`` and
    makes the ``.commit`` marker, which every node receives; each node's leader commits its part
-   (:class:`~lightning_dcp.engine.tiers.parts.PartStore`): the checkpoint is committed in memory once every node did
-   (:meth:`MemoryTier.wait` returns from here on);
+   (:class:`~lightning_dcp.engine.tiers.parts.PartStore`): the checkpoint is committed in memory once every node did;
 5. in the background: every part is copied to ``replicas`` other nodes and committed there once whole
    (:mod:`~lightning_dcp.engine.tiers.replication`); older parts are evicted; every ``persist_every``-th checkpoint
    (or the first after ``persist_every_seconds``) is persisted to the durable tiers
-   (:mod:`~lightning_dcp.engine.tiers.persist`).
+   (:mod:`~lightning_dcp.engine.tiers.persist`). :meth:`MemoryTier.wait` returns after this step.
 
 At most one save is in flight; the next save, :meth:`wait`, a load and :meth:`close` wait for it and raise its error.
 :meth:`close` (the strategy's teardown, or at interpreter exit) then leaves the tier's gloo group in a defined order
@@ -142,7 +141,8 @@ class MemoryTier:
             one (``None``: no time schedule).
         async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait
             for them). ``False``: return once this rank's state is copied into the memory area; the checkpoint is
-            committed there behind the call (checksums, marker: a few milliseconds per GiB), then replicated.
+            committed there behind the call (checksums of the copies, ~55 ms per GiB here; the marker), then
+            replicated. A failure after planning is raised by the next save or :meth:`wait` either way.
             Either way, :meth:`wait` returns once it is committed and replicated.
 
     Memory per node: ``(keep + 1) x (1 + replicas) x`` the node's part of a checkpoint (a part of the newest, one
@@ -184,8 +184,8 @@ class MemoryTier:
         self.saved: list[Saved] = []
         """Checkpoints committed in memory by this run, oldest first (the newest ``keep``)."""
         self.timings: dict[str, float] = {}
-        """Seconds of each step of the last save: ``stage`` (a synchronous save's copy in the call), ``write``
-        (from the call to the commit), ``replicate``, ``persist``."""
+        """Seconds of each step of the last save: ``stage`` (a synchronous save's planning and copy, in the call),
+        ``write`` (from the call's planning to the commit), ``replicate``, ``persist``."""
         self._inflight: _InFlight | None = None
         self._saves = 0
         self._persisted_at = time.monotonic()
@@ -199,9 +199,9 @@ class MemoryTier:
         if distributed:
             self.group = dist.new_group(backend="gloo")
             self.topology = discover(self.memory_dir, group=self.group)
-            atexit.register(_close_at_exit, weakref.ref(self))
         else:
             self.topology = single_process()
+        atexit.register(_close_at_exit, weakref.ref(self))
         if self.topology.leader:
             self.store.remove_stale()
         own = max((part.key[0] for part in self.store.parts()), default=0)
@@ -287,7 +287,10 @@ class MemoryTier:
         return due or (late and time.monotonic() - self._persisted_at >= self.persist_every_seconds)
 
     def _write(self, prepared: Any, name: str, staging: str, *, failed: BaseException | None) -> Saved:
-        """Steps 3-4: copy, exchange, commit every node's part. Collective; raises ``RankFailure`` everywhere."""
+        """Steps 3-4: copy (unless staged), hash, exchange, commit every node's part.
+
+        Collective; raises ``RankFailure`` everywhere.
+        """
         writer = prepared.writer
         saving.write(prepared, error=failed)
         metadata, marker = self.broadcast((writer.metadata_bytes, writer.marker) if self.topology.rank == 0 else None)
@@ -374,8 +377,10 @@ class MemoryTier:
             return
         began = time.perf_counter()
         part = self.store.read(f"{saved.name}@{self.topology.node}")
-        if part is None:
-            raise CheckpointError(f"The memory tier lost its part of {saved.name!r} before it was persisted.")
+        held = self.gather(part is not None)  # every rank raises, or none: persisting is collective
+        if not all(held):
+            lost = sorted(j for j, ranks in enumerate(self.topology.ranks) if any(not held[r] for r in ranks))
+            raise CheckpointError(f"The memory tier lost the part(s) {lost} of {saved.name!r} before persisting it.")
         self.persister(saved, part)
         saved.persisted = True
         self._persisted_at = time.monotonic()
@@ -385,13 +390,21 @@ class MemoryTier:
         """Persist the newest checkpoint committed in memory by this run, unless it was (what SIGTERM calls).
 
         Collective: call on all ranks (after the save in flight, which it waits for). Returns its name.
+
+        Raises:
+            CheckpointError: The save in flight failed (raised after the newest committed checkpoint is persisted),
+                or persisting failed.
         """
-        self.wait()
-        if not self.saved:
-            return None
-        newest = self.saved[-1]
-        self.persist(newest)
-        return newest.name
+        failed = None
+        try:
+            self.wait()
+        except CheckpointError as err:  # every rank alike; the newest committed checkpoint is still worth keeping
+            failed = err
+        if self.saved:
+            self.persist(self.saved[-1])
+        if failed is not None:
+            raise failed
+        return self.saved[-1].name if self.saved else None
 
     # ------------------------------------------------------------------------------------------- waiting
     def wait(self) -> None:
@@ -424,9 +437,9 @@ class MemoryTier:
 
 
 def _close_at_exit(ref: weakref.ref) -> None:
-    """At interpreter exit, close a tier nobody closed (Fabric never tears its strategy down)."""
+    """At interpreter exit, close a tier nobody closed (Fabric never tears its strategy down); log its error."""
     tier = ref()
-    if tier is None or tier.group is None:
+    if tier is None or tier.topology is None:
         return
     try:
         tier.close()

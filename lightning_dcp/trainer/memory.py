@@ -50,8 +50,9 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         persist_keep: Checkpoints persisted by a run that stay in ``dirpath`` (the newest); ``0`` keeps all.
         async_save: Return from a save once it is planned; the copies into shared memory run in the background
             while optimizer steps wait for them. ``False``: return once the checkpoint is committed in memory.
-        dirpath: Where persisted checkpoints go (local path every node reaches, or a remote URL). Default: the
-            ``dirpath`` of the run's first other ``DCPModelCheckpoint``, else Lightning's default.
+        dirpath: Where persisted checkpoints go: a local path (one filesystem every node reaches, or a disk of each
+            node: :mod:`~lightning_dcp.engine.tiers.node_disks`) or a remote URL. Default: the ``dirpath`` of the
+            run's first other ``DCPModelCheckpoint``, else Lightning's default.
         filename: Name of each checkpoint, formatted like ``ModelCheckpoint``'s (``"memory-{step}"``: a distinct
             name, so persisted checkpoints never collide with those of another ``ModelCheckpoint``).
 

@@ -7,9 +7,9 @@ whole checkpoint in a hidden directory of its area (``.load-{token}``): hard lin
 files it lacks fetched from the nodes that hold them (:func:`~lightning_dcp.engine.tiers.replication.run_transfers`),
 so a replacement node with an empty area receives its part from a peer (from its memory area, else its disk). A file
 held in memory is taken from there; a node that holds the checkpoint on its disk only assembles it there (hard links,
-no copy). Each node then loads
-its own copy (DCP reshards to the current world size, and every record read is checked against its checksum in
-``.commit``); :func:`release` removes the directories. Nothing here reads a shared durable directory.
+no copy). Each node then loads its own copy (DCP reshards to the current world size, and every record read is checked
+against its checksum in ``.commit``); :func:`release` removes the directories. Nothing here reads a shared durable
+directory.
 
 Every function is collective over the memory tier's group.
 """

@@ -10,7 +10,10 @@ tensors of 128 MiB (replicated, as DDP: each rank writes half). Measured through
 - ``recover_memory``: fresh processes load ``last`` from memory; ``recover_replica``: the same after node 1's area is
   wiped (its part comes from node 0's replica); ``recover_local``: from the checkpoint persisted to ``--disk``
   (page cache dropped where permitted); ``recover_s3``: the same checkpoint persisted to S3 (SeaweedFS on loopback,
-  started by the benchmark; ``--no-s3`` or no ``weed`` binary: skipped), both memory areas gone.
+  started by the benchmark; ``--no-s3`` or no ``weed`` binary: skipped), both memory areas gone;
+- ``persist_node_disk``: persisting the newest memory checkpoint to node-local disks (each node its own directory
+  on ``--disk``, standing for its machine's disk: its own part and its peer's replica, fsynced; median of 3);
+  ``recover_node_disk``: fresh processes load ``last`` from those disks, both memory areas gone.
 
 ``python -m benchmarks.bench_memory --gib 1 --repeats 5``; prints one JSON object.
 """
@@ -94,6 +97,14 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, 
         memory_io.bind(checkpointer, Location(s3[0], storage_options=s3[1]))
         tier.saved[-1].persisted = False
         tier.persist(tier.saved[-1])
+    memory_io.bind(checkpointer, Location(f"{base}/node{rank}"))  # and to each node's own disk
+    persists = []
+    for _ in range(3):
+        tier.saved[-1].persisted = False
+        tier.persist(tier.saved[-1])
+        persists.append(tier.timings["persist"])
+    assert tier.persister.disks is not None, "the node directories were not taken for node-local disks"
+    result["persist_node_disk"] = statistics.median(persists)
     checkpointer.close()
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -107,7 +118,9 @@ def _recover(rank: int, world: int, base: str, gib: float, path: str, out: str, 
     torch.set_num_threads(1)
     tier = MemoryTier(f"{base}/shm{rank}")
     checkpointer = Checkpointer(memory=tier, storage_options=options)
-    memory_io.bind(checkpointer, Location(f"{base}/disk/mem"))
+    node_disk = path.endswith("/node/last")  # each node's own disk directory
+    path = path.replace("/node/last", f"/node{rank}/last")
+    memory_io.bind(checkpointer, Location(f"{base}/node{rank}" if node_disk else f"{base}/disk/mem"))
     target = _target(gib)
     dist.barrier()
     started = time.perf_counter()
@@ -149,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     disk = args.disk or tempfile.mkdtemp(prefix="lightning_dcp-bench-")
     os.makedirs(base)
     os.symlink(disk, f"{base}/disk")
+    for rank in range(2):
+        os.makedirs(f"{disk}/node{rank}")
+        os.symlink(f"{disk}/node{rank}", f"{base}/node{rank}")
     out = f"{disk}/result.json"
     server, s3 = _s3_server(disk, skip=args.no_s3)
     try:
@@ -172,6 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         spawn(_recover, 2, base, args.gib, f"{base}/disk/mem/{persisted}", out, timeout=1800)
         with open(out) as f:
             report["recover_local"] = json.load(f)
+        _drop_caches()  # both memory areas are empty since the previous recovery
+        spawn(_recover, 2, base, args.gib, f"{base}/node/last", out, timeout=1800)
+        with open(out) as f:
+            report["recover_node_disk"] = json.load(f)
         report["recover_s3"] = None
         if s3 is not None:
             _drop_caches()  # the server's files too

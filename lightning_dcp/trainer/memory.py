@@ -51,8 +51,9 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         async_save: Return from a save once it is planned; the copies into shared memory run in the background
             while optimizer steps wait for them. ``False``: return once this rank's state is copied into shared
             memory (the checkpoint is committed behind the call, once hashed).
-        dirpath: Where persisted checkpoints go (local path every node reaches, or a remote URL). Default: the
-            ``dirpath`` of the run's first other ``DCPModelCheckpoint``, else Lightning's default.
+        dirpath: Where persisted checkpoints go: a local path (one filesystem every node reaches, or a disk of each
+            node: :mod:`~lightning_dcp.engine.tiers.node_disks`) or a remote URL. Default: the ``dirpath`` of the
+            run's first other ``DCPModelCheckpoint``, else Lightning's default.
         filename: Name of each checkpoint, formatted like ``ModelCheckpoint``'s (``"memory-{step}"``: a distinct
             name, so persisted checkpoints never collide with those of another ``ModelCheckpoint``).
 

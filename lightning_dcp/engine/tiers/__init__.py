@@ -10,11 +10,12 @@ load of ``last`` takes the newest committed checkpoint across all of them (order
 - **replication** (:mod:`~lightning_dcp.engine.tiers.replication`): each node's part copied to K other nodes over a
   gloo group, and the parts a node lacks fetched from its peers at restore;
 - **persistence** (:mod:`~lightning_dcp.engine.tiers.persist`): every Mth memory checkpoint (or on a time schedule,
-  and at SIGTERM) copied to the durable tiers below;
+  and at SIGTERM) copied to the durable tiers below, or kept by each node on its own disk and uploaded by every node
+  (:mod:`~lightning_dcp.engine.tiers.node_disks`);
 - **local** (:mod:`~lightning_dcp.engine.tiers.local`): ``local_dir``, a local disk in front of a remote directory,
   with its journal (:mod:`~lightning_dcp.engine.tiers.journal`) and reads (:mod:`~lightning_dcp.engine.tiers.reads`);
 - **remote** (:mod:`~lightning_dcp.engine.tiers.upload`, :mod:`~lightning_dcp.engine.tiers.uploader`): the object
-  store, reached only by the local tier's background uploader.
+  store, reached by the local tier's background uploader (and by the memory tier's background thread).
 """
 
 from lightning_dcp.engine.tiers.local import MANIFEST_FILE, Retry, Tiers

@@ -178,7 +178,8 @@ class MemoryTier:
         self.group: dist.ProcessGroup | None = None
         self.distributed = False
         self.highest = 0
-        """The largest save counter of any checkpoint in the areas when the tier was set up."""
+        """The largest save counter of any checkpoint in the areas when the tier was set up, raised to the largest on
+        node-local disks by :func:`~lightning_dcp.engine.tiers.recovery.restorable`."""
         self.persister: Persister | None = None
         """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over :attr:`group`."""
         self.saved: list[Saved] = []

@@ -3,9 +3,9 @@
 :class:`~lightning_dcp.engine.checkpointer.Checkpointer` calls these when it has a memory tier: inside
 ``Checkpointer.into_memory()`` a save goes to memory (:func:`save_to_memory`), and a load of a ``last`` name of the
 tier's directory, or of the ``last`` entry of a memory area, takes the newest committed checkpoint across memory
-(own parts and peers' replicas), ``local_dir`` and the remote store (:func:`load_newest`). Order is the save counter
-recorded in ``.commit``; on a tie the memory copy is read first. A memory checkpoint that fails to assemble or to
-load (a checksum) falls back to the next newest, with a warning naming both.
+(own parts and peers' replicas), node-local disks, ``local_dir`` and the remote store (:func:`load_newest`). Order is
+the save counter recorded in ``.commit``; on a tie the memory copy is read first. A memory checkpoint that fails to
+assemble or to load (a checksum) falls back to the next newest, with a warning naming both.
 """
 
 from __future__ import annotations
@@ -69,6 +69,11 @@ def save_to_memory(
     started = time.perf_counter()
     memory.setup(distributed=distributed(collective))
     bind(checkpointer, location.parent())
+    persistence = memory.persister
+    if isinstance(persistence, Persistence) and not persistence.counted:
+        persistence.counted = True
+        memory.wait()  # the tier's group carries one collective at a time
+        recovery.restorable(memory)  # counters go on above the parts on node-local disks (hidden from listings)
     rank, world_size = rank_and_world(collective)
     counter = on_rank0(collective, lambda: checkpointer.next_counter(location))
     state = layout.build_state(

@@ -1,4 +1,4 @@
-"""A node's part of a checkpoint, as it lies in a node-local area (the memory tier's tmpfs directory).
+"""A node's part of a checkpoint, as it lies in a node-local area (the memory tier's tmpfs directory, or a node's disk).
 
 A checkpoint saved by ranks on several nodes is split by node: node ``j`` holds the data files its ranks wrote
 (``__{rank}_{n}.distcp``) in a *part* directory ``{name}@{j}``, beside copies of the checkpoint's ``.metadata`` and
@@ -23,7 +23,7 @@ import json
 import os
 from typing import Any
 
-from lightning_dcp.engine.localfs import STAGING_INFIX, new_token, remove_path
+from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir, new_token, remove_path
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, MarkerError, order_key, parse_commit
 
 __all__ = ["FREE_PREFIX", "LOAD_PREFIX", "PART_FILE", "Part", "PartStore", "complete", "identity", "part_name"]
@@ -102,10 +102,12 @@ class PartStore:
 
     Args:
         root: The directory (created when needed).
+        sync: Commit durably (a disk): the markers and directories are fsynced before and after the rename.
     """
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, *, sync: bool = False) -> None:
         self.root = os.path.abspath(root)
+        self.sync = sync
         os.makedirs(self.root, exist_ok=True)
 
     def parts(self) -> list[Part]:
@@ -153,9 +155,11 @@ class PartStore:
         An existing part of that name (a checkpoint saved again under its name) is replaced once the new one is in
         place. Returns the part's path.
         """
-        _write(os.path.join(staging, METADATA_FILE), metadata)
-        _write(os.path.join(staging, PART_FILE), json.dumps({"node": node, "nodes": nodes, "files": files}).encode())
-        _write(os.path.join(staging, COMMIT_FILE), marker)
+        part = json.dumps({"node": node, "nodes": nodes, "files": files}).encode()
+        for entry, data in ((METADATA_FILE, metadata), (PART_FILE, part), (COMMIT_FILE, marker)):
+            _write(os.path.join(staging, entry), data, sync=self.sync)
+        if self.sync:
+            fsync_dir(staging)
         final = os.path.join(self.root, part_name(name, node))
         if os.path.lexists(final):
             self.uncommit(final)
@@ -165,6 +169,8 @@ class PartStore:
             remove_path(old)
         else:
             os.rename(staging, final)
+        if self.sync:
+            fsync_dir(self.root)
         return final
 
     @staticmethod
@@ -226,6 +232,9 @@ def _read(path: str) -> bytes:
     return data
 
 
-def _write(path: str, data: bytes) -> None:
+def _write(path: str, data: bytes, *, sync: bool = False) -> None:
     with open(path, "wb") as f:
         f.write(data)
+        if sync:
+            f.flush()
+            os.fsync(f.fileno())

@@ -10,7 +10,11 @@ order) and commits:
 - a remote ``dirpath`` with ``local_dir``: the same into ``local_dir``, then the local tier's uploader takes it to
   the remote store (:mod:`~lightning_dcp.engine.tiers.local`), off the training loop and through outages;
 - a remote ``dirpath`` without ``local_dir``: put to the remote prefix, sizes checked in a fresh listing, ``.commit``
-  last.
+  last;
+- a local ``dirpath`` (or ``local_dir``) that is a disk of each node rather than one filesystem for all (found once
+  per run, :func:`~lightning_dcp.engine.tiers.node_disks.layout`): each node keeps its parts on its own disk, and
+  with a remote ``dirpath`` uploads its own files, rank 0 committing last
+  (:mod:`~lightning_dcp.engine.tiers.node_disks`).
 
 A kill at any moment leaves the durable copy uncommitted (never loaded, removed later) or committed whole; the memory
 copy is evicted only after a newer checkpoint is committed in memory. Older checkpoints this tier persisted leave the
@@ -26,8 +30,10 @@ from typing import TYPE_CHECKING, Any
 from lightning_dcp.engine.localfs import fsync_dir, new_token
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.tiers import node_disks
 from lightning_dcp.engine.tiers.local import Tiers
-from lightning_dcp.engine.tiers.parts import Part
+from lightning_dcp.engine.tiers.node_disks import NodeDisks
+from lightning_dcp.engine.tiers.parts import Part, PartStore
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError
 
 if TYPE_CHECKING:
@@ -35,15 +41,14 @@ if TYPE_CHECKING:
 
 __all__ = ["Persistence"]
 
-_COPY = 16 << 20
-
 
 class Persistence:
     """Where a memory tier's checkpoints go when persisted: ``directory`` (and the local tier in front of it).
 
     Args:
         tier: The memory tier.
-        directory: The durable directory (a local path every node reaches, or a remote URL).
+        directory: The durable directory (a local path: one filesystem every node reaches, or a disk of each node;
+            or a remote URL).
         tiers: The local tier (``local_dir``) in front of a remote ``directory``, or ``None``.
         keep: Checkpoints persisted by this run that stay in ``directory`` (the newest); ``0`` keeps all.
     """
@@ -52,6 +57,22 @@ class Persistence:
         self.tier, self.directory, self.tiers, self.keep = tier, directory, tiers, keep
         self.persisted: list[Location] = []
         """The checkpoints this run persisted and that are still kept, oldest first (rank 0)."""
+        self.disks: NodeDisks | None = None
+        """The node's disk as the durable tier, when ``directory`` (or ``local_dir``) is node-local (at a persist)."""
+        self.counted = False
+        """Whether the save counters account for the parts on the node-local disks (set by the checkpointer)."""
+        self._layout_known = False
+
+    def disk_base(self) -> str | None:
+        """The node's durable local directory: a local ``directory``, or ``local_dir`` before a remote one."""
+        if self.directory.local:
+            return self.directory.path
+        return self.tiers.local.path if self.tiers is not None else None
+
+    def disk_store(self) -> PartStore | None:
+        """The parts persisted on this node's disk (by this run or an earlier one), if any. Any rank, no collective."""
+        base = self.disk_base()
+        return None if base is None else node_disks.existing_store(base)
 
     def __call__(self, saved: Saved, part: Part) -> None:
         """Persist ``saved`` from this node's ``part``. Collective over the memory tier's group.
@@ -59,6 +80,9 @@ class Persistence:
         Raises:
             CheckpointError: Copying or committing failed on some rank (every rank raises); nothing was committed.
         """
+        if self._node_local():
+            self.disks.persist(saved)
+            return
         topology = self.tier.topology
         remote = self.directory.child(saved.name)
         tiered = self.tiers is not None and self.tiers.covers(remote)
@@ -99,20 +123,20 @@ class Persistence:
         self._on_rank0(commit)
 
     # -------------------------------------------------------------------------------------------- steps
+    def _node_local(self) -> bool:
+        """Whether this run persists to node-local disks (decided at its first persist). Collective."""
+        if not self._layout_known:
+            base = self.disk_base()
+            if base is not None and node_disks.layout(self.tier, base):
+                remote = None if self.directory.local else self.directory
+                self.disks = NodeDisks(self.tier, base, remote=remote, keep=self.keep)
+            self._layout_known = True
+        return self.disks is not None
+
     def _copy(self, part: Part, own: list[str], saved: Saved, dest: Location) -> None:
         for name in own:
-            size = saved.files[name]
-            with open(os.path.join(part.path, name), "rb") as src, dest.open(name, "wb") as out:
-                left = size
-                while left:
-                    chunk = src.read(min(_COPY, left))
-                    if not chunk:
-                        raise CorruptCheckpointError(f"{part.path}/{name} is shorter than its {size} bytes.", file=name)
-                    out.write(chunk)
-                    left -= len(chunk)
-                if dest.local:
-                    out.flush()
-                    os.fsync(out.fileno())
+            with dest.open(name, "wb") as out:
+                node_disks.copy_file(os.path.join(part.path, name), out, saved.files[name], sync=dest.local)
 
     def _check_shared(self, saved: Saved, dest: Location) -> None:
         """A local target must be one filesystem for every node: each file written must be visible on every rank."""
@@ -120,8 +144,8 @@ class Persistence:
         if missing:
             raise CheckpointError(
                 f"The memory tier persists into {dest.parent().url!r}, but this rank does not see {missing[:3]}"
-                " written by other nodes: a local `dirpath` (or `local_dir`) must be one filesystem that every node"
-                " reaches. Use a shared filesystem, or a remote `dirpath` (s3://...) without `local_dir`."
+                " written by other nodes, though every node saw the others' probe there: a local `dirpath` (or"
+                " `local_dir`) must be one filesystem that every node reaches, or a disk of each node."
             )
 
     def _prune(self, remote: Location, tiered: bool) -> None:
@@ -151,14 +175,7 @@ class Persistence:
         return value
 
     def _everywhere(self, fn: Callable[[], None]) -> None:
-        error = None
-        try:
-            fn()
-        except Exception as err:
-            error = f"rank {self.tier.topology.rank}: {type(err).__name__}: {err}"
-        failed = [e for e in self.tier.gather(error) if e is not None]
-        if failed:
-            raise CheckpointError(f"Persisting to {self.directory.url!r} failed: {'; '.join(failed)}")
+        node_disks.everywhere(self.tier, fn, failure=f"Persisting to {self.directory.url!r} failed")
 
 
 def _write(location: Location, name: str, data: bytes) -> None:

@@ -1,12 +1,15 @@
 """Restoring from the memory tier: which checkpoint the areas can restore, and assembling it on every node.
 
-:func:`restorable` gathers what every node's area holds (its own parts and the replicas of its peers' parts) and
-lists the checkpoints whose every part is held somewhere, newest first. :func:`assemble` then gives every node the
+:func:`restorable` gathers what every node's area holds (its own parts and the replicas of its peers' parts), and the
+parts persisted on its disk when the durable directory is node-local (:mod:`~lightning_dcp.engine.tiers.node_disks`),
+and lists the checkpoints whose every part is held somewhere, newest first. :func:`assemble` then gives every node the
 whole checkpoint in a hidden directory of its area (``.load-{token}``): hard links to the files it holds, and the
 files it lacks fetched from the nodes that hold them (:func:`~lightning_dcp.engine.tiers.replication.run_transfers`),
-so a replacement node with an empty area receives its part from a peer. Each node then loads its own copy (DCP
-reshards to the current world size, and every record read is checked against its checksum in ``.commit``);
-:func:`release` removes the directories. Nothing here reads a durable tier.
+so a replacement node with an empty area receives its part from a peer (from its memory area, else its disk). A file
+held in memory is taken from there; a node that holds the checkpoint on its disk only assembles it there (hard links,
+no copy). Each node then loads its own copy (DCP reshards to the current world size, and every record read is checked
+against its checksum in ``.commit``); :func:`release` removes the directories. Nothing here reads a shared durable
+directory.
 
 Every function is collective over the memory tier's group.
 """
@@ -14,6 +17,7 @@ Every function is collective over the memory tier's group.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -22,7 +26,9 @@ from lightning_dcp.engine.integrity import check_checkpoint
 from lightning_dcp.engine.localfs import new_token, remove_path
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, parse_commit
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.tiers.parts import LOAD_PREFIX, Part, complete
+from lightning_dcp.engine.tiers.node_disks import everywhere
+from lightning_dcp.engine.tiers.parts import LOAD_PREFIX, Part, PartStore, complete
+from lightning_dcp.engine.tiers.persist import Persistence
 from lightning_dcp.engine.tiers.replication import Transfer, run_transfers
 from lightning_dcp.errors import CheckpointError
 
@@ -35,28 +41,44 @@ _SLIM = ("committed_at", "metadata", "order")
 
 
 def restorable(tier: MemoryTier) -> list[tuple[tuple, str, tuple]]:
-    """``(order key, name, identity)`` of every checkpoint the areas can restore, newest first (every rank alike)."""
+    """``(order key, name, identity)`` of every checkpoint the areas (and node-local disks) can restore, newest first.
+
+    Every rank gets the same list. The tier's :attr:`~lightning_dcp.engine.tiers.memory.MemoryTier.highest` grows to
+    the largest save counter listed, so that saves made after a restore count on from there.
+    """
     own = []
     if tier.topology.leader:
-        for part in tier.store.parts():
-            slim = {k: part.marker[k] for k in _SLIM if k in part.marker}
-            own.append((part.name, part.node, part.nodes, part.files, slim))
+        for store in _stores(tier):
+            for part in store.parts():
+                slim = {k: part.marker[k] for k in _SLIM if k in part.marker}
+                own.append((part.name, part.node, part.nodes, part.files, slim))
     parts = [
         (i, Part(name=n, node=j, nodes=count, files=files, marker=slim, path=""))
         for i, held in enumerate(tier.gather(own))
         for n, j, count, files, slim in held
     ]
+    tier.highest = max([tier.highest, *(part.key[0] for _, part in parts)])
     return complete(parts)
 
 
+def _stores(tier: MemoryTier) -> list[PartStore]:
+    """Where this node holds parts: its memory area, then the parts persisted on its disk (node-local disks)."""
+    stores = [tier.store]
+    if isinstance(tier.persister, Persistence):
+        disk = tier.persister.disk_store()
+        if disk is not None:
+            stores.append(disk)
+    return stores
+
+
 def _held(tier: MemoryTier, name: str, identity: tuple) -> dict[str, str]:
-    """The files of checkpoint ``name`` this node's area holds, with their paths (own part and replicas)."""
+    """The files of checkpoint ``name`` this node holds (own part and replicas), with their paths, memory first."""
     held = {}
-    for part in tier.store.parts():
-        if part.name == name and part.identity == identity:
-            held.update({f: os.path.join(part.path, f) for f in part.files})
-            held.setdefault(METADATA_FILE, os.path.join(part.path, METADATA_FILE))
-            held.setdefault(COMMIT_FILE, os.path.join(part.path, COMMIT_FILE))
+    for store in _stores(tier):
+        for part in store.parts():
+            if part.name == name and part.identity == identity:
+                for f in [*part.files, METADATA_FILE, COMMIT_FILE]:
+                    held.setdefault(f, os.path.join(part.path, f))
     return held
 
 
@@ -81,7 +103,7 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
             payload = (f.read(), g.read(), new_token())
     metadata, marker, token = tier.broadcast(payload, src=source)
     files = {f: e["size"] for f, e in parse_commit(marker)["files"].items()}
-    into = os.path.join(tier.store.root, f"{LOAD_PREFIX}{token}")
+    into = os.path.join(_assembly_root(tier, held), f"{LOAD_PREFIX}{token}")
     transfers = []
     for node in range(topology.nodes):
         for i, f in enumerate(sorted(files)):
@@ -99,7 +121,7 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
         os.makedirs(into)
         for f, path in held.items():
             if f in files or f in (METADATA_FILE, COMMIT_FILE):
-                os.link(path, os.path.join(into, f))
+                _link_or_copy(path, os.path.join(into, f))
         for f, data in ((METADATA_FILE, metadata), (COMMIT_FILE, marker)):
             if f not in held:
                 with open(os.path.join(into, f), "wb") as out:
@@ -122,16 +144,29 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
     return into
 
 
+def _assembly_root(tier: MemoryTier, held: dict[str, str]) -> str:
+    """Where this node assembles: its memory area, or its disk when it holds the checkpoint on its disk only.
+
+    On the disk every file held is a hard link and only the files fetched from peers are written; a copy into the
+    memory area would first read every file of the disk.
+    """
+    roots = {os.path.dirname(os.path.dirname(path)) for path in held.values()}
+    if roots and tier.store.root not in roots:
+        return roots.pop()  # a disk's store of persisted parts (the only other place parts are held)
+    return tier.store.root
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    """A hard link (a file of the memory area), or a copy where ``src`` is on another filesystem (a disk)."""
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copyfile(src, dst)
+
+
 def _step(tier: MemoryTier, name: str, fn: Callable[[], object]) -> None:
     """Run ``fn`` on every rank; raise on every rank if it failed on any."""
-    error = None
-    try:
-        fn()
-    except Exception as err:
-        error = f"node {tier.topology.node} (rank {tier.topology.rank}): {type(err).__name__}: {err}"
-    failed = [e for e in tier.gather(error) if e is not None]
-    if failed:
-        raise CheckpointError(f"Restoring {name!r} from the memory tier failed: {'; '.join(failed)}")
+    everywhere(tier, fn, failure=f"Restoring {name!r} from the memory tier failed")
 
 
 def release(tier: MemoryTier, directory: str) -> None:

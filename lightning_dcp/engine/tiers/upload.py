@@ -17,6 +17,9 @@ Steps of :func:`upload` (run by the tier's background uploader, :mod:`lightning_
 
 A kill at any step leaves the remote checkpoint uncommitted (never loaded) or committed whole; the local copy stays
 committed until the remote one is, so the upload can be redone.
+
+:func:`begin` and :func:`finish` are steps 2 and 3-4 apart, for uploads whose files several processes put (the memory
+tier's node-local disks, :mod:`~lightning_dcp.engine.tiers.node_disks`: each node puts its own files in between).
 """
 
 from __future__ import annotations
@@ -39,7 +42,17 @@ from lightning_dcp.engine.marker import (
 from lightning_dcp.engine.storage import Location, new_token
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
-__all__ = ["SNAPSHOT_PREFIX", "marker_of", "remove_committed", "same_checkpoint", "snapshot", "upload"]
+__all__ = [
+    "SNAPSHOT_PREFIX",
+    "abandon",
+    "begin",
+    "finish",
+    "marker_of",
+    "remove_committed",
+    "same_checkpoint",
+    "snapshot",
+    "upload",
+]
 
 _SNAPSHOT_ATTEMPTS = 5
 
@@ -150,31 +163,59 @@ def upload(source: str, marker_bytes: bytes, marker: dict[str, Any], remote: Loc
         CorruptCheckpointError: A remote file does not have its local size, or ``.metadata`` read back differs.
         CheckpointError: Storage failures (translated: ``StorageAccessError``, ``BucketNotFoundError``).
     """
-    current = marker_of(remote) if remote.exists() else None
-    if current is not None and same_checkpoint(current[1], marker):
-        return  # uploaded and committed already (a run killed after the commit, before its bookkeeping)
-    staged = remote.exists() and not (remote.isdir() and current is None)
-    if not staged:
-        remote.remove()  # leftovers of an interrupted upload (uncommitted): never loaded, replaced whole
-    target = remote.staging(new_token()) if staged else remote
+    target = begin(remote, marker)
+    if target is None:
+        return
     names = [name for name in os.listdir(source) if name != COMMIT_FILE]
     try:
         target.put({name: os.path.join(source, name) for name in names})
-        _check_sizes(target.url, marker, target.sizes())
-        with target.open(METADATA_FILE) as f:
-            metadata = f.read(marker["metadata"]["size"] + 1)
-        if len(metadata) != marker["metadata"]["size"] or checksum(metadata) != marker["metadata"]["checksum"]:
-            raise CorruptCheckpointError(f"{target.url!r}: {METADATA_FILE} read back differs.", file=METADATA_FILE)
-        with target.open(COMMIT_FILE, "wb") as f:
-            f.write(marker_bytes)
-        if staged:
-            remote.commit_from(target)
-        remote.remove_stale_staging()  # of earlier attempts cut short
+        finish(target, remote, marker_bytes, marker)
     except BaseException:
-        if staged:
-            with contextlib.suppress(Exception):
-                target.remove()
+        abandon(target, remote)
         raise
+
+
+def begin(remote: Location, marker: dict[str, Any]) -> Location | None:
+    """Steps 1-2 of an upload of the checkpoint ``marker`` to ``remote``: where its files go (``None``: nowhere).
+
+    ``None`` when ``remote`` already holds that checkpoint committed (a run killed after the commit, before its
+    bookkeeping). Otherwise ``remote`` itself (leftovers of an interrupted upload, uncommitted and never loaded, are
+    removed first), or a new staging prefix beside it when a committed checkpoint is there. Any rank.
+    """
+    current = marker_of(remote) if remote.exists() else None
+    if current is not None and same_checkpoint(current[1], marker):
+        return None
+    staged = remote.exists() and not (remote.isdir() and current is None)
+    if not staged:
+        remote.remove()
+    return remote.staging(new_token()) if staged else remote
+
+
+def finish(target: Location, remote: Location, marker_bytes: bytes, marker: dict[str, Any]) -> None:
+    """Steps 3-4: verify every file ``target`` holds against ``marker``, write ``.commit`` last, commit ``remote``.
+
+    ``target`` (from :func:`begin`) holds every file of the checkpoint but ``.commit``, whoever put them. Any rank.
+
+    Raises:
+        CorruptCheckpointError: A remote file does not have its recorded size, or ``.metadata`` read back differs.
+    """
+    _check_sizes(target.url, marker, target.sizes())
+    with target.open(METADATA_FILE) as f:
+        metadata = f.read(marker["metadata"]["size"] + 1)
+    if len(metadata) != marker["metadata"]["size"] or checksum(metadata) != marker["metadata"]["checksum"]:
+        raise CorruptCheckpointError(f"{target.url!r}: {METADATA_FILE} read back differs.", file=METADATA_FILE)
+    with target.open(COMMIT_FILE, "wb") as f:
+        f.write(marker_bytes)
+    if target.url != remote.url:
+        remote.commit_from(target)
+    remote.remove_stale_staging()  # of earlier attempts cut short
+
+
+def abandon(target: Location, remote: Location) -> None:
+    """After a failed upload: remove ``target`` when it is a staging prefix (an uncommitted ``remote`` stays)."""
+    if target.url != remote.url:
+        with contextlib.suppress(Exception):
+            target.remove()
 
 
 def remove_committed(location: Location) -> None:

@@ -161,7 +161,7 @@ class _ChecksummingWriter:
         self._put(
             COMMIT_FILE,
             encode_commit(metadata_bytes=metadata_bytes, files=files, order=getattr(self, "order", None)),
-            atomic=False,
+            atomic=self.local_files,  # a reader (the uploader, a resume) never sees a marker half written
         )
 
     def _put(self, name: str, data: bytes, *, atomic: bool) -> None:

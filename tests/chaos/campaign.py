@@ -149,11 +149,11 @@ def disk_state(ckpt_dir: str, since: float) -> dict[str, Any]:
             continue
         if name.startswith("."):
             continue  # a committed staging directory waiting to be renamed: not a checkpoint yet
-        with open(marker) as f:
-            recorded = json.load(f)
-        order = recorded.get("order") or {}
-        committed_at = (order.get("counter", 0), order.get("step") or -1, recorded["committed_at"])
         try:
+            with open(marker) as f:
+                recorded = json.load(f)
+            order = recorded.get("order") or {}
+            committed_at = (order.get("counter", 0), order.get("step") or -1, recorded["committed_at"])
             verify_checkpoint(path)
             ident = identity(path)
         except Exception as err:  # noqa: BLE001 - any failure to verify or read it back is what we report

@@ -247,8 +247,12 @@ def test_kill_during_persistence_never_restores_a_torn_part(base, tmp_path):  # 
         return found
 
     deadline = time.monotonic() + 180
-    try:  # kill -9 of the whole job once a persisted checkpoint exists and the next one is being written
-        while not (os.path.isdir(roots[0]) and _disk(roots[0].rsplit("/", 1)[0]).parts() and staging()):
+    def persisted() -> list:  # the checkpoints whose every part is committed on some disk
+        ready = [node for node in range(2) if os.path.isdir(roots[node])]
+        return complete([(node, part) for node in ready for part in _disk(f"{disks}/disk{node}").parts()])
+
+    try:  # kill -9 of the whole job once a whole persisted checkpoint exists and the next one is being written
+        while not (persisted() and staging()):
             assert job.poll() is None and time.monotonic() < deadline, "the job ended before a kill could be aimed"
             time.sleep(0.005)
     finally:

@@ -179,11 +179,17 @@ class Persistence:
 
 
 def _write(location: Location, name: str, data: bytes) -> None:
-    with location.open(name, "wb") as f:
+    """Write one marker file; on local disks into a temporary name, synced, then renamed (never seen half written)."""
+    if not location.local:
+        with location.open(name, "wb") as f:
+            f.write(data)
+        return
+    final = location.join(name)
+    with open(final + ".tmp", "wb") as f:
         f.write(data)
-        if location.local:
-            f.flush()
-            os.fsync(f.fileno())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(final + ".tmp", final)
 
 
 def _check_sizes(location: Location, saved: Saved) -> None:

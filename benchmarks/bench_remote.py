@@ -4,13 +4,14 @@ A ``world_size``-rank ``dcp_ddp`` run of a mix (:mod:`benchmarks.mixes`) saves o
 ``repeats`` times after a warm-up, methods alternating:
 
 - ``load``: a resume's restore from the ``s3://`` path (``strategy.load_checkpoint`` into the model and AdamW state,
-  then ``load_model_state_dict`` / ``load_optimizer_state_dict``): concurrent ranged reads, bounded memory;
-- ``stream``: the same with each file read through one stream, in order (the reader before concurrent reads);
+  then ``load_model_state_dict`` / ``load_optimizer_state_dict``), as it runs by default: each record that every
+  rank needs is read by one rank and broadcast to the others (``engine/shared_reads.py``);
+- ``alone``: the same with every rank reading every byte itself, one stream per file (the default before shared
+  reads: under DDP the state is replicated, so at 2 ranks it moves twice the bytes of one ``get``);
 - ``get``: rank 0 downloads the checkpoint's files with s3fs' parallel ``get`` into a local directory (the network
   limit for those bytes from this server).
 
-Under DDP every rank reads every byte (the state is replicated), so at 2 ranks a resume moves twice the bytes of
-one ``get``. Also reported: each rank's peak RSS growth during ``load`` (the read window is bounded).
+Also reported: each rank's peak RSS growth during ``load`` (the rounds bound what is held).
 
     python -m benchmarks.bench_remote --mix gpt2 --scale 0.5 --world-size 2 --repeats 3
 """
@@ -34,7 +35,7 @@ except ImportError:  # run as a script
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from benchmarks.bench_trainer import _barrier, _fitted, _max_over_ranks, _timed, summary
 
-METHODS = ("load", "stream", "get")
+METHODS = ("load", "alone", "get")
 
 
 def _peak_rss_mb() -> float:
@@ -79,14 +80,14 @@ def _entry(rank: int, world_size: int, url: str, options: dict, mix: str, scale:
                 shutil.rmtree(local, ignore_errors=True)
                 os.makedirs(local, exist_ok=True)
             else:
-                default = dcp_reader._FsspecReader.concurrent
-                dcp_reader._FsspecReader.concurrent = method == "load"
+                default = dcp_reader._FsspecReader.shares_reads
+                dcp_reader._FsspecReader.shares_reads = method == "load"
                 base = _peak_rss_mb()
                 _reset_peak()
                 _, seconds = _timed(restore)
                 if method == "load" and round_ > 0:
                     rss.append(_max_over_ranks(_peak_rss_mb() - base))
-                dcp_reader._FsspecReader.concurrent = default
+                dcp_reader._FsspecReader.shares_reads = default
             if round_ > 0:
                 runs[method].append(seconds)
     shutil.rmtree(local, ignore_errors=True)
@@ -116,7 +117,7 @@ def run(mix: str, *, world_size: int, repeats: int, scale: float, workdir: str) 
     result["load_vs_get"] = get / load  # >= 1.0: the resume is at least as fast as a parallel get of the files
     result["load_MBps_per_rank"] = res["bytes"] / load / 1e6
     result["get_MBps"] = res["bytes"] / get / 1e6
-    result["stream_vs_load"] = result["runs"]["stream"]["median"] / load
+    result["alone_vs_load"] = result["runs"]["alone"]["median"] / load
     return result
 
 
@@ -131,10 +132,10 @@ def markdown(result: dict[str, Any], command: str) -> list[str]:
         f"Command: `{command}`. {result['mix']} x {result['scale']}, {result['bytes'] / 1e6:.0f} MB in"
         f" {result['files']} files, {result['world_size']} ranks (each reads every byte under DDP).",
         "",
-        "| resume, concurrent ranged reads s | resume, one stream per file s | parallel `get` s (rank 0) |"
+        "| resume, shared reads s | resume, every rank reads every byte s | parallel `get` s (rank 0) |"
         " get/resume | peak RSS growth per rank MB |",
         "|---|---|---|---|---|",
-        f"| {cell('load')} | {cell('stream')} | {cell('get')} | {result['load_vs_get']:.2f} | {rss:.0f} |",
+        f"| {cell('load')} | {cell('alone')} | {cell('get')} | {result['load_vs_get']:.2f} | {rss:.0f} |",
     ]
 
 

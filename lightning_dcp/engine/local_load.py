@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from lightning_dcp._compat import ShardedTensor
-from lightning_dcp.engine import saving
+from lightning_dcp.engine import saving, shared_reads
 from lightning_dcp.engine.layout import SafeLoadPlanner
 from lightning_dcp.engine.planning import flatten
 
@@ -118,12 +118,16 @@ def load(
     planner: SafeLoadPlanner,
     group: dist.ProcessGroup | None = None,
     distributed: bool,
+    share_reads: bool = True,
 ) -> None:
     """Load ``state_dict`` in place from the checkpoint ``reader`` reads (see the module docstring).
 
     ``planner`` must be a :class:`~lightning_dcp.engine.layout.SafeLoadPlanner` (its global step is the identity).
 
-    Collective over ``group`` (the default group when ``None``) when ``distributed``: one small exchange at the end.
+    Collective over ``group`` (the default group when ``None``) when ``distributed``: one small exchange at the end;
+    with ``share_reads`` and a reader that shares (object stores), also one after planning, and the records every
+    rank reads are read once across the ranks and broadcast (:mod:`~lightning_dcp.engine.shared_reads`; DDP's
+    replicated state, gloo groups).
 
     Raises:
         RankFailure: Loading failed on some rank (on every rank; the lowest failing rank's error).
@@ -132,13 +136,23 @@ def load(
         raise TypeError(f"load() plans locally, which needs a SafeLoadPlanner; got {type(planner).__name__}")
     coordinator = not distributed or dist.get_rank(group) == 0
     error: BaseException | None = None
+    keys = None
+    share = distributed and share_reads and getattr(reader, "shares_reads", False)  # the same reader on every rank
     try:
         metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
         reader.set_up_storage_reader(metadata, coordinator, rank=dist.get_rank(group) if distributed else 0)
         plan = reader.prepare_local_plan(planner.create_local_plan())
-        plan = reader.prepare_global_plan(planner.create_global_plan([plan]))[0]
-        reader.read_data(planner.finish_plan(plan), planner).wait()
+        plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
+        if share:
+            keys = reader.share_keys(plan)
     except Exception as err:
         error = err
+    if share:  # every rank, whatever happened above: the decision is collective
+        reader.sharing = shared_reads.agree(keys, group=group)
+    if error is None:
+        try:
+            reader.read_data(plan, planner).wait()
+        except Exception as err:
+            error = err
     saving.agree(error, group=group, distributed=distributed)

@@ -247,6 +247,7 @@ def test_kill_during_persistence_never_restores_a_torn_part(base, tmp_path):  # 
         return found
 
     deadline = time.monotonic() + 180
+
     def persisted() -> list:  # the checkpoints whose every part is committed on some disk
         ready = [node for node in range(2) if os.path.isdir(roots[node])]
         return complete([(node, part) for node in ready for part in _disk(f"{disks}/disk{node}").parts()])

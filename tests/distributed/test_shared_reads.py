@@ -1,0 +1,119 @@
+"""DDP restores from an object store read each record once across the ranks (SeaweedFS on loopback, 2 gloo ranks).
+
+Every rank ends with the exact saved state (large tensor records broadcast into the targets, runs of small records
+as file bytes checked again by each receiver), each rank's own state is read by that rank, and a corrupt record,
+large or small, fails the load on every rank with the file named, without a hang.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_dcp.engine import shared_reads
+from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.dcp_reader import storage_reader
+from lightning_dcp.engine.storage import Location
+from lightning_dcp.errors import CheckpointError
+from tests._spawn import spawn
+from tests._trainer import assert_same, load_result, save_result
+
+pytestmark = pytest.mark.s3
+
+
+def _state() -> dict[str, torch.Tensor]:
+    """12+ MB: 3 large float32 records, a large bf16 one, and 300 small ones of several dtypes (some empty)."""
+    g = torch.Generator().manual_seed(5)
+    state = {f"big{i}": torch.randn(1 << 20, generator=g) for i in range(3)}
+    state["half"] = torch.randn(1 << 20, generator=g).to(torch.bfloat16)
+    for i in range(300):
+        n = (i * 37) % 900
+        kind = i % 4
+        if kind == 0:
+            state[f"s{i}"] = torch.randn(n, generator=g)
+        elif kind == 1:
+            state[f"s{i}"] = torch.randint(-(2**40), 2**40, (n,), generator=g)
+        elif kind == 2:
+            state[f"s{i}"] = torch.randn(n, generator=g) > 0
+        else:
+            state[f"s{i}"] = torch.randn(n, generator=g).half()
+    return state
+
+
+def _load(url: str, options: dict) -> tuple[object, list]:
+    """``Checkpointer.load`` of ``url`` into zeros, and what :func:`shared_reads.agree` decided (spied on)."""
+    decided: list = []
+    agree = shared_reads.agree
+
+    def spy(*args, **kwargs):
+        decided.append(agree(*args, **kwargs))
+        return decided[-1]
+
+    shared_reads.agree = spy
+    try:
+        target = {"state_dict": {k: torch.zeros_like(v) for k, v in _state().items()}}
+        loaded = Checkpointer(storage_options=options).load(url, target=target, collective=True)
+    finally:
+        shared_reads.agree = agree
+    return loaded, decided
+
+
+def _worker(rank: int, world_size: int, url: str, options: dict, tmp: str) -> None:
+    dist.init_process_group("gloo")
+    Checkpointer().save(
+        {"state_dict": _state()},
+        f"{url}/a.ckpt",
+        objects={"step": 3},
+        rank_objects={"who": f"rank {rank}" * 1000},
+        storage_options=options,
+        collective=True,
+    )
+    loaded, decided = _load(f"{url}/a.ckpt", options)
+    shared = [None if d is None else len(d.keys) for d in decided]
+    save_result(tmp, "loaded", rank, (loaded.tree["state_dict"], loaded.objects, loaded.rank_objects, shared))
+
+
+def test_ddp_restore_from_s3_reads_each_record_once_and_every_rank_gets_the_exact_state(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    spawn(_worker, 2, url, options, str(tmp_path))
+    expected = _state()
+    for rank in range(2):
+        tree, objects, rank_objects, shared = load_result(str(tmp_path), "loaded", rank)
+        assert len(shared) == 1 and shared[0] >= len(expected)  # every tensor's records shared (large: in chunks)
+        assert_same(tree, expected)
+        assert objects["step"] == 3 and rank_objects == {"who": f"rank {rank}" * 1000}  # each rank's own
+
+
+def _corrupt_worker(rank: int, world_size: int, url: str, options: dict, tmp: str, fqn: str) -> None:
+    import s3fs
+
+    dist.init_process_group("gloo")
+    Checkpointer().save(
+        {"state_dict": _state()}, f"{url}/a.ckpt", objects={"step": 1}, storage_options=options, collective=True
+    )
+    if rank == 0:  # flip one byte in the middle of the record's raw bytes
+        reader = storage_reader(Location(f"{url}/a.ckpt", storage_options=options))
+        info = next(v for k, v in reader.read_metadata().storage_data.items() if k.fqn == f"state_dict.{fqn}")
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+        key = f"{url.removeprefix('s3://')}/a.ckpt/{info.relative_path}"
+        data = bytearray(fs.cat_file(key))
+        data[info.offset + info.length // 2] ^= 0xFF
+        fs.pipe_file(key, bytes(data))
+    dist.barrier()
+    try:
+        _load(f"{url}/a.ckpt", options)
+    except CheckpointError as err:
+        save_result(tmp, "error", rank, str(err))
+    else:
+        save_result(tmp, "error", rank, None)
+
+
+@pytest.mark.parametrize("fqn", ["big1", "s151"], ids=["large", "small"])
+def test_a_corrupt_shared_record_fails_the_load_on_every_rank(s3_bucket, tmp_path, fqn):
+    url, options = s3_bucket
+    spawn(_corrupt_worker, 2, url, options, str(tmp_path), fqn, timeout=120.0)
+    for rank in range(2):
+        message = load_result(str(tmp_path), "error", rank)
+        assert message is not None and "corrupt" in message and f"state_dict.{fqn}" in message, message
+        assert ".distcp" in message  # the file is named

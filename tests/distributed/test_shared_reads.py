@@ -1,4 +1,4 @@
-"""DDP restores from an object store read each record once across the ranks (SeaweedFS on loopback, 2 gloo ranks).
+"""DDP restores from an object store read each record once across the ranks (2 gloo ranks; stores on loopback).
 
 Every rank ends with the exact saved state (large tensor records broadcast into the targets, runs of small records
 as file bytes checked again by each receiver), each rank's own state is read by that rank, and a corrupt record,
@@ -18,8 +18,6 @@ from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError
 from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, save_result
-
-pytestmark = pytest.mark.s3
 
 
 def _state() -> dict[str, torch.Tensor]:
@@ -74,8 +72,8 @@ def _worker(rank: int, world_size: int, url: str, options: dict, tmp: str) -> No
     save_result(tmp, "loaded", rank, (loaded.tree["state_dict"], loaded.objects, loaded.rank_objects, shared))
 
 
-def test_ddp_restore_from_s3_reads_each_record_once_and_every_rank_gets_the_exact_state(s3_bucket, tmp_path):
-    url, options = s3_bucket
+def test_ddp_restore_from_a_store_reads_each_record_once_and_every_rank_gets_the_exact_state(remote_store, tmp_path):
+    url, options, _ = remote_store  # S3, GCS and Azure servers on loopback
     spawn(_worker, 2, url, options, str(tmp_path))
     expected = _state()
     for rank in range(2):
@@ -85,35 +83,37 @@ def test_ddp_restore_from_s3_reads_each_record_once_and_every_rank_gets_the_exac
         assert objects["step"] == 3 and rank_objects == {"who": f"rank {rank}" * 1000}  # each rank's own
 
 
-def _corrupt_worker(rank: int, world_size: int, url: str, options: dict, tmp: str, fqn: str) -> None:
+def _corrupt_worker(rank: int, world_size: int, url: str, options: dict, tmp: str) -> None:
     import s3fs
 
     dist.init_process_group("gloo")
-    Checkpointer().save(
-        {"state_dict": _state()}, f"{url}/a.ckpt", objects={"step": 1}, storage_options=options, collective=True
-    )
-    if rank == 0:  # flip one byte in the middle of the record's raw bytes
-        reader = storage_reader(Location(f"{url}/a.ckpt", storage_options=options))
-        info = next(v for k, v in reader.read_metadata().storage_data.items() if k.fqn == f"state_dict.{fqn}")
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
-        key = f"{url.removeprefix('s3://')}/a.ckpt/{info.relative_path}"
-        data = bytearray(fs.cat_file(key))
-        data[info.offset + info.length // 2] ^= 0xFF
-        fs.pipe_file(key, bytes(data))
-    dist.barrier()
-    try:
-        _load(f"{url}/a.ckpt", options)
-    except CheckpointError as err:
-        save_result(tmp, "error", rank, str(err))
-    else:
-        save_result(tmp, "error", rank, None)
+    fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    for name, fqn in (("large.ckpt", "big1"), ("small.ckpt", "s151")):
+        path = f"{url}/{name}"
+        state = {"state_dict": _state()}
+        Checkpointer().save(state, path, objects={"step": 1}, storage_options=options, collective=True)
+        if rank == 0:  # flip one byte in the middle of the record's raw bytes
+            reader = storage_reader(Location(path, storage_options=options))
+            info = next(v for k, v in reader.read_metadata().storage_data.items() if k.fqn == f"state_dict.{fqn}")
+            key = f"{path.removeprefix('s3://')}/{info.relative_path}"
+            data = bytearray(fs.cat_file(key))
+            data[info.offset + info.length // 2] ^= 0xFF
+            fs.pipe_file(key, bytes(data))
+        dist.barrier()
+        try:
+            _load(path, options)
+        except CheckpointError as err:
+            save_result(tmp, fqn, rank, str(err))
+        else:
+            save_result(tmp, fqn, rank, None)
 
 
-@pytest.mark.parametrize("fqn", ["big1", "s151"], ids=["large", "small"])
-def test_a_corrupt_shared_record_fails_the_load_on_every_rank(s3_bucket, tmp_path, fqn):
+@pytest.mark.s3
+def test_a_corrupt_shared_record_large_or_small_fails_the_load_on_every_rank(s3_bucket, tmp_path):
     url, options = s3_bucket
-    spawn(_corrupt_worker, 2, url, options, str(tmp_path), fqn, timeout=120.0)
-    for rank in range(2):
-        message = load_result(str(tmp_path), "error", rank)
-        assert message is not None and "corrupt" in message and f"state_dict.{fqn}" in message, message
-        assert ".distcp" in message  # the file is named
+    spawn(_corrupt_worker, 2, url, options, str(tmp_path), timeout=120.0)
+    for fqn in ("big1", "s151"):
+        for rank in range(2):
+            message = load_result(str(tmp_path), fqn, rank)
+            assert message is not None and "corrupt" in message and f"state_dict.{fqn}" in message, message
+            assert ".distcp" in message  # the file is named

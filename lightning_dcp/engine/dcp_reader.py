@@ -109,15 +109,16 @@ class _VerifyingReader:
                 self.checksums[(name, offset)] = (length, digest)
 
     def share_keys(self, plan: LoadPlan) -> list[tuple[str, int, int]] | None:
-        """``(file, offset, length)`` of each record ``plan`` reads, for :func:`shared_reads.agree`.
+        """``(file, offset, length)`` of each tensor record ``plan`` reads, for :func:`shared_reads.agree`.
 
         ``None`` (this rank reads alone) for a checkpoint without our ``.commit``: its files' sizes and records'
         checksums, which every receiver checks against, are unknown.
         """
         if self.checksums is None:
             return None
-        storage_data = self.storage_data
-        return [(i.relative_path, i.offset, i.length) for i in (storage_data[it.storage_index] for it in plan.items)]
+        data, tensor = self.storage_data, LoadItemType.TENSOR
+        infos = (data[item.storage_index] for item in plan.items if item.type == tensor)
+        return [(info.relative_path, info.offset, info.length) for info in infos]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         sharing = getattr(self, "sharing", None)

@@ -84,6 +84,58 @@ def test_ddp_restore_from_a_store_reads_each_record_once_and_every_rank_gets_the
         assert objects["step"] == 3 and rank_objects == {"who": f"rank {rank}" * 1000}  # each rank's own
 
 
+def _fabric_worker(rank: int, world_size: int, url: str, options: dict, tmp: str) -> None:
+    from lightning.fabric import Fabric
+
+    import lightning_dcp  # noqa: F401  (registers the dcp_* names)
+    from lightning_dcp.fabric import DCPDDPStrategy
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy=DCPDDPStrategy(storage_options=options))
+    fabric.launch()
+    fabric.seed_everything(3, verbose=False)
+    model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 512)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=0.01))
+    fabric.backward(model(torch.randn(4, 1024)).square().mean())
+    optimizer.step()  # 18 MB of weights and AdamW state
+    fabric.save(f"{url}/fabric.ckpt", {"model": model, "optimizer": optimizer, "step": 1})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    saved_optim = _clone_tensors(optimizer.state_dict())
+    with torch.no_grad():  # everything the load must bring back, zeroed in place
+        for tensor in [*model.parameters(), *(v for st in optimizer.state.values() for v in st.values())]:
+            tensor.zero_()
+    decided: list = []
+    agree = shared_reads.agree
+    shared_reads.agree = lambda *a, **k: decided.append(agree(*a, **k)) or decided[-1]
+    try:
+        rest = fabric.load(f"{url}/fabric.ckpt", {"model": model, "optimizer": optimizer})
+    finally:
+        shared_reads.agree = agree
+    shared = [d is not None for d in decided]
+    save_result(tmp, "fabric", rank, (saved, saved_optim, model.state_dict(), optimizer.state_dict(), rest, shared))
+
+
+def _clone_tensors(value):
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return {k: _clone_tensors(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_clone_tensors(v) for v in value]
+    return value
+
+
+@pytest.mark.s3
+def test_fabric_ddp_load_from_s3_shares_reads_and_restores_exactly(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    spawn(_fabric_worker, 2, url, options, str(tmp_path))
+    for rank in range(2):
+        saved, saved_optim, model, optim, rest, shared = load_result(str(tmp_path), "fabric", rank)
+        assert True in shared  # the model and optimizer load shared its reads
+        assert_same(model, saved)
+        assert_same(optim, saved_optim)
+        assert rest == {"step": 1}
+
+
 def _corrupt_worker(rank: int, world_size: int, url: str, options: dict, tmp: str) -> None:
     import s3fs
 

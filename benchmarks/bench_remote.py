@@ -130,7 +130,7 @@ def markdown(result: dict[str, Any], command: str) -> list[str]:
         "# Resuming from S3 (SeaweedFS on loopback)",
         "",
         f"Command: `{command}`. {result['mix']} x {result['scale']}, {result['bytes'] / 1e6:.0f} MB in"
-        f" {result['files']} files, {result['world_size']} ranks (each reads every byte under DDP).",
+        f" {result['files']} files, {result['world_size']} ranks (shared reads: each byte read by one rank).",
         "",
         "| resume, shared reads s | resume, every rank reads every byte s | parallel `get` s (rank 0) |"
         " get/resume | peak RSS growth per rank MB |",

@@ -6,9 +6,11 @@
     python -m benchmarks.run --gpu                # one CUDA GPU: 2, 8 and 20 GB + a training run -> GPU.md
     python -m benchmarks.run --gpu --smoke        # the GPU benchmark's code paths on CPU, tiny sizes, no files
     python -m benchmarks.run --tiered             # tiered saves to S3 (SeaweedFS): 0.25 GB, 5 repeats -> TIERED.md
+    python -m benchmarks.run --remote             # 2-rank resume from S3 vs a parallel get, 1.49 GB -> REMOTE.md
 
 Also available one by one: ``benchmarks/bench_save.py``, ``bench_reshard.py``, ``bench_consolidate.py``,
-``bench_integrity.py``, ``bench_storage.py``, ``bench_gpu.py``, ``bench_tiered.py`` (each has ``--help``).
+``bench_integrity.py``, ``bench_storage.py``, ``bench_gpu.py``, ``bench_tiered.py``, ``bench_remote.py`` (each has
+``--help``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,15 @@ import time
 import lightning
 import torch
 
-from benchmarks import bench_consolidate, bench_gpu, bench_integrity, bench_reshard, bench_save, bench_tiered
+from benchmarks import (
+    bench_consolidate,
+    bench_gpu,
+    bench_integrity,
+    bench_remote,
+    bench_reshard,
+    bench_save,
+    bench_tiered,
+)
 from benchmarks.trainer_report import trainer_main
 
 LABELS = {
@@ -252,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="0.1 GB saves only, 1 repeat")
     parser.add_argument("--gpu", action="store_true", help="bench_gpu.py instead; skips without CUDA")
     parser.add_argument("--tiered", action="store_true", help="bench_tiered.py instead (S3 on SeaweedFS)")
+    parser.add_argument("--remote", action="store_true", help="bench_remote.py instead (resume from S3) -> REMOTE.md")
     parser.add_argument("--smoke", action="store_true", help="with --gpu: tiny sizes on CPU, files only with --out")
     parser.add_argument("--train-steps", type=int, default=200, help="with --gpu: timed training steps (0: none)")
     parser.add_argument("--save-every", type=int, default=50, help="with --gpu: steps between saves")
@@ -269,6 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         return gpu_main(args, command)
     if args.tiered:
         return tiered_main(args, command)
+    if args.remote:  # the gpt2 mix at full size (1.49 GB); --scale and --repeats pass through
+        out = args.out or "benchmarks/results"
+        options = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--out", out]
+        return bench_remote.main(["--mix", "gpt2", *options])
     if args.trainer:
         return trainer_main(args, command, log=_log)
     args.out = args.out or "benchmarks/results"

@@ -14,9 +14,12 @@ step a training loop runs a forward and a backward pass: they change buffers in 
 DDP broadcasts), not parameters or optimizer state. So CPU tensors are copied by the background thread after the
 call returned, while every optimizer step waits until those copies are made (:class:`_StepGate`, a global optimizer
 pre-step hook; front ends also wait before other code that may change weights, such as Lightning's validation,
-where weight-averaging callbacks swap weights in place). The tensors a front end names *volatile* (module buffers,
-values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned buffers at once) and the
-non-tensor state are copied before the call returns, the CPU ones in one batched copy. From a run's second save on,
+where weight-averaging callbacks swap weights in place). Lightning's Trainer runs the forward and backward passes
+inside ``optimizer.step(closure)``, after the pre-step hooks: its strategies wait after the closure instead
+(:meth:`_StepGate.after_closure`), or the copies would never overlap them. The tensors a front end names
+*volatile* (module buffers, values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned
+buffers at once) and the non-tensor state are copied before the call returns, the CPU ones in one batched copy.
+From a run's second save on,
 planning moves to the background thread too (its collectives run over the save's own group): the call flattens the
 state, makes those copies and records the version counter of every tensor it leaves live; the thread copies first
 the live tensors this rank wrote in the previous save (the plan of a run rarely changes) and lets optimizer steps go
@@ -38,10 +41,11 @@ The loop is blocked for the call plus whatever the next optimizer step waits (:a
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -175,6 +179,7 @@ class _StepGate:
         self._pending: dict[threading.Event, Callable[[float], None] | None] = {}
         self._lock = threading.Lock()
         self._hook: Any = None
+        self._local = threading.local()  # .closing: the optimizer whose step waits after its closure instead
 
     def hold(self, copied: threading.Event, on_wait: Callable[[float], None] | None = None) -> None:
         """Make optimizer steps wait until ``copied`` is set (or :meth:`release` is called)."""
@@ -188,6 +193,11 @@ class _StepGate:
         with self._lock:
             self._pending.pop(copied, None)
 
+    def pending(self) -> bool:
+        """Whether some staging copy held here is not made yet."""
+        with self._lock:
+            return any(not copied.is_set() for copied in self._pending)
+
     def wait_all(self) -> None:
         """Wait for every pending staging copy."""
         if not self._pending:
@@ -200,7 +210,33 @@ class _StepGate:
             if on_wait is not None:
                 on_wait(time.perf_counter() - start)
 
+    @contextlib.contextmanager
+    def after_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Iterator[Callable[[], Any]]:
+        """Inside: ``optimizer.step(closure=...)`` waits after its closure (forward and backward), not before it.
+
+        Lightning's automatic optimization runs the forward and backward passes inside ``optimizer.step(closure)``,
+        after the optimizer's pre-step hooks: a wait in the hook would keep them from overlapping the copies.
+        Yields the closure to pass instead of ``closure``: it runs ``closure`` and then waits for every pending
+        copy (:meth:`wait_all`); the pre-step hook of ``optimizer`` (that object only) does not wait meanwhile.
+        Every torch optimizer evaluates its closure before it changes a tensor, and Lightning fails a step whose
+        closure was not run; a tensor changed anyway drops the save with a warning (the version check).
+        """
+
+        def closure_then_wait() -> Any:
+            result = closure()
+            self.wait_all()
+            return result
+
+        outer = getattr(self._local, "closing", None)
+        self._local.closing = optimizer
+        try:
+            yield closure_then_wait
+        finally:
+            self._local.closing = outer
+
     def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is getattr(self._local, "closing", None):
+            return  # its closure waits (after_closure)
         self.wait_all()
 
 

@@ -42,6 +42,7 @@ from lightning_dcp._compat import (
     unwrap_checkpoint_io,
 )
 from lightning_dcp.engine import layout
+from lightning_dcp.engine.async_save import STEP_GATE
 from lightning_dcp.engine.module_state import (
     load_model_state_dict,
     load_optimizer_state_dict,
@@ -169,6 +170,18 @@ class DCPStrategyMixin:
         if self._dcp_sharded and self.lightning_module is not None:
             install_flag_only_sigterm_handler(self.lightning_module.trainer)
         self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Step as the parent strategy does, with an async save's staging wait after the closure, not before it.
+
+        Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, after the optimizer's
+        pre-step hooks, where the deferred staging copies of an async save in flight are waited for; here the wait
+        comes once the closure has run, so those copies overlap the forward and backward passes
+        (:meth:`~lightning_dcp.engine.async_save.STEP_GATE.after_closure`).
+        """
+        with STEP_GATE.after_closure(optimizer, closure) as closure_then_wait:
+            return super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
 
     @override
     def on_validation_start(self) -> None:

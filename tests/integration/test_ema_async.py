@@ -1,8 +1,9 @@
 """A BatchNorm model with Lightning's EMAWeightAveraging, saved asynchronously every step: exact resumes.
 
-The default async save copies parameters, AdamW state and the EMA weights in the background while the next
-optimizer step waits for them; BatchNorm's running statistics, which the next forward pass changes in place, are
-copied at the call. EMAWeightAveraging's ``current_model_state`` is saved as DCP entries, not in the rank-0 blob.
+The default async save copies parameters, AdamW state and the EMA weights in the background while the next step's
+forward and backward passes run, and the optimizer step waits for them; BatchNorm's running statistics, which the
+next forward pass changes in place, are copied at the call. EMAWeightAveraging's ``current_model_state`` is saved
+as DCP entries, not in the rank-0 blob.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
+from lightning_dcp.engine.async_save import STEP_GATE
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from tests._trainer import assert_same, make_trainer, seed
@@ -26,6 +28,7 @@ class NormNet(LightningModule):
     def __init__(self) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 32), nn.BatchNorm1d(32), nn.ReLU(), nn.Linear(32, 2))
+        self.pending_at_steps: list[bool] = []
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -33,6 +36,9 @@ class NormNet(LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.AdamW(self.parameters(), lr=0.05)
+
+    def on_before_optimizer_step(self, optimizer):  # inside the step, after forward and backward
+        self.pending_at_steps.append(STEP_GATE.pending())
 
     def train_dataloader(self):
         g = torch.Generator().manual_seed(3)
@@ -62,6 +68,8 @@ def test_ema_and_batchnorm_with_deferred_async_saves_resume_exactly(tmp_path):
     assert any(k.startswith("current_model_state.") for k, m in keys.items() if isinstance(m, TensorStorageMetadata))
     assert "current_model_state.net.1.running_mean" in keys  # BatchNorm statistics, copied at the call
     resumed, resumed_ema = _fit(str(tmp_path / "run"), 3, ckpt_path=epoch1)
+    # The step's closure (forward, backward) may overlap the background copies; the step itself never does.
+    assert len(resumed.pending_at_steps) == 8 and not any(resumed.pending_at_steps + reference.pending_at_steps)
     assert_same(resumed.state_dict(), reference.state_dict(), "model")  # weights, BatchNorm statistics
     assert_same(resumed_ema._average_model.state_dict(), reference_ema._average_model.state_dict(), "ema")
     assert os.path.isfile(tmp_path / "run" / "last.ckpt" / ".commit")

@@ -170,3 +170,59 @@ def test_a_save_whose_keys_changed_since_the_last_one_is_never_dropped_by_the_ne
             for name, value in state.items():
                 assert torch.equal(saved["optimizer"][str(key)][name], value), (i, key, name)
     checkpointer.close()
+
+
+def test_a_closure_step_waits_for_pending_copies_after_its_closure_and_other_steps_before_theirs():
+    """Lightning runs forward and backward inside ``optimizer.step(closure)``: they overlap the copies, the step not."""
+    import threading
+    import time
+
+    from lightning_dcp.engine.async_save import STEP_GATE
+
+    param = torch.nn.Parameter(torch.ones(4))
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    other = torch.nn.Parameter(torch.ones(4))
+    other_optimizer = torch.optim.SGD([other], lr=1.0)
+    copied = threading.Event()
+    seen: dict[str, object] = {}
+
+    def closure() -> torch.Tensor:
+        seen["closure_ran_while_pending"] = not copied.is_set()
+        optimizer.zero_grad()
+        loss = (param * 2).sum()
+        loss.backward()
+        return loss
+
+    STEP_GATE.hold(copied, lambda seconds: seen.setdefault("waited", seconds))
+    timer = threading.Timer(0.3, copied.set)
+    timer.start()
+    try:
+        with STEP_GATE.after_closure(optimizer, closure) as closure_then_wait:
+            optimizer.step(closure_then_wait)
+        seen["param_changed_after_copies"] = copied.is_set()
+        assert torch.equal(param.detach(), torch.full((4,), -1.0))  # the step ran once, with the closure's gradient
+        # Another optimizer's step is not exempt while a closure step is in flight.
+        copied2 = threading.Event()
+        STEP_GATE.hold(copied2)
+        threading.Timer(0.2, copied2.set).start()
+        other.grad = torch.ones(4)
+        start = time.perf_counter()
+        with STEP_GATE.after_closure(optimizer, closure):
+            other_optimizer.step()
+        assert copied2.is_set() and time.perf_counter() - start >= 0.15
+        STEP_GATE.release(copied2)
+        assert torch.equal(other.detach(), torch.zeros(4))
+    finally:
+        timer.cancel()
+        STEP_GATE.release(copied)
+    assert seen["closure_ran_while_pending"] is True
+    assert seen["param_changed_after_copies"] is True
+    assert 0.1 <= seen["waited"] < 5.0
+    # Outside the context, a step waits in its pre-hook as before.
+    copied3 = threading.Event()
+    STEP_GATE.hold(copied3)
+    threading.Timer(0.2, copied3.set).start()
+    optimizer.step(closure)
+    STEP_GATE.release(copied3)
+    assert copied3.is_set()
+    assert seen["closure_ran_while_pending"] is False

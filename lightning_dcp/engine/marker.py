@@ -141,11 +141,22 @@ def parse_commit(data: bytes) -> dict[str, Any]:
             raise MarkerError(f"file name {name!r} is not a plain name inside the checkpoint directory")
         if not isinstance(entry, dict) or not _uint(entry.get("size")) or not isinstance(entry.get("records"), list):
             raise MarkerError(f"entry of {name!r} must hold an integer 'size' and a 'records' list")
-        for record in entry["records"]:
-            if not (isinstance(record, list) and len(record) == 3 and all(_uint(v) for v in record)):
+        size = entry["size"]
+        for record in entry["records"]:  # thousands per file: JSON gives exact ints and lists, checked inline
+            if type(record) is not list or len(record) != 3:
                 raise MarkerError(f"a record of {name!r} is not [offset, length, checksum] (non-negative integers)")
-            if record[0] + record[1] > entry["size"]:
-                raise MarkerError(f"a record of {name!r} ends at byte {record[0] + record[1]}, past its size")
+            offset, length, digest = record
+            if not (
+                type(offset) is int
+                and type(length) is int
+                and type(digest) is int
+                and 0 <= offset < 2**64
+                and 0 <= length < 2**64
+                and 0 <= digest < 2**64
+            ):
+                raise MarkerError(f"a record of {name!r} is not [offset, length, checksum] (non-negative integers)")
+            if offset + length > size:
+                raise MarkerError(f"a record of {name!r} ends at byte {offset + length}, past its size")
     return marker
 
 

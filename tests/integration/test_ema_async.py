@@ -9,6 +9,7 @@ as DCP entries, not in the rank-0 blob.
 from __future__ import annotations
 
 import os
+import threading
 
 import torch
 from lightning.pytorch import LightningModule
@@ -73,3 +74,34 @@ def test_ema_and_batchnorm_with_deferred_async_saves_resume_exactly(tmp_path):
     assert_same(resumed.state_dict(), reference.state_dict(), "model")  # weights, BatchNorm statistics
     assert_same(resumed_ema._average_model.state_dict(), reference_ema._average_model.state_dict(), "ema")
     assert os.path.isfile(tmp_path / "run" / "last.ckpt" / ".commit")
+
+
+class _GatedNet(NormNet):
+    """Holds the step gate (as an async save's pending copies do) from its batch start; a timer releases it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, bool]] = []  # (copies pending in training_step, pending in the update)
+        self._copied: threading.Event | None = None
+
+    def on_train_batch_start(self, batch, batch_idx):
+        self._copied = threading.Event()
+        STEP_GATE.hold(self._copied)
+        threading.Timer(0.5, self._copied.set).start()
+
+    def training_step(self, batch, batch_idx):
+        self._in_closure = not self._copied.is_set()
+        return super().training_step(batch, batch_idx)
+
+    def on_before_optimizer_step(self, optimizer):
+        self.seen.append((self._in_closure, not self._copied.is_set()))
+        STEP_GATE.release(self._copied)
+
+
+def test_the_trainer_runs_forward_and_backward_while_copies_are_pending_and_updates_after_them():
+    """``dcp_*`` strategies wait after the step's closure: without that, Lightning's step waits before forward."""
+    seed()
+    model = _GatedNet()
+    trainer = make_trainer(1, strategy="dcp_single_device", max_steps=3, enable_checkpointing=False)
+    trainer.fit(model)
+    assert model.seen == [(True, False)] * 3

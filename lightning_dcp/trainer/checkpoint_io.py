@@ -42,12 +42,14 @@ class DCPCheckpointIO(CheckpointIO):
             flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
             is raised there. Removals requested while it is in flight run after it commits.
         defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
-            copied into the staging buffers in the background after ``save_checkpoint`` returned, while the next
-            optimizer step waits for the copies; buffers a forward pass updates (BatchNorm statistics), parameters
-            no optimizer holds (an EMA copy), GPU tensors and the rest of the state are copied before it returns.
-            A tensor that changes outside optimizer steps (weight clipping after the step) is detected and copied
-            at the call from then on; a save it would have torn is dropped with a warning naming it instead.
-            ``False`` copies everything before returning. See
+            copied into the staging buffers in the background after ``save_checkpoint`` returned, during the next
+            step's forward and backward passes, and its optimizer update waits for the copies; buffers a forward
+            pass updates (BatchNorm statistics), parameters no optimizer holds (an EMA copy), GPU tensors and the
+            rest of the state are copied before it returns. A tensor that changes outside optimizer steps (weight
+            clipping after the step) is detected and copied at the call from then on; a save it would have torn
+            is dropped with a warning naming it instead. Changes through ``param.data`` are not seen: code that
+            writes parameters that way between a save and the next update (a callback, ``training_step``, a
+            forward pass) needs ``False``, which copies everything before returning. See
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.plugins.io.torch_plugin import TorchCheckpointIO
@@ -141,6 +142,8 @@ class DCPStrategyMixin:
         super().setup(trainer)
         if not self._dcp_sharded:
             return
+        if not any(isinstance(c, _WaitForStagingAtTrainEnd) for c in trainer.callbacks):
+            trainer.callbacks.insert(0, _WaitForStagingAtTrainEnd(self))  # before every other callback's hook
         arguments = trainer_run_arguments(trainer)
         if arguments is not None and arguments[0]:
             if is_memory_sentinel(arguments[0]) and not self._dcp_io.checkpointer.resumable(collective=True):
@@ -344,6 +347,21 @@ class DCPStrategyMixin:
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:
     """Whether ``checkpoint`` holds full tensors (not this rank's shards filled in place by a sharded load)."""
     return not checkpoint.get(layout.INFO_KEY, {}).get("loaded_in_place", False)
+
+
+class _WaitForStagingAtTrainEnd(Callback):
+    """Wait for an async save's staging copies before any other callback's ``on_train_end``.
+
+    No optimizer step follows the last save of a fit, and callbacks change weights in place at the end
+    (``EMAWeightAveraging`` copies the averaged weights into the model through ``.data``, which no version counter
+    sees): without this wait the last checkpoint could hold them.
+    """
+
+    def __init__(self, strategy: DCPStrategyMixin) -> None:
+        self._strategy = strategy
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        self._strategy._dcp_io.checkpointer.wait_for_staging()
 
 
 class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):

@@ -20,6 +20,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
 from lightning_dcp.engine.async_save import STEP_GATE
+from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.storage import Location
 from tests._trainer import assert_same, make_trainer, seed
@@ -105,3 +106,36 @@ def test_the_trainer_runs_forward_and_backward_while_copies_are_pending_and_upda
     trainer = make_trainer(1, strategy="dcp_single_device", max_steps=3, enable_checkpointing=False)
     trainer.fit(model)
     assert model.seen == [(True, False)] * 3
+
+
+class _SnapshotNet(NormNet):
+    """Keeps a clone of the model state each checkpoint is saved with, by step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.saved: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_save_checkpoint(self, checkpoint):
+        self.saved[self.trainer.global_step] = {k: v.detach().clone() for k, v in self.state_dict().items()}
+
+
+def test_the_last_async_save_holds_the_trained_weights_though_ema_copies_its_average_in_at_train_end(tmp_path):
+    """``EMAWeightAveraging.on_train_end`` writes the average into the model through ``.data`` (no version counter
+    moves) while the last save's background copies may be pending: the strategy waits before that hook."""
+    seed()
+    model = _SnapshotNet()
+    trainer = make_trainer(
+        1,
+        strategy="dcp_single_device",
+        max_steps=4,
+        callbacks=[
+            DCPModelCheckpoint(dirpath=str(tmp_path), every_n_train_steps=1, save_top_k=-1),
+            EMAWeightAveraging(decay=0.5),
+        ],
+        plugins=[DCPCheckpointIO(async_save=True)],
+    )
+    trainer.fit(model)
+    for step in (1, 2, 3, 4):
+        path = str(tmp_path / f"epoch=0-step={step}.ckpt")
+        saved = Checkpointer().load(path).tree["current_model_state"]
+        assert_same(saved, model.saved[step], f"step {step}")

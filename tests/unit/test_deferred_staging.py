@@ -218,6 +218,23 @@ def test_a_closure_step_waits_for_pending_copies_after_its_closure_and_other_ste
     assert seen["closure_ran_while_pending"] is True
     assert seen["param_changed_after_copies"] is True
     assert 0.1 <= seen["waited"] < 5.0
+
+    # An optimizer from outside torch.optim may change parameters before its closure (SAM-like): it waits first.
+    class Perturbing(torch.optim.SGD):
+        def step(self, closure=None):
+            with torch.no_grad():
+                param.add_(0.5)  # the perturbation, before the closure
+            return super().step(closure)
+
+    perturbing = Perturbing([param], lr=1.0)
+    copied4 = threading.Event()
+    STEP_GATE.hold(copied4)
+    threading.Timer(0.2, copied4.set).start()
+    with STEP_GATE.after_closure(perturbing, closure) as passed:
+        assert passed is closure
+        perturbing.step(passed)
+    STEP_GATE.release(copied4)
+    assert seen["closure_ran_while_pending"] is False
     # Outside the context, a step waits in its pre-hook as before.
     copied3 = threading.Event()
     STEP_GATE.hold(copied3)

@@ -129,7 +129,11 @@ class S3Server:
     def _wait_ready(self) -> None:
         import s3fs
 
-        fs = s3fs.S3FileSystem(skip_instance_cache=True, **self.storage_options())
+        options = self.storage_options()
+        # Each probe gives up after a few seconds: a server that accepts requests but cannot store (a full disk: no
+        # volume can be created) would otherwise hold one request past the deadline, and the session with it.
+        options["config_kwargs"] = {"connect_timeout": 5, "read_timeout": 5, "retries": {"max_attempts": 1}}
+        fs = s3fs.S3FileSystem(skip_instance_cache=True, **options)
         deadline = time.monotonic() + _READY_TIMEOUT_S
         probe = "ready-probe"
         while True:

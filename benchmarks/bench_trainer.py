@@ -421,11 +421,17 @@ def run(
                 [s + (w[i] if i < len(w) else 0.0) for i, s in enumerate(st)]
                 for st, w in zip(r["stalls"], r["waits"], strict=True)
             ]
+            # A save at the last step has no next step: the wait for it at the end of training (the Trainer waits
+            # for its staging before on_train_end, and teardown for its write) is reported apart from the loop's.
+            at_end = fit_steps % every == 0
+            in_loop = [run[:-1] if at_end else run for run in blocked]
             out["fit"][m] = {
                 "seconds": summary(r["seconds"]),
                 "stall": summary([s for run in r["stalls"] for s in run]),
-                "blocked": summary([b for run in blocked for b in run]),
-                "blocked_total": summary([sum(run) for run in blocked]),
+                "blocked": summary([b for run in in_loop for b in run]),
+                "blocked_total": summary([sum(run) for run in in_loop]),
+                "blocked_each": blocked,  # per run, per save (seconds), the one at the end included
+                "end_blocked": summary([run[-1] for run in blocked]) if at_end else None,
                 "saves": len(r["stalls"][0]),
             }
         out["fit_steps"], out["every"], out["ema"] = fit_steps, every, ema

@@ -1,12 +1,14 @@
 """The tensor-size mixes the Trainer benchmarks save: real ``LightningModule``s trained with AdamW.
 
-- ``huge``: a few huge tensors: ``Linear(4096, 8192)`` and two ``Linear(8192, 4096)``, bias-free (issue 12's model):
-  3 weights of 128 MiB, after an AdamW step 1.13 GiB in 9 tensors (plus 3 scalar ``step`` tensors);
+- ``huge``: a few huge tensors: ``Linear(4096, 8192)`` and two ``Linear(8192, 4096)``, bias-free (issue 12's model),
+  with a ``BatchNorm1d(8192)`` between them: 3 weights of 128 MiB, after an AdamW step 1.13 GiB in 9 large tensors
+  (plus the norm's 5 small ones and their AdamW state, and the scalar ``step`` tensors);
 - ``gpt2``: GPT-2 small's parameter shapes (a 50257x768 embedding of 154 MB, 12 blocks of attention/MLP weights,
   biases and layer norms: 148 tensors, 124 M parameters): 1.49 GB with AdamW state;
 - ``small``: many small tensors: 600 ``Linear(96, 96)`` with bias (37 KB and 384 B each): 3600 tensors, 67 MB;
 - ``bert``: BERT-base's parameter shapes (a 30522x768 word embedding, position and token-type embeddings, 12 encoder
-  layers of attention and feed-forward weights with biases and LayerNorms, a pooler): 110 M parameters, 1.32 GB;
+  layers of attention and feed-forward weights with biases and LayerNorms, a pooler behind a ``BatchNorm1d``): 110 M
+  parameters, 1.32 GB;
 - ``peers``: the workload the peer libraries were compared on in issue 23: a GPT-2-like model of width 1024 with
   16 blocks (separate query, key and value projections) and a 50257-token tied embedding: 253 M parameters, 1036
   tensors and 3.04 GB with AdamW state;
@@ -40,10 +42,11 @@ class _Huge(nn.Module):
         self.up = nn.Linear(narrow, wide, bias=False)
         self.a = nn.Linear(wide, narrow, bias=False)
         self.b = nn.Linear(wide, narrow, bias=False)
+        self.norm = nn.BatchNorm1d(wide)  # running statistics change in place in every forward pass
         self.width = narrow
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.relu(self.up(x))
+        h = torch.relu(self.norm(self.up(x)))
         return (self.a(h) * self.b(h)).mean()
 
 
@@ -118,6 +121,7 @@ class _Bert(nn.Module):
         self.token_type_embeddings = nn.Embedding(2, self.width)
         self.embeddings_norm = nn.LayerNorm(self.width)
         self.layers = nn.ModuleList(_BertLayer(self.width) for _ in range(12))
+        self.pooler_norm = nn.BatchNorm1d(self.width)  # running statistics change in place in every forward pass
         self.pooler = nn.Linear(self.width, self.width)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -128,7 +132,10 @@ class _Bert(nn.Module):
             h = layer(h)
         # A masked-LM head tied to the word embedding: its gradient is dense, as in pre-training.
         logits = (h @ self.word_embeddings.weight.T).flatten(0, 1)
-        return nn.functional.cross_entropy(logits, tokens.flatten()) + torch.tanh(self.pooler(h[:, 0])).mean()
+        return (
+            nn.functional.cross_entropy(logits, tokens.flatten())
+            + torch.tanh(self.pooler(self.pooler_norm(h[:, 0]))).mean()
+        )
 
 
 class _Conv(nn.Module):

@@ -70,7 +70,10 @@ class Checkpointer:
             as BatchNorm statistics, parameters no optimizer holds, GPU tensors) is copied before it returns. A
             tensor found changed outside optimizer steps is copied at the call from then on; one changed before its
             background copy was made drops that save with a warning naming it (never a checkpoint mixing two
-            steps). ``False``: copy everything before returning (see :mod:`lightning_dcp.engine.async_save`).
+            steps). On local disks those tensors may instead be written where they are, with no copy (live writes,
+            chosen save by save; a step that comes before the writer is done copies the rest and goes on: see
+            :mod:`lightning_dcp.engine.live_write`). ``False``: copy everything before returning (see
+            :mod:`lightning_dcp.engine.async_save`).
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest

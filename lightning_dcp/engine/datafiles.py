@@ -141,15 +141,28 @@ def make_record(item: WriteItem, data: Any) -> Record:
     return Record([*parts, (memoryview(layout.suffix), None)], tensor, layout.data_offset)
 
 
-def write_local(path: str, job: FileJob, resolve: Callable[[WriteItem], Any], *, sync: bool) -> list[RecordResult]:
+def write_local(
+    path: str,
+    job: FileJob,
+    resolve: Callable[[WriteItem], Any],
+    *,
+    sync: bool,
+    done: Callable[[WriteItem], None] | None = None,
+    swap: Callable[[WriteItem], torch.Tensor | None] | None = None,
+) -> list[RecordResult]:
     """Write ``job``'s records into a new local file at ``path`` (direct I/O and ``fsync`` when ``sync``).
+
+    ``done(item)``, when given, is called once the file no longer needs the memory of ``item``'s data (written to
+    the kernel or copied), record by record. ``swap(item)``, when given, is asked between two pieces of a large
+    tensor record (once the file no longer needs the pieces before): a tensor it returns holds the same bytes, and
+    the rest of the record is read from it.
 
     Raises:
         OSError: The file cannot be created or written (e.g. ``ENOSPC``); the partial file is left for the caller.
     """
     out = open_local(path, sync=sync)
     try:
-        results = _write_records(job, resolve, out)
+        results = _write_records(job, resolve, out, done, swap)
     except BaseException:
         with contextlib.suppress(OSError):
             os.close(out.fd)
@@ -166,7 +179,13 @@ def write_stream(stream: IO[bytes], job: FileJob, resolve: Callable[[WriteItem],
     return results
 
 
-def _write_records(job: FileJob, resolve: Callable[[WriteItem], Any], out: Any) -> list[RecordResult]:
+def _write_records(
+    job: FileJob,
+    resolve: Callable[[WriteItem], Any],
+    out: Any,
+    done: Callable[[WriteItem], None] | None = None,
+    swap: Callable[[WriteItem], torch.Tensor | None] | None = None,
+) -> list[RecordResult]:
     """Each record hashed right before it is written; small ones framed in the output's buffer, in place.
 
     A small record (a tensor under :data:`~lightning_dcp.engine.fileout.DIRECT_MIN` bytes, a blob) is laid out
@@ -182,6 +201,8 @@ def _write_records(job: FileJob, resolve: Callable[[WriteItem], Any], out: Any) 
         framed = _frame_small(item, data, out)
         if framed is not None:
             results.append(RecordResult(item, name, *framed))
+            if done is not None:
+                done(item)
             continue
         record = make_record(item, data)
         address = record.address
@@ -197,7 +218,15 @@ def _write_records(job: FileJob, resolve: Callable[[WriteItem], Any], out: Any) 
                 hasher.update(piece)
                 out.write(piece, record.keep, None if address is None else address + begin)
                 begin, end = end, end + PIECE
+                if swap is not None and address is not None and begin < view.nbytes:
+                    out.settle()
+                    copy = swap(item)
+                    if copy is not None:  # the same bytes elsewhere: the rest is read from there
+                        view, address, record.keep = raw_bytes(copy), copy.data_ptr(), copy
         results.append(RecordResult(item, name, start, out.position - start, hasher.intdigest()))
+        if done is not None:
+            out.settle()
+            done(item)
     return results
 
 

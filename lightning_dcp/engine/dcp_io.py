@@ -132,7 +132,9 @@ class _ChecksummingWriter:
             if linked is not None:
                 return linked
         if self.local_files:
-            return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files)
+            # A live write lets tensors go record by record, or swaps in their copies.
+            done, swap = getattr(planner, "record_written", None), getattr(planner, "swap", None)
+            return write_local(os.fspath(path), job, planner.resolve_data, sync=self.sync_files, done=done, swap=swap)
         with self.fs.create_stream(path, "wb") as stream:
             return write_stream(stream, job, planner.resolve_data)
 

@@ -125,6 +125,11 @@ class BufferedOut:
         if self._pending_bytes >= PIECE or len(self._pending) >= _MAX_IOV:
             self._flush()
 
+    def settle(self) -> None:
+        """Hand every pending piece to the kernel: no memory passed to :meth:`write` is referenced afterwards."""
+        if self._pending:
+            self._flush()
+
     def frame(self, nbytes: int) -> tuple[memoryview, int, int]:
         """``(view, start, address)``: ``view[start:start + nbytes]`` (at ``address``) are the next bytes of the file.
 
@@ -221,6 +226,9 @@ class DirectOut:
                     self.position += chunk.nbytes
                 piece = piece[head + body :]
         self._copy(piece)
+
+    def settle(self) -> None:
+        """Nothing to do: :meth:`write` returns once a piece is written or copied into the bounce buffer."""
 
     def frame(self, nbytes: int) -> tuple[memoryview, int, int]:
         """``(view, start, address)``: ``view[start:start + nbytes]`` (at ``address``) are the next bytes of the file.
@@ -332,6 +340,9 @@ class StreamOut:
         self._frame_fill += nbytes
         self.position += nbytes
         return self._frames[1], start, self._frames[2] + start
+
+    def settle(self) -> None:
+        """Nothing to do: the stream takes (copies or writes) each piece in :meth:`write`."""
 
     def close(self) -> None:
         """Write what was framed; the stream's owner closes the stream."""

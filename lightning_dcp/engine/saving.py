@@ -26,7 +26,7 @@ import dataclasses
 import gc
 import pickle
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -202,27 +202,38 @@ def _split(local: SavePlan, signature: bytes) -> tuple[SavePlan, SavePlan, bytes
     return found
 
 
-def write(prepared: PreparedSave, *, error: BaseException | None = None) -> None:
+def write(
+    prepared: PreparedSave,
+    *,
+    error: BaseException | None = None,
+    written: Callable[[], BaseException | None] | None = None,
+) -> None:
     """Write this rank's items; the coordinator finishes the checkpoint (``.metadata``, ``.commit``).
 
     Collective over the prepared group when distributed (may run in a background thread). With ``error`` (this
-    rank could not get its data ready) nothing is written and every rank fails with it.
+    rank could not get its data ready) nothing is written and every rank fails with it. ``written`` is called once
+    this rank is done with its data (written, failed or skipped), before any exchange; an error it returns fails
+    the save on every rank as this rank's.
 
     Raises:
         RankFailure: Writing or finishing failed on some rank (on every rank).
     """
     compact = None
-    if error is None:
-        try:
-            write_compact = getattr(prepared.writer, "write_compact", None)
-            if write_compact is not None:
-                compact = write_compact(prepared.plan, prepared.planner)
-            else:
-                future = prepared.writer.write_data(prepared.plan, prepared.planner)
-                future.wait()
-                compact = [compact_result(result) for result in future.value()]
-        except Exception as err:
-            error = err
+    try:
+        if error is None:
+            try:
+                write_compact = getattr(prepared.writer, "write_compact", None)
+                if write_compact is not None:
+                    compact = write_compact(prepared.plan, prepared.planner)
+                else:
+                    future = prepared.writer.write_data(prepared.plan, prepared.planner)
+                    future.wait()
+                    compact = [compact_result(result) for result in future.value()]
+            except Exception as err:
+                error = err
+    finally:
+        late = written() if written is not None else None
+    error = error or late
     if not prepared.distributed:
         _raise_first([error])
         _finish(prepared, [compact])

@@ -62,15 +62,18 @@ class Deferred:
     Attributes:
         name: The tensor's key, for messages.
         source: The live tensor (or the row range of it this rank writes).
-        buffer: The staging buffer it is copied into.
+        buffer: The staging buffer it is copied into; ``None`` for a live write (the writer reads ``source`` itself
+            while optimizer steps wait, and only the version is checked afterwards).
         version: ``source``'s in-place version counter when the save was planned.
+        index: The write item's index (set by :meth:`Stager.stage_items` and :meth:`Stager.stage_deferred`).
     """
 
     name: str
     source: torch.Tensor
-    buffer: torch.Tensor
+    buffer: torch.Tensor | None
     version: int
     changed: bool = False  # found changed when it was copied early (see Stager.finish's ``made``)
+    index: Any = None
 
 
 class Stager(AsyncStager):
@@ -107,6 +110,7 @@ class Stager(AsyncStager):
         resolve: Callable[[WriteItem], Any],
         *,
         defer: Callable[[WriteItem, torch.Tensor], bool] | None = None,
+        live: bool = False,
     ) -> tuple[dict[Any, Any], list[Deferred]]:
         """Copies of the data of ``items`` (``resolve`` gives it: a tensor, or a blob already serialized).
 
@@ -115,6 +119,7 @@ class Stager(AsyncStager):
             resolve: The planner's ``resolve_data``.
             defer: Which CPU tensors get their buffer now and their copy later (:meth:`finish`); ``None`` copies
                 everything now.
+            live: The deferred tensors are written as they are (no buffer; see :class:`Deferred`).
 
         Returns:
             ``({item.index: staged data}, deferred copies)``: tensors in this stager's buffers, blobs as they are.
@@ -126,14 +131,17 @@ class Stager(AsyncStager):
         for item in items:
             data = resolve(item)
             if isinstance(data, torch.Tensor):
-                key = ("item", item.index.fqn, tuple(item.index.offset) if item.index.offset is not None else ())
+                key = _item_key(item.index)
                 source = data.detach()
                 if not source.is_cpu:
                     data = self._copy_tensor(source, key)
+                elif defer is not None and defer(item, source):
+                    data = source if live else self._buffer(source, key)
+                    version = tensor_version(source)
+                    deferred.append(Deferred(item.index.fqn, source, None if live else data, version, index=item.index))
                 else:
                     data = self._buffer(source, key)
-                    copy_ = Deferred(item.index.fqn, source, data, tensor_version(source))
-                    (deferred if defer is not None and defer(item, source) else now).append(copy_)
+                    now.append(Deferred(item.index.fqn, source, data, tensor_version(source)))
             staged[item.index] = data
         Stager.copy(now)
         if self._cuda_copies:
@@ -182,11 +190,17 @@ class Stager(AsyncStager):
         return out, versions
 
     def stage_deferred(
-        self, items: Iterable[WriteItem], resolve: Callable[[WriteItem], Any | None], versions: dict[str, int]
+        self,
+        items: Iterable[WriteItem],
+        resolve: Callable[[WriteItem], Any | None],
+        versions: dict[str, int],
+        *,
+        live: bool = False,
     ) -> tuple[dict[Any, Any], list[Deferred]]:
         """The data of ``items`` after :meth:`snapshot`: live tensors (keys in ``versions``) get a buffer to copy into.
 
-        ``resolve`` may return ``None`` for an item it cannot resolve (skipped).
+        ``resolve`` may return ``None`` for an item it cannot resolve (skipped). ``live``: live tensors get no
+        buffer and are written as they are (see :class:`Deferred`).
 
         Returns:
             ``({item.index: data}, deferred copies)``: a buffer for each live tensor (its copy made by
@@ -201,9 +215,9 @@ class Stager(AsyncStager):
             fqn = item.index.fqn
             if fqn in versions and isinstance(data, torch.Tensor):
                 source = data.detach()
-                key = ("item", fqn, tuple(item.index.offset) if item.index.offset is not None else ())
-                data = self._buffer(source, key)
-                deferred.append(Deferred(fqn, source, data, versions[fqn]))
+                key = _item_key(item.index)
+                data = source if live else self._buffer(source, key)
+                deferred.append(Deferred(fqn, source, None if live else data, versions[fqn], index=item.index))
             staged[item.index] = data
         return staged, deferred
 
@@ -226,6 +240,21 @@ class Stager(AsyncStager):
         late = [c.name for c in rest if tensor_version(c.source) != c.version]
         if early or late:
             raise StagingRaceError(early + late, outside_steps=held or not late)
+
+    def assign_buffers(self, deferred: Iterable[Deferred]) -> None:
+        """Give each copy of a live write (``buffer`` unset) its reused staging buffer, to be copied into after all."""
+        for copy_ in deferred:
+            copy_.buffer = self._buffer(copy_.source, _item_key(copy_.index))
+
+    def has_buffers(self, deferred: Iterable[Deferred]) -> int:
+        """Bytes of ``deferred`` whose staging buffers exist already (copies into them fault in no fresh pages)."""
+        total = 0
+        for copy_ in deferred:
+            buffer = self._buffers.get(_item_key(copy_.index))
+            source = copy_.source
+            if buffer is not None and buffer.shape == source.shape and buffer.dtype == source.dtype:
+                total += source.nbytes
+        return total
 
     @staticmethod
     def copy(deferred: Iterable[Deferred], *, check: bool = False) -> list[Deferred]:
@@ -280,6 +309,11 @@ class Stager(AsyncStager):
         self._cuda_copies |= non_blocking
         buffer.copy_(tensor, non_blocking=non_blocking)
         return buffer
+
+
+def _item_key(index: Any) -> tuple:
+    """The staging buffer key of a write item's data (by its ``MetadataIndex``)."""
+    return "item", index.fqn, tuple(index.offset) if index.offset is not None else ()
 
 
 def _copied(copy_: Deferred) -> tuple:

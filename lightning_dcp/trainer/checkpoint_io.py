@@ -43,7 +43,8 @@ class DCPCheckpointIO(CheckpointIO):
             is raised there. Removals requested while it is in flight run after it commits.
         defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
             copied into the staging buffers in the background after ``save_checkpoint`` returned, during the next
-            step's forward and backward passes, and its optimizer update waits for the copies; buffers a forward
+            step's forward and backward passes (or, on a local disk, written from where they are without a copy when
+            the last saves show the write is done by then), and its optimizer update waits for them; buffers a forward
             pass updates (BatchNorm statistics), parameters no optimizer holds (an EMA copy), GPU tensors and the
             rest of the state are copied before it returns. A tensor that changes outside optimizer steps (weight
             clipping after the step) is detected and copied at the call from then on; a save it would have torn

@@ -41,11 +41,11 @@ from torch.distributed.checkpoint.planner import WriteItemType
 
 from lightning_dcp._compat import tensor_version
 from lightning_dcp.engine import saving
-from lightning_dcp.engine.async_save import STEP_GATE
 from lightning_dcp.engine.dcp_io import save_planner
 from lightning_dcp.engine.localfs import new_token, remove_path
 from lightning_dcp.engine.marker import parse_commit
 from lightning_dcp.engine.staging import StagingRaceError
+from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.engine.tiers.nodes import Topology, discover, leave, single_process
 from lightning_dcp.engine.tiers.parts import Part, PartStore, identity
 from lightning_dcp.engine.tiers.replication import replicate

@@ -1,0 +1,134 @@
+"""The gate every optimizer step passes while an async save still needs the tensors it would change.
+
+A save that reads tensors after its call returned (deferred staging copies, live writes, the memory tier's copies;
+see :mod:`lightning_dcp.engine.async_save`) holds the gate; a global optimizer pre-step hook, installed on first
+use, makes every step wait until the save lets it go. Lightning's Trainer runs forward and backward inside
+``optimizer.step(closure)``: its strategies wait after the closure instead (:meth:`_StepGate.after_closure`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+__all__ = ["STEP_GATE"]
+
+
+class _StepGate:
+    """A global optimizer pre-step hook that holds steps while staging copies are pending.
+
+    While a save's deferred copies are being made (its event not set yet), every optimizer step (and
+    :meth:`wait_all`) waits for them; ``on_wait`` gets the seconds waited (a save's ``step_wait``). While nothing is
+    pending the hook returns at once. Installed on first use.
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[threading.Event, tuple[Callable[[float], None] | None, Callable[[], None] | None]] = {}
+        self._lock = threading.Lock()
+        self._hook: Any = None
+        self._local = threading.local()  # .closing: the optimizer whose step waits after its closure instead
+        self._watch: Callable[[float], None] | None = None
+
+    def hold(
+        self,
+        copied: threading.Event,
+        on_wait: Callable[[float], None] | None = None,
+        hurry: Callable[[], None] | None = None,
+    ) -> None:
+        """Make optimizer steps wait until ``copied`` is set (or :meth:`release` is called).
+
+        ``hurry``: run by a step (in its thread) that finds ``copied`` not set, before it waits.
+        """
+        with self._lock:
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+            self._pending[copied] = (on_wait, hurry)
+
+    def release(self, copied: threading.Event) -> None:
+        """The copies behind ``copied`` are made."""
+        with self._lock:
+            self._pending.pop(copied, None)
+
+    def watch(self, seen: Callable[[float], None]) -> None:
+        """Call ``seen(perf_counter())`` once, when the next optimizer step reaches the gate."""
+        self._watch = seen
+
+    def unwatch(self, seen: Callable[[float], None]) -> None:
+        """Forget ``seen`` if it is still watching.
+
+        The gate then holds no reference to a finished save: a save kept alive until interpreter exit keeps its
+        gloo group alive, whose threads, torn down during finalization, abort the process.
+        """
+        if self._watch == seen:
+            self._watch = None
+
+    def pending(self) -> bool:
+        """Whether some staging copy held here is not made yet."""
+        with self._lock:
+            return any(not copied.is_set() for copied in self._pending)
+
+    def wait_all(self, *, step: bool = True) -> None:
+        """Wait for every pending staging copy.
+
+        ``step``: the caller is an optimizer step (it may hurry a save, see :meth:`hold`, and counts as the first
+        step after a save for :meth:`watch`); ``False`` for other code that must not see the tensors change, such
+        as the end of training, which only waits.
+        """
+        seen = self._watch
+        if seen is not None and step:
+            self._watch = None
+            seen(time.perf_counter())
+        if not self._pending:
+            return
+        with self._lock:
+            pending = list(self._pending.items())
+        for copied, (on_wait, hurry) in pending:
+            start = time.perf_counter()
+            if hurry is not None and step and not copied.is_set():
+                hurry()
+            copied.wait()
+            if on_wait is not None:
+                on_wait(time.perf_counter() - start)
+
+    @contextlib.contextmanager
+    def after_closure(self, optimizer: Any, closure: Callable[[], Any]) -> Iterator[Callable[[], Any]]:
+        """Inside: ``optimizer.step(closure=...)`` waits after its closure (forward and backward), not before it.
+
+        Lightning's automatic optimization runs the forward and backward passes inside ``optimizer.step(closure)``,
+        after the optimizer's pre-step hooks: a wait in the hook would keep them from overlapping the copies.
+        Yields the closure to pass instead of ``closure``: it runs ``closure`` and then waits for every pending
+        copy (:meth:`wait_all`); the pre-step hook of ``optimizer`` (that object only) does not wait meanwhile.
+        Only for torch's own optimizers (``torch.optim``), which evaluate the closure before they change a tensor:
+        others may change parameters first (SAM-like optimizers perturb them, then call the closure), so they wait
+        in the hook as before and ``closure`` is yielded unchanged.
+        """
+        if not type(optimizer).__module__.startswith("torch.optim."):
+            yield closure
+            return
+
+        def closure_then_wait() -> Any:
+            result = closure()
+            self.wait_all()
+            return result
+
+        outer = getattr(self._local, "closing", None)
+        self._local.closing = optimizer
+        try:
+            yield closure_then_wait
+        finally:
+            self._local.closing = outer
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        if optimizer is getattr(self._local, "closing", None):
+            return  # its closure waits (after_closure)
+        self.wait_all()
+
+
+STEP_GATE = _StepGate()
+"""The gate every optimizer step passes: ``hold(event)`` makes steps wait until ``event`` is set, ``release(event)``
+lets them go (the memory tier's async saves copy into shared memory behind it too)."""

@@ -208,6 +208,11 @@ class _InFlight:
                     self.commit()
                 except BaseException as err:
                     self.error = err
+        if live_write is not None and self.hurried and self.error is None:
+            try:  # a step came before the write was done: make the next saves' copies cheap (see LiveWrite)
+                live_write.warm_buffers()
+            except Exception:  # e.g. out of memory: the next save allocates (and fails) in its own time
+                log.debug("lightning_dcp: warming staging buffers failed", exc_info=True)
         with self.lock:
             removals, self.removals = self.removals, []
             self.finished.set()

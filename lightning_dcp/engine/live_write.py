@@ -170,6 +170,17 @@ class LiveWrite:
         if let_go:
             self._let_go()
 
+    def warm_buffers(self) -> None:
+        """Give every live tensor its staging buffer and fault its pages in (after the write, in the background).
+
+        Called when a step came before the writer was done: the next saves may stage or hurry, and a copy into
+        fresh buffers costs a page fault per 4 KiB page, several times the copy itself.
+        """
+        cold = [copy_ for copy_ in self._live.values() if copy_.buffer is None]
+        self._stager.assign_buffers(cold)
+        for copy_ in cold:
+            copy_.buffer.zero_()
+
     def _sooner_written(self, rest: list[Deferred]) -> bool:
         """Whether the writer would be done with ``rest`` before copies of it are made (an estimate)."""
         rate = self._done_bytes / (time.perf_counter() - self._started) if self._done_bytes else self._rate_hint

@@ -11,7 +11,8 @@ every round (A B C A B C ...) so that they see the same machine:
   rank 0 writes the checkpoint's bytes (the sum of its files' sizes) into a fresh file sequentially in 64 MiB
   blocks and ``fsync``s (the disk's limit for those bytes, through the page cache).
 - ``stock``: stock Lightning DDP (``strategy="ddp"``, ``TorchCheckpointIO``: rank 0 ``torch.save``s the whole
-  checkpoint, without ``fsync``) and ``limit`` again.
+  checkpoint, without ``fsync``), a peer on the same state: raw DCP (``dcp``: ``dcp.save`` of
+  ``get_state_dict(model, optimizer)``; ``dcp_async``: ``dcp.async_save``, ``stall`` its call) and ``limit`` again.
 - ``fit``: ``trainer.fit`` for ``fit_steps`` steps with no checkpointing (``none``) and with a ``ModelCheckpoint``
   every ``every`` steps: sync (``sync``), async (``async``: the default, deferred staging) and async without
   deferred staging (``plain``); optionally with Lightning's ``EMAWeightAveraging`` callback in the run (``--ema``).
@@ -22,7 +23,8 @@ every round (A B C A B C ...) so that they see the same machine:
   into the model and AdamW state, then ``load_model_state_dict`` and ``load_optimizer_state_dict``, with the
   checkpoint's files evicted from the page cache first (``cold`` says whether that worked); ``stock``: the same
   restore of stock Lightning DDP's single ``.ckpt`` of the same state (``torch.load`` on every rank, then
-  ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; and
+  ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; ``dcp``: raw
+  ``dcp.load`` of a raw ``dcp.save`` of the same state into ``get_state_dict``'s targets, then ``set_state_dict``; and
   ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit).
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
@@ -220,14 +222,45 @@ def task_save(rank: int, world_size: int, workdir: str, mix: str, scale: float, 
     return {"bytes": nbytes, "runs": runs}
 
 
+def _dcp_state(trainer: Any) -> dict[str, Any]:
+    """What a raw DCP user saves of the trained module: ``get_state_dict(model, optimizer)`` (FQN-keyed)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, optimizer = get_state_dict(trainer.lightning_module, trainer.optimizers[0])
+    return {"model": model, "optimizer": optimizer}
+
+
+def _dcp_async_save(state: dict[str, Any], path: str) -> float:
+    """``dcp.async_save`` (a background thread; the default staging copies the state in the call); returns the call's
+    seconds, after waiting for the save to finish."""
+    import torch.distributed.checkpoint as dcp
+
+    start = time.perf_counter()
+    future = dcp.async_save(state, checkpoint_id=path)
+    stall = time.perf_counter() - start
+    future.result()
+    return stall
+
+
 def task_stock(rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int) -> dict:
+    """Stock Lightning DDP's save, a peer's (raw ``dcp.save`` and ``dcp.async_save`` of the same state) and the
+    disk's limit, in turn."""
+    import torch.distributed.checkpoint as dcp
+
     trainer, _ = _fitted(world_size, mix, scale, strategy="ddp")
-    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in ("stock", "limit")}
+    methods = ("stock", "dcp", "dcp_async", "limit")
+    runs: dict[str, dict[str, list[float]]] = {m: {"seconds": [], "stall": []} for m in methods}
     nbytes = 0
     for round_ in range(repeats + 1):
-        for method in ("stock", "limit"):
+        for method in methods:
             path = os.path.join(workdir, f"stock-{method}-{round_}.ckpt")
-            if method == "stock":
+            if method == "dcp":
+                stall, seconds = _timed(lambda p=path: dcp.save(_dcp_state(trainer), checkpoint_id=p))
+            elif method == "dcp_async":
+                calls: list[float] = []
+                _, seconds = _timed(lambda p=path, c=calls: c.append(_dcp_async_save(_dcp_state(trainer), p)))
+                stall = _max_over_ranks(calls[0])
+            elif method == "stock":
                 stall, seconds = _timed(lambda p=path: trainer.save_checkpoint(p))
                 if round_ == 0:
                     nbytes = int(_max_over_ranks(dir_bytes(path) if rank == 0 else 0))
@@ -299,16 +332,19 @@ def task_fit(
 def task_load(
     rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
 ) -> dict:
+    import torch.distributed.checkpoint as dcp
     from lightning.pytorch.plugins.io import TorchCheckpointIO
     from lightning.pytorch.strategies import DDPStrategy
+    from torch.distributed.checkpoint.state_dict import set_state_dict
 
     from lightning_dcp.engine.metadata import _PARSED
 
     path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
     stock_path = os.path.join(workdir, f"stock-ws{save_world_size}.ckpt")
+    dcp_path = os.path.join(workdir, f"dcp-ws{save_world_size}.ckpt")
     trainer, _ = _fitted(world_size, mix, scale)
     strategy = trainer.strategy
-    methods = ("load", "stock", "read")
+    methods = ("load", "stock", "dcp", "read")
     runs: dict[str, list[float]] = {m: [] for m in methods}
     cold = True
 
@@ -322,17 +358,29 @@ def task_load(
         DDPStrategy.load_model_state_dict(strategy, checkpoint)
         DDPStrategy.load_optimizer_state_dict(strategy, checkpoint)
 
+    def raw_dcp() -> None:  # a peer: raw dcp.load into get_state_dict's targets, then set_state_dict
+        state = _dcp_state(trainer)
+        dcp.load(state, checkpoint_id=dcp_path)
+        set_state_dict(
+            trainer.lightning_module,
+            trainer.optimizers[0],
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
+
     for round_ in range(repeats + 1):
         for method in methods:
             _barrier()
             if rank == 0:
-                cold = evict(stock_path if method == "stock" else path) and cold
+                cold = evict({"stock": stock_path, "dcp": dcp_path}.get(method, path)) and cold
             _barrier()
             if method == "load":
                 _PARSED.clear()  # as in a fresh process: parse .metadata again
                 _, seconds = _timed(ours)
             elif method == "stock":
                 _, seconds = _timed(stock)
+            elif method == "dcp":
+                _, seconds = _timed(raw_dcp)
             else:
                 _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)
             if round_ > 0:
@@ -342,8 +390,11 @@ def task_load(
 
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
     """Write the checkpoints the ``load`` task resumes from (saved at this world size): ours and stock DDP's."""
+    import torch.distributed.checkpoint as dcp
+
     trainer, _ = _fitted(world_size, mix, scale)
     trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
+    dcp.save(_dcp_state(trainer), checkpoint_id=os.path.join(workdir, f"dcp-ws{world_size}.ckpt"))
     del trainer
     stock, _ = _fitted(world_size, mix, scale, strategy="ddp")
     stock.save_checkpoint(os.path.join(workdir, f"stock-ws{world_size}.ckpt"))

@@ -13,24 +13,24 @@ while it was in flight: a checkpoint is never removed before its successor is sa
 step a training loop runs a forward and a backward pass: they change buffers in place (BatchNorm statistics, buffers
 DDP broadcasts), not parameters or optimizer state. So CPU tensors are copied by the background thread after the
 call returned, while every optimizer step waits until those copies are made (:class:`_StepGate`, a global optimizer
-pre-step hook; front ends also wait before other code that may change weights, such as Lightning's validation,
-where weight-averaging callbacks swap weights in place). Lightning's Trainer runs the forward and backward passes
-inside ``optimizer.step(closure)``, after the pre-step hooks: its strategies wait after the closure instead
-(:meth:`_StepGate.after_closure`), or the copies would never overlap them. The tensors a front end names
-*volatile* (module buffers, values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned
-buffers at once) and the non-tensor state are copied before the call returns, the CPU ones in one batched copy.
-From a run's second save on,
-planning moves to the background thread too (its collectives run over the save's own group): the call flattens the
-state, makes those copies and records the version counter of every tensor it leaves live; the thread copies first
-the live tensors this rank wrote in the previous save (the plan of a run rarely changes) and lets optimizer steps go
-on, then plans, copies whatever else its plan names (none unless the plan changed) and checks every version. Safety
-net: every deferred copy checks the tensor's in-place
-version counter afterwards; a tensor that changed before its copy was made (weight clipping right after a save, by
-an in-place operation on the parameter) drops that save, which is never committed (no checkpoint mixes two steps,
-and the removals queued behind it do not run), with a warning naming it at the next call; that tensor is copied at
-the call from then on. (Writes through ``param.data`` and inside kernels do not move version counters: code that
-changes parameters that way between a save and the next optimizer update, in a callback, in ``training_step`` or
-in a forward pass, needs ``defer_staging=False``.)
+pre-step hook; front ends also wait before other code that may change weights, such as Lightning's validation, where
+weight-averaging callbacks swap weights in place). Lightning's Trainer runs the forward and backward passes inside
+``optimizer.step(closure)``, after the pre-step hooks: its strategies wait after the closure instead
+(:meth:`_StepGate.after_closure`), or the copies would never overlap them. The tensors a front end names *volatile*
+(module buffers, values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned buffers at
+once) and the non-tensor state are copied before the call returns, the CPU ones in one batched copy. Planning moves
+to the background thread too (its collectives run over the save's own group), from a run's first save on (the
+``conv`` mix's first save call: 0.70 s with its planning, 0.26 s without): the call flattens the state, makes those
+copies and records the version counter of every tensor it leaves live; the thread copies first the live tensors this
+rank wrote in the previous save (the plan of a run rarely changes; none at a run's first save, when steps wait for
+the whole plan) and lets optimizer steps go on, then plans, copies whatever else its plan names (none unless the
+plan changed) and checks every version. Safety net: every deferred copy checks the tensor's in-place version counter
+afterwards; a tensor that changed before its copy was made (weight clipping right after a save, by an in-place
+operation on the parameter) drops that save, which is never committed (no checkpoint mixes two steps, and the
+removals queued behind it do not run), with a warning naming it at the next call; that tensor is copied at the call
+from then on. (Writes through ``param.data`` and inside kernels do not move version counters: code that changes
+parameters that way between a save and the next optimizer update, in a callback, in ``training_step`` or in a
+forward pass, needs ``defer_staging=False``.)
 
 **Live writes** (on local disks, chosen save by save): the deferred tensors are not copied at all; the writer
 reads them where they are while optimizer steps wait (:mod:`lightning_dcp.engine.live_write`). A step that arrives
@@ -64,6 +64,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItem
 
 from lightning_dcp.engine import saving
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.live_write import LiveWrite
 from lightning_dcp.engine.planning import BalancedSavePlanner, flatten
 from lightning_dcp.engine.staging import Deferred, Stager, StagingRaceError
@@ -151,7 +152,7 @@ class _InFlight:
         this rank's staging error (``None`` when it has none) and, for a live write, the :class:`LiveWrite` its writer
         reads through (it lets steps go; otherwise they go when ``stage`` returns).
         """
-        with saving.gc_paused():
+        with gc_paused():
             self._run(stage)
 
     def _run(self, stage: _Stage) -> None:
@@ -296,8 +297,8 @@ class AsyncSaves:
     ) -> None:
         """Stage ``state_dict`` (what may change before the next optimizer step), then save it in the background.
 
-        Call :meth:`wait` first. The first deferred save of a run (and every save without deferred staging) is
-        planned in the call; later deferred saves are planned in the background (see the module docstring).
+        Call :meth:`wait` first. Deferred saves of plain tensors are planned in the background; saves without
+        deferred staging (or of DTensor/ShardedTensor state) are planned in the call (see the module docstring).
 
         ``volatile``: tensors that may change in place before the next optimizer step (module buffers); their
         staging copies (of any tensor sharing their storage) are made before returning. ``None`` (not known, e.g.
@@ -323,7 +324,7 @@ class AsyncSaves:
         self.last_live = live
         self._inflight = inflight
         last_items = self._last_items
-        if self.defer and volatile is not None and isinstance(planner, BalancedSavePlanner) and last_items:
+        if self.defer and volatile is not None and isinstance(planner, BalancedSavePlanner):
             flat, mappings = flatten(state_dict)
             if all(type(v) in _PLAIN for v in flat.values() if isinstance(v, torch.Tensor)):
                 keys = frozenset(flat)

@@ -31,6 +31,7 @@ from lightning_dcp.engine import layout, saving
 from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
@@ -176,7 +177,7 @@ class Checkpointer:
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
         self._await_pending(collective)
-        with saving.gc_paused():  # thousands of short-lived objects (see saving.gc_paused)
+        with gc_paused():  # thousands of short-lived objects (see gc_pause)
             self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
 
     def _save(

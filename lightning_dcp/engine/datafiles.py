@@ -22,6 +22,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, StreamOut, open_local
+from lightning_dcp.engine.memo import PlanMemo
 from lightning_dcp.engine.records import cpu_contiguous, raw_bytes, tensor_record
 
 __all__ = [
@@ -77,8 +78,9 @@ def assign_files(
     ``own_file`` returns a name gets a file of that name to itself (incremental saves), listed first.
     """
     key = (id(items), prefix, files, suffix)
-    if own_file is None and _ASSIGNED and _ASSIGNED[0][0] is items and _ASSIGNED[0][1] == key:
-        return [FileJob(job.name, job.items) for job in _ASSIGNED[0][2]]  # the same plan as the last save
+    known = _ASSIGNED.get(items, key) if own_file is None else None
+    if known is not None:
+        return [FileJob(job.name, job.items) for job in known]  # the same plan as an earlier save
     own = [FileJob(name, [item]) for item in items if own_file and (name := own_file(item)) is not None]
     if own:
         mine = {id(job.items[0]) for job in own}
@@ -93,11 +95,11 @@ def assign_files(
         job.items.sort(key=_order)
     assigned = own + [job for job in jobs if job.items]
     if own_file is None:
-        _ASSIGNED[:] = [(items, key, assigned)]
+        _ASSIGNED.put(items, key, assigned)
     return assigned
 
 
-_ASSIGNED: list[tuple] = []  # [(items, key, jobs)] of the last call: a run saves the same plan every time
+_ASSIGNED = PlanMemo()  # the file assignment of the last few plans
 
 
 def _order(item: WriteItem) -> tuple:

@@ -14,7 +14,6 @@ reader loads them. On top of that:
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 import pickle
 from concurrent.futures import ThreadPoolExecutor
@@ -36,13 +35,21 @@ from lightning_dcp._compat import (
     FsspecWriter,
     StorageInfo,
 )
-from lightning_dcp.engine.datafiles import FileJob, RecordResult, assign_files, write_local, write_stream
+from lightning_dcp.engine.datafiles import (
+    FileJob,
+    RecordResult,
+    assign_files,
+    write_local,
+    write_stream,
+)
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,
     METADATA_FILE,
     encode_commit,
 )
+from lightning_dcp.engine.memo import PlanMemo
 from lightning_dcp.engine.planning import BalancedSavePlanner
 from lightning_dcp.engine.storage import Location
 
@@ -185,20 +192,22 @@ def compact_result(result: WriteResult) -> tuple:
     return (result.index.fqn, offset, result.size_in_bytes, info.relative_path, info.offset, info.length, digest)
 
 
-_METADATA_CACHE: list[Any] = []  # [(metadata, layout key, bytes)]: the last ``.metadata`` pickled
+_METADATA = PlanMemo()  # the ``.metadata`` bytes of the last few plans
 
 
 def metadata_pickle(metadata: Metadata, results: list[list[tuple]]) -> bytes:
     """The bytes of ``.metadata``: ``metadata`` with the records' storage locations, pickled as DCP does.
 
     A training run saves the same layout every time (the same plan, the same record sizes, the same files): then the
-    bytes of the previous save are reused, because pickling thousands of entries takes longer than writing them.
+    bytes of the previous save of that plan are reused (the last few plans are remembered), because pickling
+    thousands of entries takes longer than writing them.
     ``storage_meta`` (the path and a random id of the save, which nothing reads) is left out so that the bytes of
     two saves can be equal; DCP's readers fill it in when they load.
     """
     key = tuple(record[:6] for rank_results in results for record in rank_results)
-    if _METADATA_CACHE and _METADATA_CACHE[0][0] is metadata and _METADATA_CACHE[0][1] == key:
-        return _METADATA_CACHE[0][2]
+    known = _METADATA.get(metadata, key)
+    if known is not None:
+        return known
     storage_data = {
         MetadataIndex(fqn, None if offset is None else torch.Size(offset)): StorageInfo(name, start, length)
         for fqn, offset, _, name, start, length in key
@@ -206,14 +215,9 @@ def metadata_pickle(metadata: Metadata, results: list[list[tuple]]) -> bytes:
     final = dataclasses.replace(metadata, storage_data=storage_data, storage_meta=None)
     if DCP_METADATA_VERSION is not None:
         final.version = DCP_METADATA_VERSION
-    enabled = gc.isenabled()
-    gc.disable()  # thousands of small objects: collections would run over the whole heap many times
-    try:
+    with gc_paused():  # thousands of small objects: collections would run over the whole heap many times
         data = pickle.dumps(final)
-    finally:
-        if enabled:
-            gc.enable()
-    _METADATA_CACHE[:] = [(metadata, key, data)]
+    _METADATA.put(metadata, key, data)
     return data
 
 

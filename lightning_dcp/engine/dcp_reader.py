@@ -234,11 +234,12 @@ class _VerifyingReader:
             per_file.setdefault(info.relative_path, []).append((info.offset, info, item))
         for entries in per_file.values():
             entries.sort(key=lambda e: e[0])
-        names = sorted(per_file)
-        # Ranks that read the same files (replicated state) start at different ones: each file comes from the disk
-        # once, read by one rank while another reads another, and from the page cache for the rest.
-        first = (self.rank or 0) % len(names) if names else 0
-        return per_file, names[first:] + names[:first]
+        # Ranks that read the same files (replicated state) read them in the same order: the first rank to ask for a
+        # page reads it from the disk and the others wait for that read and copy it from the page cache, so the disk
+        # streams each file once at its full speed. (Starting at different files made every rank read its first one
+        # from the disk at a share of its speed, then copy the others': the BERT mix restored in 0.90-0.96 s that
+        # way, 0.66-0.72 s in the same order.)
+        return per_file, sorted(per_file)
 
     def _read_file(self, stream: IO[bytes], source: Source, name: str, entries: list, planner: LoadPlanner) -> None:
         """Read ``entries`` of one file: runs of small records with one call each, larger ones into their targets."""

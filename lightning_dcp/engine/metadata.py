@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from lightning_dcp._compat import StorageInfo
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.marker import METADATA_FILE, is_plain_name
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
@@ -108,6 +109,11 @@ _MAX_PARSED = 4
 
 
 def _parse(data: bytes, where: str) -> Metadata:
+    with gc_paused():  # ~10 objects per tensor: collections would cost 10x the unpickling and the checks
+        return _parse_checked(data, where)
+
+
+def _parse_checked(data: bytes, where: str) -> Metadata:
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except CheckpointError as err:  # a refused global: name the file it came from

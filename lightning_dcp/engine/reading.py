@@ -5,7 +5,7 @@ depend only on the dtype and shape the metadata gives for it (:func:`~lightning_
 When a record's prefix is exactly that, its raw bytes are read into the target tensor in pieces that are checksummed
 as they arrive: no ``torch.load``, no intermediate ``bytes``. Local files are read through the page cache with large
 calls straight into the target tensors: ranks that restore the same replicated files (DDP) share the cached pages,
-so each file comes from the disk once (the readers start at different files). With ``direct=True`` the
+so each file comes from the disk once (the readers go through the files in the same order). With ``direct=True`` the
 block-aligned middle of a large record is read with ``O_DIRECT`` instead (into the target itself when its address
 has the same alignment as the bytes' file offset, else through one reused aligned buffer): the page cache is
 neither filled nor copied from, which suits files that one rank alone reads. A target that is

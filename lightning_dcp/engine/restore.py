@@ -11,10 +11,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from lightning_dcp.engine import layout, local_load, saving
+from lightning_dcp.engine import layout, local_load
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.loading import (
     Probe,
     fit_target,
@@ -88,7 +89,7 @@ def load_one(
         CheckpointError: Any failure of this checkpoint (a subclass names the file); StateDictMismatchError when
             ``target`` does not fit it.
     """
-    with saving.gc_paused():  # tens of thousands of small objects: collections would cost more than the load
+    with gc_paused():  # tens of thousands of small objects: collections would cost more than the load
         probed: list[Probe] = []
 
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel

@@ -7,9 +7,9 @@ storage-writer interfaces (the files are exactly the ones ``dcp.save`` writes th
 
 1. :func:`prepare` (collective): each rank makes its local plan and sends the coordinator a 16-byte signature of
    its shared part and its few private items (:mod:`lightning_dcp.engine.global_plan`). When every rank's plan is
-   the one of the previous save through the same group, every rank reuses its previous final plan (and the
-   coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal plans sends its plan, the
-   coordinator makes the global plan and scatters each rank's part;
+   one of the last few saved through the same group (:mod:`~lightning_dcp.engine.memo`), every rank reuses its final
+   plan of then (and the coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal
+   plans sends its plan, the coordinator makes the global plan and scatters each rank's part;
 2. :func:`write` (collective): each rank writes its items, the coordinator gathers compact results
    ``(key, offset, file, offset, length, checksum)`` and finishes (``.metadata``, ``.commit``), and every rank
    learns the outcome.
@@ -21,12 +21,10 @@ write in the background (:mod:`lightning_dcp.engine.async_save`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
+import itertools
 import pickle
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,10 +36,12 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
 from lightning_dcp.engine.dcp_io import compact_result
+from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.global_plan import Group, global_plan, split_private
+from lightning_dcp.engine.memo import PlanMemo
 from lightning_dcp.engine.planning import plan_signature
 
-__all__ = ["PreparedSave", "RankFailure", "agree", "gc_paused", "prepare", "save", "write"]
+__all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
 
 
 class RankFailure(RuntimeError):
@@ -77,8 +77,8 @@ class _Cached:
     generation: int = 0  # which global plan this is: every rank must hold the same one to reuse it
 
 
-_CACHE: dict[Any, _Cached] = {}
-_CACHE_LOCK = threading.Lock()
+_PLANS = PlanMemo(size=8)  # by (group key, this rank's plan signature): several plans saved in turn each keep theirs
+_GENERATIONS = itertools.count(1)  # the coordinator numbers every global plan it makes
 
 
 def prepare(
@@ -111,18 +111,15 @@ def prepare(
     if not distributed:
         _raise_first([error])
         key = (type(planner).__name__, type(writer).__name__, None, 1, 0)
-        with _CACHE_LOCK:
-            cached = _CACHE.get(key)
-        if cached is None or cached.signatures != [signature]:
+        cached = _PLANS.get(None, (key, signature))
+        if cached is None:
             plans, metadata = planner.create_global_plan([local])
             cached = _Cached([signature], writer.prepare_global_plan(plans)[0], metadata)
-            with _CACHE_LOCK:
-                _CACHE[key] = cached
+            _PLANS.put(None, (key, signature), cached)
         return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, False, 0, cached.metadata)
     size = dist.get_world_size(group)
     key = (type(planner).__name__, type(writer).__name__, id(group), size, rank)
-    with _CACHE_LOCK:
-        cached = _CACHE.get(key)
+    cached = None if local is None else _PLANS.get(None, (key, signature))
     shared, private, shared_signature = None, None, None
     if local is not None:
         shared, private, shared_signature = _split(local, signature)
@@ -161,8 +158,7 @@ def prepare(
     prefix = writer.prepare_global_plan([SavePlan([])] * size)[rank].storage_data
     central = dataclasses.replace(local, items=[own[p] for p in mine], storage_data=prefix)
     signatures = [(g[0], plan_signature(g[1])) for g in gathered] if coordinator else []
-    with _CACHE_LOCK:
-        _CACHE[key] = _Cached(signatures, central, metadata, generation)
+    _PLANS.put(None, (key, signature), _Cached(signatures, central, metadata, generation))
     return PreparedSave(planner.finish_plan(central), planner, writer, group, True, rank, metadata)
 
 
@@ -174,8 +170,7 @@ def _decide(gathered: list[tuple], cached: _Cached | None) -> tuple[str, Any]:
     signatures = [(g[0], plan_signature(g[1])) for g in gathered]
     if cached is not None and cached.signatures == signatures and all(g[3] == cached.generation for g in gathered):
         return "reuse", None
-    generation = (cached.generation if cached is not None else 0) + 1
-    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, generation)
+    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, next(_GENERATIONS))
 
 
 def _groups(signatures: list[bytes]) -> list[list[int]]:
@@ -186,19 +181,16 @@ def _groups(signatures: list[bytes]) -> list[list[int]]:
     return list(groups.values())
 
 
-_SPLITS: dict[bytes, tuple[SavePlan, SavePlan, bytes]] = {}
+_SPLITS = PlanMemo()
 
 
 def _split(local: SavePlan, signature: bytes) -> tuple[SavePlan, SavePlan, bytes]:
     """``split_private(local)`` and the shared part's signature, remembered by the whole plan's signature."""
-    with _CACHE_LOCK:
-        found = _SPLITS.get(signature)
+    found = _SPLITS.get(None, signature)
     if found is None:
         shared, private = split_private(local)
         found = (shared, private, plan_signature(shared))
-        with _CACHE_LOCK:
-            _SPLITS.clear()  # one run's structure at a time
-            _SPLITS[signature] = found
+        _SPLITS.put(None, signature, found)
     return found
 
 
@@ -287,37 +279,6 @@ def save(
     """
     with gc_paused():
         write(prepare(state_dict, writer=writer, planner=planner, group=group, distributed=distributed))
-
-
-@contextlib.contextmanager
-def gc_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector meanwhile, and run it afterwards if it was enabled.
-
-    A checkpoint creates tens of thousands of small objects (plans, metadata, checksum lists): each burst of them
-    triggers collections over the whole heap of a training process, which cost more than the work itself; and the
-    objects a background save keeps alive while collections run are promoted to the oldest generation, whose full
-    collections (hundreds of milliseconds in a large process) then come sooner, in the training loop. Safe across
-    threads (a background save and the training loop): the collector is enabled again when the last pause that
-    began while it was enabled ends.
-    """
-    global _PAUSES, _REENABLE
-    with _PAUSE_LOCK:
-        if _PAUSES == 0:
-            _REENABLE = gc.isenabled()
-            gc.disable()
-        _PAUSES += 1
-    try:
-        yield
-    finally:
-        with _PAUSE_LOCK:
-            _PAUSES -= 1
-            if _PAUSES == 0 and _REENABLE:
-                gc.enable()
-
-
-_PAUSE_LOCK = threading.Lock()
-_PAUSES = 0  # pauses in progress (any thread)
-_REENABLE = False  # whether the collector was enabled when the first of them began
 
 
 # ---------------------------------------------------------------------------------------------- helpers

@@ -72,11 +72,15 @@ def _torn_worker(rank: int, world_size: int, tmp: str) -> None:
     trainer.fit(model, datamodule=RandomDataModule())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     path = os.path.join(tmp, "torn.ckpt")
-    trainer.save_checkpoint(path)
-    with torch.no_grad():  # the next "training step" starts right away, while the save is in the background
-        for param in model.parameters():
-            param.add_(1000.0)
+    trainer.save_checkpoint(path)  # the run's first save: planned in the background, parameters written live
+    for param in model.parameters():  # the next training step starts right away, while the save is in the background
+        param.grad = torch.full_like(param, 1000.0)
+    trainer.optimizers[0].step()  # waits until the save no longer reads the parameters
+    assert all(
+        not torch.equal(before[k], v) for k, v in model.state_dict().items() if k in dict(model.named_parameters())
+    )
     io.wait(collective=True)
+    assert os.path.isfile(os.path.join(path, ".commit"))
     loaded = DCPCheckpointIO().load_checkpoint(path)["state_dict"]
     assert_same(before, loaded)
 

@@ -62,3 +62,45 @@ def test_replicated_tensors_are_split_over_ranks_and_read_anywhere(tmp_path):
         assert chunks == 8
         assert sorted(sizes) == ["__0_0.distcp", "__1_0.distcp"]  # both ranks wrote a share of the big tensor
         assert max(sizes.values()) < 0.7 * sum(sizes.values())
+
+
+def _in_turn_worker(rank: int, world_size: int, tmp: str) -> None:
+    from lightning_dcp.engine import saving
+
+    dist.init_process_group("gloo")
+    made = []
+    plan = saving.global_plan
+
+    def counted(*args, **kwargs):
+        made.append(1)
+        return plan(*args, **kwargs)
+
+    saving.global_plan = counted  # the coordinator's global planning, counted
+    # One checkpoint IO, two structures in turn: a full ModelCheckpoint and a weights-only one.
+    checkpointer = Checkpointer(async_save=True)
+    results = {}
+    for round_ in range(3):
+        state = {f"w{i}": torch.full((64,), float(round_ * 10 + i)) for i in range(6)}
+        optimizer = {f"m{i}": torch.full((32,), float(-round_ - i)) for i in range(4)}
+        for name, tree in (
+            ("full", {"state_dict": state, "optimizer": optimizer}),
+            ("weights", {"state_dict": {k: v for k, v in state.items() if k != "w5"}}),
+        ):
+            path = os.path.join(tmp, f"{name}-{round_}.ckpt")
+            checkpointer.save(tree, path, objects={"round": round_}, collective=True)
+            checkpointer.wait(collective=True)
+            loaded = Checkpointer().load(path, collective=True).tree
+            pairs = [(loaded[group][key], value) for group, values in tree.items() for key, value in values.items()]
+            results[(name, round_)] = all(torch.equal(a, b) for a, b in pairs)
+    checkpointer.close()
+    save_result(tmp, "in-turn", rank, (results, len(made)))
+
+
+def test_two_plans_saved_in_turn_are_planned_once_each_on_every_rank(tmp_path):
+    tmp = str(tmp_path)
+    spawn(_in_turn_worker, 2, tmp)
+    for rank in (0, 1):
+        results, planned = load_result(tmp, "in-turn", rank)
+        assert results and all(results.values()), (rank, results)
+        assert len(results) == 6
+        assert planned == (2 if rank == 0 else 0)  # one global plan per structure, reused at every later save

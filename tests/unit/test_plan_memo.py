@@ -1,0 +1,53 @@
+"""What a save remembers of its plan: checkpointers that save in turn each keep their own."""
+
+from __future__ import annotations
+
+import pickle
+
+import torch
+
+from lightning_dcp.engine import dcp_io
+from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.memo import PlanMemo
+
+
+def test_a_memo_finds_values_by_the_owner_s_identity_and_forgets_the_least_recently_used():
+    memo = PlanMemo(size=2)
+    a, b, c = [1], [2], [3]
+    memo.put(a, "k", "A")
+    memo.put(b, "k", "B")
+    assert memo.get(a, "k") == "A"  # a is now the most recently used
+    assert memo.get([1], "k") is None  # an equal but different plan is not the same plan
+    assert memo.get(a, "other") is None
+    memo.put(c, "k", "C")  # evicts b, not a
+    assert memo.get(b, "k") is None
+    assert (memo.get(a, "k"), memo.get(c, "k")) == ("A", "C")
+
+
+def _state(n: int, seed: int) -> dict:
+    generator = torch.Generator().manual_seed(seed)
+    return {"model": {f"layer{i}.weight": torch.randn(4, 4, generator=generator) for i in range(n)}}
+
+
+def test_two_plans_saved_in_turn_are_planned_and_pickled_once_each(tmp_path, monkeypatch):
+    pickled = []
+    dumps = pickle.dumps
+
+    def counting_dumps(obj, *args, **kwargs):
+        if type(obj).__name__ == "Metadata":
+            pickled.append(len(obj.state_dict_metadata))
+        return dumps(obj, *args, **kwargs)
+
+    monkeypatch.setattr(dcp_io.pickle, "dumps", counting_dumps)
+    checkpointer = Checkpointer(async_save=True)  # one checkpoint IO, a full checkpoint and a smaller one in turn
+    for round_ in range(3):
+        for name, state in (("full", _state(30, round_)), ("small", _state(50, round_ + 7))):
+            path = str(tmp_path / f"{name}-{round_}.ckpt")
+            checkpointer.save(state, path, objects={})
+            checkpointer.wait()
+            loaded = Checkpointer().load(path).tree["model"]
+            for key, value in state["model"].items():
+                assert torch.equal(loaded[key], value), (round_, key)
+    # Each plan's .metadata is pickled once, at its first save; the saves in turn after it reuse the bytes.
+    assert sorted(pickled) == sorted({n for n in pickled}) and len(pickled) == 2, pickled
+    checkpointer.close()

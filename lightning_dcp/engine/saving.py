@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import pickle
+import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -74,11 +75,18 @@ class _Cached:
     signatures: list[Any]  # the coordinator's: per rank, (shared-plan signature, private-plan signature)
     plan: SavePlan
     metadata: Metadata | None
-    generation: int = 0  # which global plan this is: every rank must hold the same one to reuse it
+    generation: tuple[bytes, int] | None = None  # which global plan this is: every rank must hold it to reuse it
 
 
 _PLANS = PlanMemo(size=8)  # by (group key, this rank's plan signature): several plans saved in turn each keep theirs
-_GENERATIONS = itertools.count(1)  # the coordinator numbers every global plan it makes
+_GENERATIONS = itertools.count(1)  # the coordinator numbers every global plan it makes ...
+_PROCESS = secrets.token_bytes(16)  # ... within this process: (process, number) is unique across processes, as a
+# group's coordinator may be another process than the last group's, and a new group may reuse an old one's id().
+
+
+def _next_generation() -> tuple[bytes, int]:
+    """A name for a new global plan, unique across the processes of a job (and their restarts)."""
+    return _PROCESS, next(_GENERATIONS)
 
 
 def prepare(
@@ -170,7 +178,7 @@ def _decide(gathered: list[tuple], cached: _Cached | None) -> tuple[str, Any]:
     signatures = [(g[0], plan_signature(g[1])) for g in gathered]
     if cached is not None and cached.signatures == signatures and all(g[3] == cached.generation for g in gathered):
         return "reuse", None
-    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, next(_GENERATIONS))
+    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, _next_generation())
 
 
 def _groups(signatures: list[bytes]) -> list[list[int]]:

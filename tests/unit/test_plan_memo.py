@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pickle
+import subprocess
+import sys
 
 import torch
 
-from lightning_dcp.engine import dcp_io
+from lightning_dcp.engine import dcp_io, saving
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.memo import PlanMemo, forget_all
 
@@ -53,3 +55,28 @@ def test_two_plans_saved_in_turn_are_planned_and_pickled_once_each(tmp_path, mon
     # Each plan's .metadata is pickled once, at its first save; the saves in turn after it reuse the bytes.
     assert sorted(pickled) == sorted({n for n in pickled}) and len(pickled) == 2, pickled
     checkpointer.close()
+
+
+def test_the_same_keys_nested_otherwise_keep_their_own_paths(tmp_path):
+    """``{"x": [a, b]}`` and ``{"x": {"0": a, "1": b}}`` flatten to the same keys: each save keeps its own nesting."""
+    a, b = torch.arange(3.0), torch.arange(3.0, 6.0)
+    checkpointer = Checkpointer()
+    as_list, as_dict = str(tmp_path / "list.ckpt"), str(tmp_path / "dict.ckpt")
+    for _ in range(2):  # the second round plans nothing anew: every plan comes from the memos
+        checkpointer.save({"model": {"x": [a, b]}}, as_list, objects={})
+        checkpointer.save({"model": {"x": {"0": b, "1": a}}}, as_dict, objects={})
+        listed = Checkpointer().load(as_list).tree["model"]["x"]
+        keyed = Checkpointer().load(as_dict).tree["model"]["x"]
+        assert isinstance(listed, list) and len(listed) == 2
+        assert torch.equal(listed[0], a) and torch.equal(listed[1], b)
+        assert isinstance(keyed, dict) and sorted(keyed) == ["0", "1"]
+        assert torch.equal(keyed["0"], b) and torch.equal(keyed["1"], a)
+
+
+def test_global_plans_are_named_uniquely_across_processes():
+    """A plan's generation names its process: a group whose coordinator is another process never matches it."""
+    code = "from lightning_dcp.engine import saving; print(saving._next_generation()[0].hex())"
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    mine, first = saving._next_generation()
+    assert saving._next_generation() == (mine, first + 1)
+    assert len(other) == 32 and other != mine.hex()

@@ -216,11 +216,18 @@ def saved_world_size(metadata: Metadata) -> int | None:
     return len(ranks) or None
 
 
-def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool) -> dict[str, Any]:
+def join_checkpoint(
+    dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool, where: str = "The checkpoint"
+) -> dict[str, Any]:
     """Reassemble a Lightning checkpoint dict from a loaded DCP state dict and its decoded extra state.
 
     ``in_place`` records (under ``"lightning_dcp"``) that tensors were loaded into a target from
-    ``get_state_dict``, i.e. they are this rank's shards rather than full tensors.
+    ``get_state_dict``, i.e. they are this rank's shards rather than full tensors. ``where``: the checkpoint, for
+    messages.
+
+    Raises:
+        NotACheckpointError: The optimizer state does not match its own param groups (entries for parameters no
+            group lists, or ids that are not integers where the objects say the state is keyed by id).
     """
     checkpoint = dict(extra)
     checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
@@ -232,9 +239,9 @@ def join_checkpoint(dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, i
         # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
         states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]
         if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
-            states = [{**osd, "state": {int(k): v for k, v in osd["state"].items()}} for osd in states]
+            states = [{**osd, "state": _by_param_id(osd["state"], where)} for osd in states]
         elif not in_place:  # full tensors for a stock strategy or a user: ``optimizer.state_dict()``'s layout
-            states = [fqns_to_param_ids(osd) for osd in states]
+            states = [fqns_to_param_ids(osd, where=where) for osd in states]
         checkpoint[OPTIMIZER_KEY] = states
     return checkpoint
 
@@ -354,13 +361,42 @@ def param_ids_to_fqns(
     }
 
 
-def fqns_to_param_ids(state: Mapping[str, Any]) -> dict[str, Any]:
-    """Re-key an FQN-keyed optimizer state by integer ids in param_groups order (``optimizer.state_dict()``)."""
+def fqns_to_param_ids(state: Mapping[str, Any], *, where: str = "The checkpoint") -> dict[str, Any]:
+    """Re-key an FQN-keyed optimizer state by integer ids in param_groups order (``optimizer.state_dict()``).
+
+    Raises:
+        NotACheckpointError: ``state`` has no list of param groups with ``params`` lists, or holds state for a
+            parameter no group lists (``where`` names the checkpoint in the message).
+    """
+    groups = state.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise NotACheckpointError(
+            f"{where}: its optimizer state has no valid 'param_groups'; resume from another checkpoint."
+        )
     id_of: dict[str, int] = {}
-    for group in state["param_groups"]:
+    for group in groups:
         for fqn in group["params"]:
             id_of.setdefault(fqn, len(id_of))
+    unknown = [key for key in state.get("state", {}) if key not in id_of]
+    if unknown:
+        raise NotACheckpointError(
+            f"{where}: its optimizer state holds entries for {unknown[:3]!r}, which none of its param groups lists"
+            " (its optimizer entries and its saved objects disagree); resume from another checkpoint."
+        )
     return {
         "state": {id_of[fqn]: v for fqn, v in state.get("state", {}).items()},
         "param_groups": [{**g, "params": [id_of[f] for f in g["params"]]} for g in state["param_groups"]],
     }
+
+
+def _by_param_id(state: Mapping[Any, Any], where: str) -> dict[int, Any]:
+    """An optimizer ``state`` saved keyed by parameter ids, with its keys as ``int`` again (DCP stores them as str)."""
+    odd = [k for k in state if not (type(k) is int or (isinstance(k, str) and k.isascii() and k.isdigit()))]
+    if odd:
+        raise NotACheckpointError(
+            f"{where}: its objects say the optimizer state is keyed by parameter ids, but it holds entries for"
+            f" {odd[:3]!r}; resume from another checkpoint."
+        )
+    return {int(k): v for k, v in state.items()}

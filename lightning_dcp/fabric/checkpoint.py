@@ -240,7 +240,7 @@ def _load_everything(checkpointer: Checkpointer, url: str, *, weights_only: bool
     info = loaded.objects.get(layout.INFO_KEY, {})
     roles = layout.tree_roles(info)
     if roles.trainer:
-        checkpoint = layout.join_checkpoint(tree, loaded.objects, in_place=False)
+        checkpoint = layout.join_checkpoint(tree, loaded.objects, in_place=False, where=loaded.url)
         checkpoint.pop(layout.INFO_KEY, None)
         return checkpoint
     checkpoint = {k: v for k, v in loaded.objects.items() if k != layout.INFO_KEY}

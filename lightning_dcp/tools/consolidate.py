@@ -239,7 +239,7 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
         return _fabric_checkpoint(nested, extra, source.roles, weights_only=weights_only)
     if source.kind == "lightning_dcp":
         nested.setdefault(layout.MODEL_KEY, {})
-        checkpoint = layout.join_checkpoint(nested, extra, in_place=False)
+        checkpoint = layout.join_checkpoint(nested, extra, in_place=False, where=source.location.url)
         info = {k: v for k, v in checkpoint[layout.INFO_KEY].items() if k != "loaded_in_place"}
     else:  # Lightning's sharded layout: ``optimizer_{i}`` entries in get_optimizer_state_dict's (FQN) layout
         checkpoint = {**extra, layout.MODEL_KEY: nested.get(source.model_key, {})}

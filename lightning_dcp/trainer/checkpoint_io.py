@@ -243,7 +243,7 @@ class DCPCheckpointIO(CheckpointIO):
             return loaded.objects
         if not only_model:
             layout.require_trainer_layout(loaded.url, loaded.objects.get(layout.INFO_KEY, {}))
-        checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place)
+        checkpoint = layout.join_checkpoint(loaded.tree, loaded.objects, in_place=loaded.in_place, where=loaded.url)
         info = checkpoint[layout.INFO_KEY]
         if info.get(_BARE):
             return checkpoint[layout.MODEL_KEY]

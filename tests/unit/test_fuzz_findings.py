@@ -243,3 +243,23 @@ def test_removal_cut_short_never_leaves_a_commit_marker_without_its_files(tmp_pa
     left = set(os.listdir(path))
     if ".commit" in left:
         assert {"__0_0.distcp", "__0_1.distcp", "__0_2.distcp", "__0_3.distcp"} <= left, sorted(left)
+
+
+# ------------------------------------------------------------------------------------------ optimizer state keys
+def test_optimizer_state_for_a_parameter_no_group_lists_is_refused(tmp_path):
+    """Found with seed 20261128: a blob that no longer says "keyed by id" beside id-keyed state raised KeyError."""
+    optimizer = {"state": {"0": {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": ["w"], "lr": 0.1}]}
+    path = _committed(tmp_path, {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [optimizer]})
+    err = _load_quickly(path)
+    assert "'0'" in str(err) and "param groups" in str(err)
+
+
+def test_optimizer_state_said_to_be_keyed_by_id_but_keyed_by_name_is_refused(tmp_path):
+    from lightning_dcp.engine import layout
+
+    optimizer = {"state": {"w": {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "lr": 0.1}]}
+    path = str(tmp_path / "a.ckpt")
+    blob = torch_bytes({"global_step": 1, layout.INFO_KEY: {"optimizer_layout": layout.PARAM_ID}})
+    write_committed(path, {"state_dict": {"w": torch.ones(2)}, "optimizer_states": [optimizer], "lightning": blob})
+    err = _load_quickly(path)
+    assert "'w'" in str(err) and "parameter ids" in str(err)

@@ -12,6 +12,8 @@ from tests._spawn import _ephemeral_range, free_port
 
 def test_free_ports_are_distinct_and_below_the_ephemeral_range():
     low, _ = _ephemeral_range()
+    if low < 2048:
+        pytest.skip(f"the ephemeral range starts at {low}: no ports below it to pick from")
     ports = [free_port() for _ in range(50)]
     assert len(set(ports)) == 50
     assert all(port < low for port in ports)  # never a port the kernel hands to an outgoing connection

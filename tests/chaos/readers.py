@@ -506,7 +506,9 @@ class RecordReader(Reader):
         recommit(ckpt, metadata, metadata_bytes, records=True)
         result = self.load_all(ckpt, expect=lambda loaded: self._expected(loaded, key, record))
         try:
-            decoded = torch.load(io.BytesIO(record), weights_only=True) if result == "loaded" else None
+            decoded = (
+                torch.load(io.BytesIO(record), map_location="cpu", weights_only=True) if result == "loaded" else None
+            )
         except Exception:
             decoded = None
         self.tools(ckpt, also=[decoded] if isinstance(decoded, torch.Tensor) else [])
@@ -522,8 +524,8 @@ class RecordReader(Reader):
         if "optimizer_states" not in loaded and not key.startswith("state_dict."):
             return  # a model-only load reads neither the optimizer entries nor the blob
         meta = self.t.metadata.state_dict_metadata[key]
-        try:
-            decoded = torch.load(io.BytesIO(record), weights_only=True)
+        try:  # mapped to the CPU as the reader maps every record: a storage's device tag is not consulted
+            decoded = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
         except Exception as err:
             raise Finding("lenient", f"record {key!r} is no torch.save archive ({err!s:.80}), yet it loaded") from None
         if not hasattr(meta, "size"):

@@ -36,6 +36,7 @@ from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
+from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.stores import is_unreachable
@@ -405,9 +406,10 @@ class Checkpointer:
             map_location=map_location,
             model_key=model_key,
         )
-        if self.memory is not None and memory_io.covers(self, location):
-            return memory_io.load_newest(self, location, collective=collective, **options)
-        return self.load_candidates(location, collective=collective, **options)
+        with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
+            if self.memory is not None and memory_io.covers(self, location):
+                return memory_io.load_newest(self, location, collective=collective, **options)
+            return self.load_candidates(location, collective=collective, **options)
 
     def load_candidates(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
         """Load the first loadable of the durable checkpoints ``location`` designates (see :meth:`load`).

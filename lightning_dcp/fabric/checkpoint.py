@@ -41,6 +41,7 @@ from lightning_dcp.engine.dist import on_rank0, rank_and_world
 from lightning_dcp.engine.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.loading import load_torch_file, probe, torch_load_error
 from lightning_dcp.engine.lookup import designates_last
+from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
@@ -141,10 +142,11 @@ def load_state(
     location = checkpointer.location(path)
     if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
         memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
-    if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
-        with _newest(checkpointer, path, weights_only=weights_only) as newest:
-            return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
-    return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
+    with parsed_meanwhile_forgotten():  # the probe's parsed metadata too dies with the collector paused
+        if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
+            with _newest(checkpointer, path, weights_only=weights_only) as newest:
+                return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
+        return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
 
 
 def _load_one(

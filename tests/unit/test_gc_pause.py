@@ -66,3 +66,36 @@ def test_parsing_metadata_runs_no_collection(tmp_path):
     # per entry made one every 700 allocations (80 here).
     assert len(collections) <= 1, collections
     assert gc.isenabled()
+
+
+def _alive(kind: type) -> int:
+    return sum(1 for obj in gc.get_objects() if type(obj) is kind)
+
+
+def test_a_load_leaves_no_parsed_metadata_behind_but_keeps_what_was_remembered_before(tmp_path):
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from lightning_dcp.engine import metadata
+    from lightning_dcp.engine.checkpointer import Checkpointer
+
+    checkpointer = Checkpointer()
+    base, resumed = str(tmp_path / "base.ckpt"), str(tmp_path / "resumed.ckpt")
+    weights = {f"layer{i}.bias": torch.full((4,), float(i)) for i in range(300)}
+    checkpointer.save({"model": {"other": torch.ones(2)}}, base, objects={})  # .metadata bytes of its own
+    checkpointer.save({"model": weights}, resumed, objects={"step": 3})
+    metadata._PARSED.clear()
+    with open(f"{base}/.metadata", "rb") as f:
+        metadata.load_metadata(f.read())  # remembered before the load (an incremental save's base, say)
+    remembered = set(metadata._PARSED)
+    gc.collect()
+    before = _alive(TensorStorageMetadata)
+    assert len(remembered) == 1 and before >= 1  # the base's parse is alive
+
+    target = {"model": {k: torch.zeros(4) for k in weights}}
+    loaded = checkpointer.load(resumed, target=target)
+
+    assert all(torch.equal(target["model"][k], v) for k, v in weights.items())  # loaded in place
+    assert loaded.objects["step"] == 3
+    assert set(metadata._PARSED) == remembered  # the load's own parse is forgotten, the base's kept
+    assert _alive(TensorStorageMetadata) == before  # and its objects are gone without a collection
+    assert gc.isenabled()

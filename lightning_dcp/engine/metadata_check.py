@@ -104,6 +104,7 @@ def _plainly_valid(metadata: Metadata) -> bool:
     if not (
         entries.keys() >= set(fqns)
         and set(map(type, record_offsets)) <= _SHAPE_OR_NONE
+        and len(set(zip(fqns, record_offsets, strict=True))) == len(indexes)  # one record per chunk start
         and _all_uints(itertools.chain.from_iterable(filter(None, record_offsets)))
         and set(map(type, names)) <= _STR
         and all(map(is_plain_name, set(names)))
@@ -195,6 +196,7 @@ def _problem(metadata: Metadata) -> str | None:
     plain: dict[object, bool] = {}  # file name -> is_plain_name (a checkpoint has a few files, many records)
     spans = []
     lengths = {}
+    seen: set[tuple[str, tuple | None]] = set()
     for index, info in storage.items():
         if type(index) is not MetadataIndex or index.fqn not in entries:
             return f"a storage record names {getattr(index, 'fqn', index)!r}, which has no entry"
@@ -212,8 +214,12 @@ def _problem(metadata: Metadata) -> str | None:
         if not (_uint(info.offset) and _uint(info.length)):
             return f"the record of {index.fqn!r} has offset {info.offset!r} and length {info.length!r}"
         spans.append((name, info.offset, info.length, index.fqn))
-        if offsets is not None:
-            lengths[(index.fqn, tuple(offsets))] = info.length
+        where = None if offsets is None else tuple(offsets)
+        if (index.fqn, where) in seen:  # equal keys of one dict (edited after insertion): a lookup gets either
+            return f"two storage records of {index.fqn!r} start at offset {where}"
+        seen.add((index.fqn, where))
+        if where is not None:
+            lengths[(index.fqn, where)] = info.length
     # Records never share bytes (DCP writes each item once): a crafted metadata pointing many chunks at one record
     # would make a reader allocate and read it many times over.
     spans.sort()

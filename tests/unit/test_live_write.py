@@ -100,15 +100,15 @@ def test_a_step_right_after_an_async_save_never_reaches_the_checkpoint(tmp_path,
     checkpointer = Checkpointer(async_save=True)
     checkpointer._async.live = live
     tree = lambda: {"w": {str(i): w.detach() for i, w in enumerate(weights)}}  # noqa: E731
+    for w in weights:  # made before the save calls, so that each step follows its call within microseconds
+        w.grad = torch.ones_like(w)
     hurried = []
     for round_ in range(3):
         expected = [w.detach().clone() for w in weights]
         path = str(tmp_path / f"s{round_}.ckpt")
         checkpointer.save(tree(), path, objects={}, volatile=[])
-        assert checkpointer._async.last_live is live
-        for w in weights:
-            w.grad = torch.ones_like(w)
         optimizer.step()  # at once: waits for the writer to be done with the live tensors, or copies the rest
+        assert checkpointer._async.last_live is live
         inflight = checkpointer._async._inflight
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # nothing dropped

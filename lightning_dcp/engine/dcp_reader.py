@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import io
 import os
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ from typing import IO, Any
 import torch
 from torch.distributed.checkpoint import FileSystemReader, StorageReader
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
 from lightning_dcp._compat import FsspecReader, StorageInfo, narrow_tensor_by_index
@@ -38,7 +37,7 @@ from lightning_dcp.engine.marker import (
 )
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.reading import SMALL_RECORD, Source, read_raw
-from lightning_dcp.engine.records import tensor_record
+from lightning_dcp.engine.records import record_frame, tensor_record
 from lightning_dcp.engine.remote_read import Range, RangedReads, StreamedRecord, address_of, split
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
@@ -124,7 +123,7 @@ class _VerifyingReader:
         sharing = getattr(self, "sharing", None)
         if sharing is not None:
             plan = self._read_shared(plan, planner, sharing)
-        per_file, names = self._per_file(plan)
+        per_file, names = self._per_file(plan, planner)
         for name in names:
             with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as stream:
                 source = Source(stream)
@@ -225,13 +224,30 @@ class _VerifyingReader:
         except Exception as err:  # a record that is not what the metadata says it is
             raise self._undecodable(name, item, err) from None
 
-    def _per_file(self, plan: LoadPlan) -> tuple[dict[str, list], list[str]]:
-        """The plan's items by file (``(offset, storage info, read item)``, in file order) and the files' order."""
+    def _per_file(self, plan: LoadPlan, planner: Any = None) -> tuple[dict[str, list], list[str]]:
+        """The plan's items by file (``(offset, storage info, read item)``, in file order) and the files' order.
+
+        With a lean :class:`~lightning_dcp.engine.local_load.FastLoadPlanner`, also the records of its ``direct``
+        targets (which the plan leaves out), each with a :class:`_Whole` for a read item.
+        """
         per_file: dict[str, list] = {}
         storage_data = self.storage_data
         for item in plan.items:
             info = storage_data[item.storage_index]
             per_file.setdefault(info.relative_path, []).append((info.offset, info, item))
+        direct = getattr(planner, "direct", None) if getattr(planner, "lean", False) else None
+        if direct:
+            found = 0
+            for key, info in storage_data.items():
+                if key.fqn in direct and key.offset is not None and not any(key.offset):
+                    per_file.setdefault(info.relative_path, []).append((info.offset, info, _Whole(key)))
+                    found += 1
+            if found != len(direct):  # the metadata checks make this impossible; never copy on a guess
+                raise CorruptCheckpointError(
+                    f"{self.path}/{METADATA_FILE} does not list exactly one record for each whole tensor it describes"
+                    f" ({found} records for {len(direct)} tensors).",
+                    file=METADATA_FILE,
+                )
         for entries in per_file.values():
             entries.sort(key=lambda e: e[0])
         # Ranks that read the same files (replicated state) read them in the same order: the first rank to ask for a
@@ -247,7 +263,7 @@ class _VerifyingReader:
         for run, start, end, part in _runs(entries):
             if not run:
                 _, info, item = part[0]
-                self._read_one(stream, source, name, size, info, item, planner)
+                self._read_one(stream, source, name, size, info, self._read_item(item), planner)
                 continue
             checked = self._checked(name, size, part)  # each record inside the file before reading
             span, address = source.read_span(start, end - start)
@@ -255,7 +271,16 @@ class _VerifyingReader:
 
     def _checked(self, name: str, size: int, part: list) -> list[tuple[int, StorageInfo, Any, int | None]]:
         """``part``'s ``(offset, storage info, read item)`` with each record's checksum (:meth:`_expected`)."""
-        return [(offset, info, item, self._expected(name, size, info, item)) for offset, info, item in part]
+        checksums = self.checksums
+        if checksums is None:
+            return [(offset, info, item, self._expected(name, size, info, item)) for offset, info, item in part]
+        checked = []
+        for offset, info, item in part:  # what _expected checks, inline (thousands of small records)
+            expected = checksums.get((name, offset))
+            if expected is None or expected[0] != info.length or offset + info.length > size:
+                expected = (info.length, self._expected(name, size, info, item))  # raises, naming what is wrong
+            checked.append((offset, info, item, expected[1]))
+        return checked
 
     def _take_run(self, name: str, checked: list, start: int, span: memoryview, address: int, planner) -> None:
         """Apply a run of records read in one call (``span``, from file offset ``start``, at memory ``address``).
@@ -266,6 +291,8 @@ class _VerifyingReader:
         """
         tensor_meta = self._tensor_meta
         resolve, commit = planner.resolve_tensor, planner.commit_tensor
+        direct = getattr(planner, "direct", None) or {}  # FastLoadPlanner's whole-tensor targets, by FQN
+        digest, memmove, tensor_kind = checksum, ctypes.memmove, LoadItemType.TENSOR
         item = None
         try:
             for offset, info, item, expected in checked:
@@ -274,13 +301,21 @@ class _VerifyingReader:
                 record = span[rel : rel + length]
                 if record.nbytes != length:
                     self._check_record(record, name, info, expected, item)  # raises: truncated
-                if expected is not None and checksum(record) != expected:
+                if expected is not None and digest(record) != expected:
                     raise self._corrupt(name, item)
+                hit = direct.get(item.storage_index.fqn) if item.type == tensor_kind else None
+                if hit is not None:  # the planner checked target and chunk: only the record's frame is left to check
+                    into, (full, begin, end, prefix, suffix) = hit
+                    if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
+                        if end > begin:
+                            memmove(into, address + rel + begin, end - begin)
+                        continue
+                    item = self._read_item(item)  # another writer's framing: the general way needs a read item
                 meta = tensor_meta.get(item.storage_index.fqn) if item.type == LoadItemType.TENSOR else None
                 sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
                 if sizes is not None:
                     dtype = meta.properties.dtype
-                    full, begin, end, prefix, suffix = _frame(dtype, sizes)
+                    full, begin, end, prefix, suffix = record_frame(dtype, sizes)
                     if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
                         target = resolve(item).detach()
                         if (
@@ -302,6 +337,15 @@ class _VerifyingReader:
             raise
         except Exception as err:  # a record that is not what the metadata says it is
             raise self._undecodable(name, item, err) from None
+
+    def _read_item(self, item: Any) -> Any:
+        """``item``, or for a :class:`_Whole` the read item the planner would have made for it."""
+        if type(item) is not _Whole:
+            return item
+        index = item.storage_index
+        return ReadItem(
+            LoadItemType.TENSOR, index, index.offset, index, index.offset, self._tensor_meta[index.fqn].size
+        )
 
     def _read_one(self, stream, source, name, size, info, item, planner) -> None:
         expected = self._expected(name, size, info, item)
@@ -436,6 +480,20 @@ class _VerifyingReader:
         )
 
 
+class _Whole:
+    """The read item of a lean plan's ``direct`` target: its whole tensor's one record (see :meth:`_per_file`).
+
+    It has what the reading loop needs of a read item (``type``, ``storage_index``); anything else gets the full
+    read item from :meth:`_VerifyingReader._read_item`.
+    """
+
+    __slots__ = ("storage_index",)
+    type = LoadItemType.TENSOR
+
+    def __init__(self, storage_index: MetadataIndex) -> None:
+        self.storage_index = storage_index
+
+
 def _destination(
     item: Any, dtype: torch.dtype, sizes: tuple, planner: LoadPlanner
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -452,14 +510,6 @@ def _destination(
     whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
     direct = whole and target.device.type == "cpu" and target.is_contiguous()
     return target, target if direct else torch.empty(sizes, dtype=dtype)
-
-
-@functools.lru_cache(maxsize=8192)
-def _frame(dtype: torch.dtype, sizes: tuple[int, ...]) -> tuple[int, int, int, bytes, bytes]:
-    """``(record length, raw bytes' start, raw bytes' end, prefix, suffix)`` of a tensor record in our layout."""
-    layout = tensor_record(dtype, sizes)
-    begin = layout.data_offset
-    return layout.length, begin, begin + layout.nbytes, layout.prefix, layout.suffix
 
 
 def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:
@@ -501,7 +551,8 @@ def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):
-    pass
+    reads_direct = True
+    """Reads a lean plan's ``direct`` targets by FQN (:meth:`_VerifyingReader._per_file`)."""
 
 
 class _FsspecReader(_VerifyingReader, FsspecReader):

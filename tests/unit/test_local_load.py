@@ -123,18 +123,24 @@ def test_whole_tensors_are_copied_into_their_targets_and_other_targets_take_the_
     assert sorted(committed) == [f"state_dict.{k}" for k in "abcdz"]
 
 
+def _four_saved(tmp_path):
+    """Four float32 (5, 3) tensors saved: the tree, the path, its parsed ``.commit``, a data file's name, its marker
+    entry and its bytes (to alter, then write back with the marker)."""
+    tree = {"state_dict": {f"w{i}": torch.randn(5, 3) for i in range(4)}}
+    path = tmp_path / "c.ckpt"
+    Checkpointer().save(tree, str(path), objects={"k": 1})
+    commit = json.loads((path / ".commit").read_text())
+    name, entry = next((n, e) for n, e in commit["files"].items() if len(e["records"]) > 2)
+    return tree, path, commit, name, entry, bytearray((path / name).read_bytes())
+
+
 def test_a_record_in_another_writers_framing_loads_through_torch_load(tmp_path):
     """A record whose checksum matches but whose framing is not ours byte for byte takes the general way, and loads."""
     import io
 
     from lightning_dcp.engine.marker import checksum
 
-    tree = {"state_dict": {f"w{i}": torch.randn(5, 3) for i in range(4)}}
-    path = tmp_path / "c.ckpt"
-    Checkpointer().save(tree, str(path), objects={"k": 1})
-    commit = json.loads((path / ".commit").read_text())
-    name, entry = next((n, e) for n, e in commit["files"].items() if len(e["records"]) > 2)
-    data = bytearray((path / name).read_bytes())
+    tree, path, commit, name, entry, data = _four_saved(tmp_path)
     changed = 0
     for record_entry in entry["records"]:
         offset, length, _ = record_entry
@@ -163,12 +169,7 @@ def test_a_record_framed_as_another_dtype_is_refused_naming_the_file(tmp_path):
     from lightning_dcp.engine.marker import checksum
     from lightning_dcp.engine.records import raw_bytes, tensor_record
 
-    tree = {"state_dict": {f"w{i}": torch.randn(5, 3) for i in range(4)}}
-    path = tmp_path / "c.ckpt"
-    Checkpointer().save(tree, str(path), objects={"k": 1})
-    commit = json.loads((path / ".commit").read_text())
-    name, entry = next((n, e) for n, e in commit["files"].items() if len(e["records"]) > 2)
-    data = bytearray((path / name).read_bytes())
+    tree, path, commit, name, entry, data = _four_saved(tmp_path)
     layout = tensor_record(torch.int32, (5, 3))
     other = layout.prefix + bytes(raw_bytes(torch.arange(15, dtype=torch.int32).reshape(5, 3))) + layout.suffix
     record_entry = next(r for r in entry["records"] if r[1] == len(other))  # a float32 (5, 3) record

@@ -51,6 +51,7 @@ from lightning_dcp.engine.marker import (
 )
 from lightning_dcp.engine.memo import PlanMemo
 from lightning_dcp.engine.planning import BalancedSavePlanner
+from lightning_dcp.engine.record_index import encode_index
 from lightning_dcp.engine.storage import Location
 
 __all__ = ["compact_result", "keep_options", "metadata_pickle", "save_planner", "storage_writer"]
@@ -157,21 +158,28 @@ class _ChecksummingWriter:
             results: Per rank, ``(fqn, offsets, size, file, offset, length, checksum)`` of every record written.
         """
         files: dict[str, dict[str, Any]] = {}
+        fqns: dict[str, list[str]] = {}
+        chunks: dict[str, list[Any]] = {}
         for rank_results in results:
-            for _, _, _, name, offset, length, digest in rank_results:
+            for fqn, chunk, _, name, offset, length, digest in rank_results:
                 entry = files.get(name)
                 if entry is None:
                     entry = files[name] = {"size": 0, "records": []}
+                    fqns[name], chunks[name] = [], []
                 entry["records"].append([offset, length, digest])
+                fqns[name].append(fqn)
+                chunks[name].append(chunk)
                 if offset + length > entry["size"]:
                     entry["size"] = offset + length
         metadata_bytes = metadata_pickle(metadata, results)
         self._put(METADATA_FILE, metadata_bytes, atomic=self.local_files)
-        self._put(
-            COMMIT_FILE,
-            encode_commit(metadata_bytes=metadata_bytes, files=files, order=getattr(self, "order", None)),
-            atomic=self.local_files,  # a reader (the uploader, a resume) never sees a marker half written
+        marker = encode_commit(
+            metadata_bytes=metadata_bytes,
+            files=files,
+            order=getattr(self, "order", None),
+            index=_record_index(metadata, fqns, chunks),
         )
+        self._put(COMMIT_FILE, marker, atomic=self.local_files)  # atomic: never seen half written
 
     def _put(self, name: str, data: bytes, *, atomic: bool) -> None:
         final = self.fs.concat_path(self.path, name)
@@ -193,6 +201,17 @@ def compact_result(result: WriteResult) -> tuple:
 
 
 _METADATA = PlanMemo()  # the ``.metadata`` bytes of the last few plans
+_INDEX = PlanMemo()  # the record index of the last few plans
+
+
+def _record_index(metadata: Metadata, fqns: dict[str, list[str]], chunks: dict[str, list[Any]]) -> dict | None:
+    """:func:`~lightning_dcp.engine.record_index.encode_index`, remembered per plan and record layout."""
+    key = tuple((name, tuple(names), tuple(chunks[name])) for name, names in fqns.items())
+    known = _INDEX.get(metadata, key)
+    if known is None:
+        known = (encode_index(metadata, fqns, chunks),)
+        _INDEX.put(metadata, key, known)
+    return known[0]
 
 
 def metadata_pickle(metadata: Metadata, results: list[list[tuple]]) -> bytes:

@@ -20,11 +20,13 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
+from lightning_dcp.engine.record_index import IndexedRecord, parse_index
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
 __all__ = [
     "check_checkpoint",
+    "check_indexed",
     "checkpoints_inside",
     "committed_checkpoints",
     "newest_valid",
@@ -45,6 +47,42 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
         CorruptCheckpointError: The marker is invalid, or a file is missing, truncated or altered (the error names
             it), or the metadata points at records the marker does not list.
     """
+    marker, metadata_bytes = _marker_and_metadata(location)
+    try:
+        metadata = load_metadata(metadata_bytes, where=f"{location.url}/{METADATA_FILE}")
+    except NotACheckpointError as err:  # checksum-consistent yet invalid: a crafted or buggy writer
+        raise CorruptCheckpointError(str(err), file=METADATA_FILE) from None
+    _check_records(location, marker, metadata)
+    _check_sizes(location, marker)
+    if full:
+        for name, entry in marker["files"].items():
+            _verify_file(location, name, entry["records"])
+    return metadata
+
+
+def check_indexed(location: Location) -> tuple[dict[str, Any], dict[str, IndexedRecord]] | None:
+    """:func:`check_checkpoint` (fast mode) for a restore through the record index, without parsing ``.metadata``.
+
+    The marker, the size and checksum of ``.metadata`` and the data files' sizes are checked as there; instead of
+    the parsed metadata, returns ``(marker, records)``: the marker and its record index
+    (:func:`~lightning_dcp.engine.record_index.parse_index`). ``None`` when the marker has no usable index (then
+    call :func:`check_checkpoint`).
+
+    Rank 0 only (or any single process).
+
+    Raises:
+        NotACheckpointError, CorruptCheckpointError: As :func:`check_checkpoint`.
+    """
+    marker, _ = _marker_and_metadata(location)
+    records = parse_index(marker)
+    if records is None:
+        return None
+    _check_sizes(location, marker)
+    return marker, records
+
+
+def _marker_and_metadata(location: Location) -> tuple[dict[str, Any], bytes]:
+    """The checkpoint's parsed ``.commit`` and the bytes of its ``.metadata``, which must match the marker."""
     marker = read_commit(location)
     if marker is None:
         raise NotACheckpointError(
@@ -67,11 +105,11 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
             f"{location.url!r}: {METADATA_FILE} does not match the size and checksum recorded at save.",
             file=METADATA_FILE,
         )
-    try:
-        metadata = load_metadata(metadata_bytes, where=f"{location.url}/{METADATA_FILE}")
-    except NotACheckpointError as err:  # checksum-consistent yet invalid: a crafted or buggy writer
-        raise CorruptCheckpointError(str(err), file=METADATA_FILE) from None
-    _check_records(location, marker, metadata)
+    return marker, metadata_bytes
+
+
+def _check_sizes(location: Location, marker: dict[str, Any]) -> None:
+    """Every data file the marker lists exists and is at least its recorded size."""
     sizes = location.sizes()
     for name, entry in marker["files"].items():
         if name not in sizes:
@@ -80,10 +118,6 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
             raise CorruptCheckpointError(
                 f"{location.url!r}: data file {name} is truncated ({sizes[name]} of {entry['size']} bytes).", file=name
             )
-    if full:
-        for name, entry in marker["files"].items():
-            _verify_file(location, name, entry["records"])
-    return metadata
 
 
 def _check_records(location: Location, marker: dict[str, Any], metadata: Metadata) -> None:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
@@ -210,10 +210,13 @@ def build_state(
     return state
 
 
-def saved_world_size(metadata: Metadata) -> int | None:
-    """The world size a checkpoint was saved at, from its ``rank_states.*`` entries (``None`` without them)."""
-    ranks = [k for k in metadata.state_dict_metadata if k.startswith(RANK_KEY + ".")]
-    return len(ranks) or None
+def saved_world_size(entries: Iterable[str]) -> int | None:
+    """The world size a checkpoint was saved at, from its ``rank_states.*`` entries (``None`` without them).
+
+    ``entries``: the checkpoint's flat keys (``metadata.state_dict_metadata``, or its record index).
+    """
+    prefix = RANK_KEY + "."
+    return sum(1 for k in entries if k.startswith(prefix)) or None
 
 
 def join_checkpoint(

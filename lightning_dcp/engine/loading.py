@@ -23,10 +23,11 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.blob import load_stock_file
-from lightning_dcp.engine.integrity import check_checkpoint
+from lightning_dcp.engine.integrity import check_checkpoint, check_indexed
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.planning import flatten
+from lightning_dcp.engine.record_index import IndexedRecord
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
@@ -39,6 +40,7 @@ from lightning_dcp.errors import (
 __all__ = [
     "LIGHTNING_META_FILE",
     "Probe",
+    "check_trainer_state",
     "fit_target",
     "lightning_model_key",
     "load_file",
@@ -56,10 +58,18 @@ class Probe:
     url: str
     kind: Literal["file", "dcp", "lightning"]
     metadata: Metadata | None = None
+    records: dict[str, IndexedRecord] | None = None
+    """The record index, where ``probe(..., indexed=True)`` found one (``metadata`` is then not read)."""
+    indexed: bool = False
+    """Whether the probe checked the checkpoint through its record index (``records``) rather than ``metadata``."""
 
 
-def probe(location: Location) -> Probe:
+def probe(location: Location, *, indexed: bool = False) -> Probe:
     """Check what ``location`` holds: a committed lightning_dcp checkpoint, Lightning's sharded layout or one file.
+
+    With ``indexed``, a checkpoint whose ``.commit`` holds a record index is checked without parsing its
+    ``.metadata`` (:func:`~lightning_dcp.engine.integrity.check_indexed`): the probe then has ``records`` and no
+    ``metadata``.
 
     Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
 
@@ -75,13 +85,33 @@ def probe(location: Location) -> Probe:
         return Probe(location.url, "file")
     if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
         return Probe(location.url, "lightning", read_metadata(location))
+    checked = check_indexed(location) if indexed else None
+    if checked is not None:
+        _require_trainer_state(location, checked[1])
+        return Probe(location.url, "dcp", records=checked[1], indexed=True)
     metadata = check_checkpoint(location)
-    if layout.EXTRA_KEY not in metadata.state_dict_metadata:
+    _require_trainer_state(location, metadata.state_dict_metadata)
+    return Probe(location.url, "dcp", metadata)
+
+
+def _require_trainer_state(location: Location, saved: Any) -> None:
+    """A lightning_dcp checkpoint has the Trainer state entry (``saved``: its entries by FQN)."""
+    if layout.EXTRA_KEY not in saved:
         raise NotACheckpointError(
             f"{location.url!r} is a DCP checkpoint that lightning_dcp did not write (it has no"
             f" {layout.EXTRA_KEY!r} entry with the Trainer state); load it with `torch.distributed.checkpoint.load`."
         )
-    return Probe(location.url, "dcp", metadata)
+
+
+def check_trainer_state(location: Location, metadata: Metadata) -> None:
+    """What :func:`probe` checks of ``metadata`` beyond :func:`~lightning_dcp.engine.integrity.check_checkpoint`.
+
+    For a caller that read the metadata after an indexed probe.
+
+    Raises:
+        NotACheckpointError: It has no Trainer state entry.
+    """
+    _require_trainer_state(location, metadata.state_dict_metadata)
 
 
 def lightning_model_key(metadata: Metadata) -> str:

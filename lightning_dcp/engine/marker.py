@@ -47,7 +47,11 @@ def checksum(data: Any) -> int:
 
 
 def encode_commit(
-    *, metadata_bytes: bytes, files: dict[str, dict[str, Any]], order: dict[str, Any] | None = None
+    *,
+    metadata_bytes: bytes,
+    files: dict[str, dict[str, Any]],
+    order: dict[str, Any] | None = None,
+    index: dict[str, Any] | None = None,
 ) -> bytes:
     """The ``.commit`` marker for a checkpoint whose ``.metadata`` holds ``metadata_bytes``.
 
@@ -56,6 +60,8 @@ def encode_commit(
         files: ``{file name: {"size": bytes, "records": [[offset, length, checksum], ...]}}`` for every data file.
         order: ``{"counter": int, "step": int | None}``: the save's place in its directory (see :func:`order_key`).
             ``None`` writes no order (such a checkpoint counts as older than every ordered one).
+        index: The record index (:mod:`lightning_dcp.engine.record_index`): what each record holds, so that a
+            restore need not read ``.metadata``. ``None`` writes none.
     """
     marker: dict[str, Any] = {
         "format": FORMAT,
@@ -67,6 +73,8 @@ def encode_commit(
     }
     if order is not None:
         marker["order"] = {"counter": int(order["counter"]), "step": order.get("step")}
+    if index is not None:
+        marker["index"] = index
     return json.dumps(marker, sort_keys=True).encode()
 
 

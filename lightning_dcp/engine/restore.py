@@ -11,13 +11,17 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
-from lightning_dcp.engine import layout, local_load
+from torch.distributed.checkpoint.metadata import Metadata
+
+from lightning_dcp.engine import index_load, layout, local_load
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.gc_pause import gc_paused
+from lightning_dcp.engine.integrity import check_checkpoint
 from lightning_dcp.engine.loading import (
     Probe,
+    check_trainer_state,
     fit_target,
     lightning_model_key,
     load_file,
@@ -26,7 +30,8 @@ from lightning_dcp.engine.loading import (
 )
 from lightning_dcp.engine.local_load import FastLoadPlanner
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.record_index import IndexedRecord, parse_index
+from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.errors import checkpoint_failure
 
 __all__ = ["Loaded", "load_one"]
@@ -91,25 +96,45 @@ def load_one(
     """
     with gc_paused():  # tens of thousands of small objects: collections would cost more than the load
         probed: list[Probe] = []
+        # A local resume into a target may skip .metadata: the record index in .commit serves it (index_load).
+        indexed = target is not None and only is None and not exclude and location.local and not node_local
 
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
-            probed.append(probe(location))
-            return dataclasses.replace(probed[0], metadata=None)
+            probed.append(probe(location, indexed=indexed))
+            return dataclasses.replace(probed[0], metadata=None, records=None)
 
         rank, world_size = rank_and_world(collective)
+        ahead: dict[str, IndexedRecord] | None = None
         if rank != 0 and location.local:
-            _parse_ahead(location)
+            ahead = _parse_ahead(location, indexed=indexed)
         found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)
         if found.kind == "file":
             objects = load_file(location, map_location=map_location, weights_only=weights_only)
             return Loaded(url=location.url, kind="file", tree={}, objects=objects)
-        metadata = probed[0].metadata if probed else read_metadata(location)
+        if found.indexed and target is not None:
+            records = probed[0].records if probed else ahead
+            loaded = Loaded(url=location.url, kind="dcp", tree={}, objects={}, in_place=True)
+            loaded.saved_world_size = layout.saved_world_size(records or {})
+            state = _with_blobs(dict(target), loaded.saved_world_size, rank, world_size)
+            try:
+                done = index_load.load_indexed(
+                    location.path, state, records, weights_only=weights_only, distributed=distributed(collective)
+                )
+            except Exception as err:  # raised on every rank alike: the lowest failing rank's error
+                raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
+            if done:
+                return _finish(loaded, state, in_place=True, weights_only=weights_only, world_size=world_size)
+        metadata = probed[0].metadata if probed and probed[0].metadata is not None else None
+        if metadata is None and found.indexed:  # the probe read the index only: what it would have checked
+            metadata = _checked_metadata(location, collective)
+        elif metadata is None:
+            metadata = read_metadata(location)
         lightning_layout = found.kind == "lightning"
         model_key = lightning_model_key(metadata) if lightning_layout else model_key
         loaded = Loaded(url=location.url, kind=found.kind, tree={}, objects={}, in_place=target is not None)
-        loaded.saved_world_size = layout.saved_world_size(metadata)
+        loaded.saved_world_size = layout.saved_world_size(metadata.state_dict_metadata)
         if target is None:
             state = layout.metadata_target(metadata)
         else:
@@ -124,10 +149,7 @@ def load_one(
             if not lightning_layout and only is None:
                 for key in _other_tree_keys(metadata, state):  # other saved state dicts: full CPU tensors
                     state.update(layout.metadata_target(metadata, prefixes=(key + ".",)))
-                state[layout.EXTRA_KEY] = b""
-                if loaded.saved_world_size:  # this rank's own state, or rank 0's to derive from at another size
-                    own = rank if loaded.saved_world_size == world_size else 0
-                    state[layout.RANK_KEY] = {str(own): b""}
+                state = _with_blobs(state, loaded.saved_world_size, rank, world_size)
         try:
             local_load.load(
                 state,
@@ -139,31 +161,72 @@ def load_one(
             raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
         if lightning_layout:
             loaded.objects = {} if only is not None else read_lightning_meta(location, weights_only=weights_only)
-            state = _from_lightning_layout(state, model_key)
-        elif layout.EXTRA_KEY in state:
-            blob = state.pop(layout.EXTRA_KEY)
-            loaded.objects = decode_extra(blob, path=location.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
-        blobs = state.pop(layout.RANK_KEY, None) if target is not None else None
-        if blobs:
-            loaded.rank_objects = decode_extra(
-                next(iter(blobs.values())), path=location.url, entry=layout.RANK_KEY, weights_only=weights_only
-            )
-            loaded.rank_objects_exact = loaded.saved_world_size == world_size
-        loaded.tree = state
-        return loaded
+            loaded.tree = _from_lightning_layout(state, model_key)
+            return loaded
+        return _finish(loaded, state, in_place=target is not None, weights_only=weights_only, world_size=world_size)
 
 
-def _parse_ahead(location: Location) -> None:
-    """Parse the ``.metadata`` at ``location`` (if it is a checkpoint directory) while rank 0 probes it.
+def _with_blobs(state: dict[str, Any], saved_world_size: int | None, rank: int, world_size: int) -> dict[str, Any]:
+    """``state`` with places for the Trainer-state blob and this rank's own blob, which the load fills.
 
-    The parse is remembered by the file's bytes (:func:`~lightning_dcp.engine.metadata.load_metadata`): when rank 0
-    settles on this checkpoint, reading its metadata again costs one read of the file. Anything that fails here is
-    left for the probe to report.
+    The rank's own blob is rank 0's at another world size than at save.
+    """
+    state[layout.EXTRA_KEY] = b""
+    if saved_world_size:
+        own = rank if saved_world_size == world_size else 0
+        state[layout.RANK_KEY] = {str(own): b""}
+    return state
+
+
+def _finish(loaded: Loaded, state: dict[str, Any], *, in_place: bool, weights_only: bool, world_size: int) -> Loaded:
+    """``loaded`` with the loaded tree and its decoded blobs."""
+    if layout.EXTRA_KEY in state:
+        blob = state.pop(layout.EXTRA_KEY)
+        loaded.objects = decode_extra(blob, path=loaded.url, entry=layout.EXTRA_KEY, weights_only=weights_only)
+    blobs = state.pop(layout.RANK_KEY, None) if in_place else None
+    if blobs:
+        loaded.rank_objects = decode_extra(
+            next(iter(blobs.values())), path=loaded.url, entry=layout.RANK_KEY, weights_only=weights_only
+        )
+        loaded.rank_objects_exact = loaded.saved_world_size == world_size
+    loaded.tree = state
+    return loaded
+
+
+def _checked_metadata(location: Location, collective: bool) -> Metadata:
+    """The metadata of a checkpoint probed through its index, checked on rank 0 as :func:`probe` checks others.
+
+    That is :func:`~lightning_dcp.engine.integrity.check_checkpoint`. Collective when ``collective``.
+    """
+    kept: list[Metadata] = []
+
+    def check() -> None:
+        kept.append(check_checkpoint(location))
+        check_trainer_state(location, kept[0])
+
+    on_rank0(collective, check)
+    return kept[0] if kept else read_metadata(location)
+
+
+def _parse_ahead(location: Location, *, indexed: bool) -> dict[str, IndexedRecord] | None:
+    """Parse the checkpoint at ``location`` (if it is a checkpoint directory) while rank 0 probes it.
+
+    With ``indexed``, its ``.commit`` and the record index in it (returned; ``None`` without one), which a restore
+    through the index needs on every rank. Otherwise (or without an index) its ``.metadata``: the parse is
+    remembered by the file's bytes (:func:`~lightning_dcp.engine.metadata.load_metadata`), so when rank 0 settles
+    on this checkpoint, reading its metadata again costs one read of the file. Anything that fails here is left for
+    the probe to report.
     """
     try:
+        if indexed:
+            marker = read_commit(location)
+            records = None if marker is None else parse_index(marker)
+            if records is not None:
+                return records
         read_metadata(location)
     except Exception:  # not a checkpoint directory, or a broken one: rank 0's probe says which
         pass
+    return None
 
 
 def _other_tree_keys(metadata: Any, target: dict[str, Any]) -> list[str]:

@@ -1,0 +1,344 @@
+"""Restoring from the record index in ``.commit``: no ``.metadata``, no DCP planning, one pass over each file.
+
+A resume of a local checkpoint into a target that matches it exactly (the same FQNs, dtypes and shapes; plain,
+contiguous CPU tensors: DDP and single-device state) needs none of DCP's machinery: the index in ``.commit``
+(:mod:`lightning_dcp.engine.record_index`) says which record holds each entry. Each rank then reads its files in
+one order, in runs of up to 16 MiB, and for each record checks its checksum against ``.commit`` and its bytes around
+the tensor data against the exact layout the writer uses (:func:`~lightning_dcp.engine.records.record_frame`, which
+fixes dtype and shape), and copies the tensor data into the target; bytes entries (the Trainer state, optimizer
+hyperparameters) are unpickled as the general path does (``weights_only``). A record in another framing is decoded
+with ``torch.load`` instead. What stock ``dcp.load`` reads from the same files is what lands here.
+
+Anything else (no index, an entry the target lacks or has in another shape or dtype, DTensor or GPU targets,
+chunked tensors, object stores) declines before a byte is read, on every rank alike, and the caller restores the
+general way (:mod:`lightning_dcp.engine.local_load`).
+
+Measured (``small`` mix, 4,815 records, 73 MB, 2 ranks, warm page cache; ``benchmarks.bench_trainer --mix small
+--tasks load``): see ``benchmarks/results/TRAINER.md`` and the README's restore table.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import os
+import pickle
+import zipfile
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from lightning_dcp._compat import set_element
+from lightning_dcp.engine import saving
+from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.engine.layout import EXTRA_KEY, RANK_KEY
+from lightning_dcp.engine.marker import checksum
+from lightning_dcp.engine.planning import flatten
+from lightning_dcp.engine.reading import SMALL_RECORD, Source, read_raw
+from lightning_dcp.engine.record_index import IndexedRecord
+from lightning_dcp.engine.records import record_frame, tensor_record
+from lightning_dcp.errors import CorruptCheckpointError, describe_load_error
+
+__all__ = ["load_indexed"]
+
+_SPAN = 2 << 20
+"""Bytes per read of a run of small records: a span this size stays in the CPU caches while its records are checked
+and copied (``small`` mix, cold page cache, 2 ranks: ~0.13 s with 2 MiB spans, ~0.16 s with 16 MiB)."""
+_GAP = 64 << 10
+"""Records this close together are read in one call with the ones before them (the bytes between are skipped)."""
+
+
+def load_indexed(
+    path: str,
+    state: dict[str, Any],
+    records: dict[str, IndexedRecord] | None,
+    *,
+    weights_only: bool,
+    distributed: bool,
+) -> bool:
+    """Fill ``state`` in place from the local checkpoint directory ``path`` through its record index.
+
+    Args:
+        path: The checkpoint directory (a local path).
+        state: The nested target (``{"state_dict": ..., "optimizer_states": [...], "lightning": b"",
+            "rank_states": {rank: b""}}``): tensors are filled in place, every other leaf is replaced by the object
+            its bytes entry holds.
+        records: The checkpoint's index (:func:`~lightning_dcp.engine.record_index.parse_index`), ``None`` when
+            it has none.
+        weights_only: Passed to ``torch.load`` for every bytes entry.
+        distributed: Whether the default process group takes part.
+
+    Returns:
+        False when the index cannot serve this target on some rank (nothing was read: restore the general way);
+        True when ``state`` was filled.
+
+    Collective: call on all ranks when ``distributed`` (one all-reduce, then one exchange of the outcome).
+
+    Raises:
+        RankFailure: Reading failed on some rank (on every rank; the lowest failing rank's error, a
+            ``CorruptCheckpointError`` naming the file for a record that does not match ``.commit``).
+    """
+    flat, mappings = flatten(state)
+    trees = tuple(key for key in state if key not in (EXTRA_KEY, RANK_KEY))
+    plan = _plan(flat, records, trees) if records is not None else None
+    if distributed:
+        usable = torch.tensor([0 if plan is None else 1], dtype=torch.int32)
+        dist.all_reduce(usable, op=dist.ReduceOp.MIN)
+        if not usable.item():
+            return False
+    elif plan is None:
+        return False
+    error: BaseException | None = None
+    try:
+        for name in sorted(plan):
+            _read_file(path, name, plan[name], state, mappings, weights_only)
+    except Exception as err:  # raised on every rank below
+        error = err
+    saving.agree(error, group=None, distributed=distributed)
+    return True
+
+
+def _plan(
+    flat: dict[str, Any], records: dict[str, IndexedRecord], trees: tuple[str, ...]
+) -> dict[str, list[tuple]] | None:
+    """Per data file, ``(offset, length, checksum, target, frame, fqn)`` of each record to read, by offset.
+
+    ``target`` is the tensor to fill (``frame``: :func:`~lightning_dcp.engine.records.record_frame` of its record),
+    or ``None`` for a bytes entry (and ``frame`` too). ``None`` when the index cannot serve ``flat``: an entry the
+    checkpoint lacks or holds as another kind, dtype or shape, a target that is not a plain contiguous CPU tensor, a
+    saved entry of the target's state dicts (``trees``: the target's top-level keys) that the target lacks, or a
+    saved state dict the target does not name.
+    """
+    tensor, parameter = torch.Tensor, torch.nn.Parameter
+    per_file: dict[str, list[tuple]] = {}
+    for key, value in flat.items():
+        record = records.get(key)
+        if record is None:
+            return None
+        kind = type(value)
+        if kind is tensor or kind is parameter:
+            if (
+                record.shape is None
+                or value.dtype != record.dtype
+                or value.shape != record.shape
+                or not value.is_cpu
+                or not value.is_contiguous()
+            ):
+                return None
+            frame = record_frame(record.dtype, record.shape)
+            entry = (record.offset, record.length, record.checksum, value, frame, key)
+        elif isinstance(value, tensor) or record.dtype is not None:  # a DTensor, a subclass; or a tensor saved
+            return None
+        else:
+            entry = (record.offset, record.length, record.checksum, None, None, key)
+        files = per_file.get(record.file)
+        if files is None:
+            files = per_file[record.file] = []
+        files.append(entry)
+    named, prefixes, blobs = set(trees), tuple(tree + "." for tree in trees), RANK_KEY + "."
+    saved = 0
+    for key in records:
+        if key in named or key.startswith(prefixes):
+            saved += 1
+        elif key != EXTRA_KEY and not key.startswith(blobs):
+            return None  # another saved state dict: the general way loads it as new tensors
+    if saved != sum(1 for key in flat if key in named or key.startswith(prefixes)):
+        return None  # the target lacks some saved entries (the general way checks strictness and reports them)
+    for entries in per_file.values():
+        entries.sort(key=_offset)
+    return per_file
+
+
+def _offset(entry: tuple) -> int:
+    return entry[0]
+
+
+def _read_file(
+    path: str, name: str, entries: list[tuple], state: dict, mappings: dict[str, tuple], weights_only: bool
+) -> None:
+    """Read ``entries`` of the data file ``name``: runs of small records with one call each, large ones in place."""
+    where = os.path.join(path, name)
+    with open(where, "rb", buffering=0) as stream:
+        size = os.fstat(stream.fileno()).st_size
+        last = entries[-1]
+        if last[0] + last[1] > size:
+            raise CorruptCheckpointError(
+                f"{where} is truncated: it ends at byte {size}, its records at {last[0] + last[1]}.", file=name
+            )
+        source = Source(stream)
+        try:
+            i, count = 0, len(entries)
+            while i < count:
+                offset, length = entries[i][0], entries[i][1]
+                if length > SMALL_RECORD:
+                    _read_large(source, where, name, entries[i], state, mappings, weights_only)
+                    i += 1
+                    continue
+                j, end = i + 1, offset + length
+                while j < count:
+                    start_j, length_j = entries[j][0], entries[j][1]
+                    if length_j > SMALL_RECORD or start_j - end > _GAP or start_j + length_j - offset > _SPAN:
+                        break
+                    end = max(end, start_j + length_j)
+                    j += 1
+                span, address = source.read_span(offset, end - offset)
+                if span.nbytes != end - offset:
+                    raise CorruptCheckpointError(f"{where} is truncated: it ends before byte {end}.", file=name)
+                _take_run(where, name, entries[i:j], offset, span, address, state, mappings, weights_only)
+                i = j
+        finally:
+            source.close()
+
+
+def _take_run(
+    where: str,
+    name: str,
+    entries: list[tuple],
+    start: int,
+    span: memoryview,
+    address: int,
+    state: dict,
+    mappings: dict[str, tuple],
+    weights_only: bool,
+) -> None:
+    """Check and land a run of records read in one call (``span``, from file offset ``start``, at ``address``)."""
+    digest, memmove = checksum, ctypes.memmove
+    for offset, length, expected, target, frame, fqn in entries:
+        rel = offset - start
+        record = span[rel : rel + length]
+        if digest(record) != expected:
+            raise _corrupt(where, name, fqn)
+        if target is None:
+            _land_object(where, name, fqn, record, state, mappings, weights_only)
+            continue
+        full, begin, end, prefix, suffix = frame
+        if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
+            if end > begin:
+                memmove(target.data_ptr(), address + rel + begin, end - begin)
+        else:  # another writer's framing of the same tensor: torch.load decides
+            _land_decoded(where, name, fqn, record, target)
+
+
+def _read_large(
+    source: Source, where: str, name: str, entry: tuple, state: dict, mappings: dict, weights_only: bool
+) -> None:
+    """One record over :data:`~lightning_dcp.engine.reading.SMALL_RECORD`: into its target, or decoded.
+
+    Straight into the target when it is framed as ours, else read whole and decoded.
+    """
+    offset, length, expected, target, _, fqn = entry
+    if target is not None:
+        digest = read_raw(source, offset, length, tensor_record(target.dtype, tuple(target.shape)), target)
+        if digest is not None:
+            if digest != expected:
+                raise _corrupt(where, name, fqn)
+            return
+    record = source.read(offset, length)
+    if len(record) != length:
+        raise CorruptCheckpointError(f"{where} is truncated: it ends before byte {offset + length}.", file=name)
+    if checksum(record) != expected:
+        raise _corrupt(where, name, fqn)
+    if target is None:
+        _land_object(where, name, fqn, memoryview(record), state, mappings, weights_only)
+    else:
+        _land_decoded(where, name, fqn, memoryview(record), target)
+
+
+def _land_object(
+    where: str, name: str, fqn: str, record: memoryview, state: dict, mappings: dict, weights_only: bool
+) -> None:
+    """A bytes entry: unpickled as DCP's planner does (``weights_only``), into its place in ``state``."""
+    data = record.tobytes()
+    value = _plain_value(data)
+    if value is _NOT_PLAIN:
+        try:
+            check_archive(data)  # nothing the archive claims is allocated beyond what it holds
+            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+        except Exception as err:  # as the general path: a record that is not what the index says
+            raise _undecodable(where, name, fqn, err) from None
+    set_element(state, mappings[fqn], value)
+
+
+_NOT_PLAIN = object()
+
+
+class _NotPlain(Exception):
+    pass
+
+
+def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
+    """``_codecs.encode`` as pickle protocol 2 uses it for ``bytes`` (a str and ``"latin1"``), and nothing else."""
+    if type(text) is not str or encoding != "latin1":
+        raise _NotPlain
+    return text.encode("latin1")
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles what names no class and holds no storage: numbers, strings, bytes, lists, tuples, dicts, sets.
+
+    ``bytes`` in a protocol 2 pickle (``torch.save``'s) are ``_codecs.encode(str, "latin1")``: that one call is
+    allowed, with those arguments only.
+    """
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) == ("_codecs", "encode"):
+            return _latin1
+        raise _NotPlain
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise _NotPlain
+
+
+def _plain_value(data: bytes) -> Any:
+    """The object of a ``torch.save`` archive whose pickle is plain (:class:`_PlainUnpickler`), else ``_NOT_PLAIN``.
+
+    The Trainer-state blobs and the optimizers' hyperparameters are such archives: read with the C unpickler, they
+    cost microseconds where ``torch.load``'s ``weights_only`` unpickler (Python) takes a millisecond for a list of
+    1,200 parameter names. Such a pickle can build only literal values, which ``weights_only`` loading builds alike;
+    anything else (a class, a storage, a malformed archive) goes to ``torch.load`` as before, which decides.
+    """
+    try:
+        archive = zipfile.ZipFile(io.BytesIO(data))
+        pickles = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
+        if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
+            return _NOT_PLAIN
+        pickles[0].CRC = None  # the record's checksum in .commit was checked
+        with archive.open(pickles[0]) as f:
+            pickled = f.read()
+        return _PlainUnpickler(io.BytesIO(pickled)).load()
+    except Exception:  # _NotPlain, or bytes that are no such archive: torch.load's checks say what is wrong
+        return _NOT_PLAIN
+
+
+def _land_decoded(where: str, name: str, fqn: str, record: memoryview, target: torch.Tensor) -> None:
+    """A tensor record in another framing: ``torch.load`` it and copy it into ``target`` if it is what was indexed."""
+    data = record.tobytes()
+    try:
+        check_archive(data)
+        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise _undecodable(where, name, fqn, err) from None
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype or tensor.shape != target.shape:
+        kind = f"{tensor.dtype}{tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise CorruptCheckpointError(
+            f"{where}: record {fqn!r} holds {kind} where the index in .commit says"
+            f" {target.dtype}{tuple(target.shape)}.",
+            file=name,
+        )
+    target.detach().copy_(tensor)
+
+
+def _corrupt(where: str, name: str, fqn: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where} is corrupt: record {fqn!r} does not match the checksum recorded at save. Restore the file or resume"
+        " from another checkpoint.",
+        file=name,
+    )
+
+
+def _undecodable(where: str, name: str, fqn: str, err: Exception) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{where}: record {fqn!r} cannot be read as the index in .commit describes it ({describe_load_error(err)}).",
+        file=name,
+    )

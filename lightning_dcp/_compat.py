@@ -52,6 +52,7 @@ except ImportError:  # older DCP stamps none
 
 __all__ = [
     "DCP_METADATA_VERSION",
+    "optimizer_load_hooked",
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
     "HYDRA_PARTIAL_ATTRIBUTES",
@@ -702,3 +703,16 @@ def hydra_partial_class(*, load: bool = False) -> type | None:
             return None
     cls = getattr(module, _HYDRA_PARTIAL[1], None)
     return cls if isinstance(cls, type) and issubclass(cls, functools.partial) else None
+
+
+def optimizer_load_hooked(optimizer: Any) -> bool:
+    """Whether ``optimizer.load_state_dict`` runs hooks (``register_load_state_dict_pre_hook`` / ``post_hook``).
+
+    torch keeps them in private dicts (``_optimizer_load_state_dict_pre_hooks`` / ``_post_hooks``, torch >= 2.2);
+    where those are missing this answers True, so that callers take ``load_state_dict`` itself.
+    """
+    pre = getattr(optimizer, "_optimizer_load_state_dict_pre_hooks", None)
+    post = getattr(optimizer, "_optimizer_load_state_dict_post_hooks", None)
+    if not isinstance(pre, dict) or not isinstance(post, dict):
+        return True
+    return bool(pre) or bool(post)

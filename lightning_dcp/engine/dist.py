@@ -13,9 +13,10 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["distributed", "on_rank0", "rank_and_world", "single_process_ok"]
+__all__ = ["all_true", "distributed", "on_rank0", "rank_and_world", "single_process_ok"]
 
 _T = TypeVar("_T")
 
@@ -26,6 +27,23 @@ def distributed(collective: bool) -> bool:
     A group of one process runs nothing collective: DCP then skips pickling its plans for an exchange with itself.
     """
     return collective and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_true(flag: bool, *, group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``flag`` is true on every rank of ``group`` (the default group when ``None``).
+
+    One all-reduce of a CPU tensor where the group's backend is gloo (``"gloo"``, ``"cpu:gloo,cuda:nccl"``);
+    otherwise ``all_gather_object``, which puts its tensors where the backend wants them.
+
+    Collective: call on all ranks of ``group``.
+    """
+    if "gloo" in str(dist.get_backend(group)):
+        value = torch.tensor([1 if flag else 0], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=group)
+        return bool(value.item())
+    flags: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(flags, bool(flag), group=group)
+    return all(flags)
 
 
 def rank_and_world(collective: bool) -> tuple[int, int]:

@@ -27,11 +27,11 @@ import zipfile
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from lightning_dcp._compat import set_element
 from lightning_dcp.engine import saving
 from lightning_dcp.engine.archive import check_archive
+from lightning_dcp.engine.dist import all_true
 from lightning_dcp.engine.layout import EXTRA_KEY, RANK_KEY
 from lightning_dcp.engine.marker import checksum
 from lightning_dcp.engine.planning import flatten
@@ -73,7 +73,7 @@ def load_indexed(
         False when the index cannot serve this target on some rank (nothing was read: restore the general way);
         True when ``state`` was filled.
 
-    Collective: call on all ranks when ``distributed`` (one all-reduce, then one exchange of the outcome).
+    Collective: call on all ranks when ``distributed`` (one all-reduce before reading, one after).
 
     Raises:
         RankFailure: Reading failed on some rank (on every rank; the lowest failing rank's error, a
@@ -82,12 +82,7 @@ def load_indexed(
     flat, mappings = flatten(state)
     trees = tuple(key for key in state if key not in (EXTRA_KEY, RANK_KEY))
     plan = _plan(flat, records, trees) if records is not None else None
-    if distributed:
-        usable = torch.tensor([0 if plan is None else 1], dtype=torch.int32)
-        dist.all_reduce(usable, op=dist.ReduceOp.MIN)
-        if not usable.item():
-            return False
-    elif plan is None:
+    if not (all_true(plan is not None) if distributed else plan is not None):
         return False
     error: BaseException | None = None
     try:
@@ -102,13 +97,14 @@ def load_indexed(
 def _plan(
     flat: dict[str, Any], records: dict[str, IndexedRecord], trees: tuple[str, ...]
 ) -> dict[str, list[tuple]] | None:
-    """Per data file, ``(offset, length, checksum, target, frame, fqn)`` of each record to read, by offset.
+    """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
 
-    ``target`` is the tensor to fill (``frame``: :func:`~lightning_dcp.engine.records.record_frame` of its record),
-    or ``None`` for a bytes entry (and ``frame`` too). ``None`` when the index cannot serve ``flat``: an entry the
-    checkpoint lacks or holds as another kind, dtype or shape, a target that is not a plain contiguous CPU tensor, a
-    saved entry of the target's state dicts (``trees``: the target's top-level keys) that the target lacks, or a
-    saved state dict the target does not name.
+    ``target`` is the tensor to fill at ``address`` (``frame``: :func:`~lightning_dcp.engine.records.record_frame`
+    of its record), or ``None`` for a bytes entry (and ``frame`` too, ``address`` 0).
+
+    ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
+    shape, a target that is not a plain contiguous CPU tensor, a saved entry of the target's state dicts (``trees``:
+    the target's top-level keys) that the target lacks, or a saved state dict the target does not name.
     """
     tensor, parameter = torch.Tensor, torch.nn.Parameter
     per_file: dict[str, list[tuple]] = {}
@@ -127,11 +123,11 @@ def _plan(
             ):
                 return None
             frame = record_frame(record.dtype, record.shape)
-            entry = (record.offset, record.length, record.checksum, value, frame, key)
+            entry = (record.offset, record.length, record.checksum, value, frame, key, value.data_ptr())
         elif isinstance(value, tensor) or record.dtype is not None:  # a DTensor, a subclass; or a tensor saved
             return None
         else:
-            entry = (record.offset, record.length, record.checksum, None, None, key)
+            entry = (record.offset, record.length, record.checksum, None, None, key, 0)
         files = per_file.get(record.file)
         if files is None:
             files = per_file[record.file] = []
@@ -204,7 +200,7 @@ def _take_run(
 ) -> None:
     """Check and land a run of records read in one call (``span``, from file offset ``start``, at ``address``)."""
     digest, memmove = checksum, ctypes.memmove
-    for offset, length, expected, target, frame, fqn in entries:
+    for offset, length, expected, target, frame, fqn, into in entries:
         rel = offset - start
         record = span[rel : rel + length]
         if digest(record) != expected:
@@ -215,7 +211,7 @@ def _take_run(
         full, begin, end, prefix, suffix = frame
         if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
             if end > begin:
-                memmove(target.data_ptr(), address + rel + begin, end - begin)
+                memmove(into, address + rel + begin, end - begin)
         else:  # another writer's framing of the same tensor: torch.load decides
             _land_decoded(where, name, fqn, record, target)
 
@@ -227,7 +223,7 @@ def _read_large(
 
     Straight into the target when it is framed as ours, else read whole and decoded.
     """
-    offset, length, expected, target, _, fqn = entry
+    offset, length, expected, target, _, fqn, _ = entry
     if target is not None:
         digest = read_raw(source, offset, length, tensor_record(target.dtype, tuple(target.shape)), target)
         if digest is not None:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
 from lightning_dcp.engine.dcp_io import compact_result
+from lightning_dcp.engine.dist import all_true
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.global_plan import Group, global_plan, split_private
 from lightning_dcp.engine.memo import PlanMemo
@@ -263,6 +264,8 @@ def agree(error: BaseException | None, *, group: dist.ProcessGroup | None, distr
     """
     if not distributed:
         _raise_first([error])
+        return
+    if all_true(error is None, group=group):  # the common case: one small all-reduce, no pickling
         return
     errors: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(errors, _portable(error), group=group)

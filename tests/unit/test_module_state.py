@@ -118,6 +118,35 @@ def test_optimizer_state_applied_as_dcps_set_optimizer_state_dict_applies_it():
         load_optimizer_state_dict(net, optimizer, missing)
 
 
+def test_optimizer_state_restored_in_place_only_sets_the_groups_as_load_state_dict_would():
+    net = _net()
+    optimizer = _trained(net)
+    model_state_dict(net)
+    twin_net = copy.deepcopy(net)
+    twin = torch.optim.AdamW(
+        [{"params": list(twin_net[0].parameters())}, {"params": list(twin_net[1:].parameters()), "lr": 0.5}]
+    )
+    twin.load_state_dict(optimizer.state_dict())
+    target = optimizer_state_dict(net, optimizer)  # the optimizer's own tensors: a restore fills them in place
+    for values in target["state"].values():
+        values["exp_avg"].mul_(3)
+    target["param_groups"][0]["lr"] = 0.25
+    saved = copy.deepcopy(target)
+    split = module_state._split_by_fqn(net, optimizer, target)
+    assert split is not None and module_state._holds_optimizer_tensors(optimizer, split)  # the shortcut applies
+    load_optimizer_state_dict(net, optimizer, target)
+    set_optimizer_state_dict(twin_net, twin, saved, options=StateDictOptions())
+    _assert_same(optimizer.state_dict(), twin.state_dict())
+    assert optimizer.param_groups[0]["lr"] == 0.25 and optimizer.param_groups[0]["params"][0] is net[0].weight
+    assert optimizer.param_groups[0] is not target["param_groups"][0]  # copied, as load_state_dict copies
+    # A tensor that is not the optimizer's own, or a load hook, takes load_state_dict itself.
+    other = copy.deepcopy(optimizer_state_dict(net, optimizer))  # equal values in other tensors
+    assert not module_state._holds_optimizer_tensors(optimizer, module_state._split_by_fqn(net, optimizer, other))
+    optimizer.register_load_state_dict_pre_hook(lambda opt, sd: None)
+    mine = optimizer_state_dict(net, optimizer)
+    assert not module_state._holds_optimizer_tensors(optimizer, module_state._split_by_fqn(net, optimizer, mine))
+
+
 def test_set_backed_members_answer_in_as_the_list_does():
     members = module_state._Members(["a.weight", "b.bias"])
     assert "a.weight" in members and "c" not in members and [] not in members

@@ -131,7 +131,7 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexedRecord] | None:
     if not isinstance(files, dict) or set(files) != set(marker["files"]):
         return None
     found: dict[str, IndexedRecord] = {}
-    dtypes, shapes = _DTYPES, {}
+    dtypes, shapes, new = _DTYPES, {}, tuple.__new__  # (no NamedTuple.__new__ call per record)
     for name, entries in files.items():
         records = marker["files"][name]["records"]
         if not isinstance(entries, list) or len(entries) != len(records):
@@ -141,7 +141,7 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexedRecord] | None:
                 return None
             fqn = entry[0]
             if len(entry) == 1:
-                found[fqn] = IndexedRecord(name, offset, length, digest, None, None)
+                found[fqn] = new(IndexedRecord, (name, offset, length, digest, None, None))
             elif len(entry) == 3 and type(entry[2]) is list:
                 dtype = dtypes.get(entry[1]) if type(entry[1]) is str else None
                 key = tuple(entry[2])
@@ -152,7 +152,7 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexedRecord] | None:
                     shape = shapes[key] = key
                 if dtype is None:
                     return None
-                found[fqn] = IndexedRecord(name, offset, length, digest, dtype, shape)
+                found[fqn] = new(IndexedRecord, (name, offset, length, digest, dtype, shape))
             else:  # a chunk, or something else: the general way
                 return None
     if len(found) != sum(len(entries) for entries in files.values()):

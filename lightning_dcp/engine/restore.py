@@ -99,14 +99,20 @@ def load_one(
         # A local resume into a target may skip .metadata: the record index in .commit serves it (index_load).
         indexed = target is not None and only is None and not exclude and location.local and not node_local
 
+        fetching: list[Any] = []
+
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
             probed.append(probe(location, indexed=indexed))
+            if probed[0].records is not None:  # the disk reads while the ranks plan
+                fetching.append(index_load.prefetch(location.path, probed[0].records))
             return dataclasses.replace(probed[0], metadata=None, records=None)
 
         rank, world_size = rank_and_world(collective)
         ahead: dict[str, IndexedRecord] | None = None
         if rank != 0 and location.local:
             ahead = _parse_ahead(location, indexed=indexed)
+            if ahead is not None:
+                fetching.append(index_load.prefetch(location.path, ahead, rank=rank))
         found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)
@@ -125,6 +131,9 @@ def load_one(
             except Exception as err:  # raised on every rank alike: the lowest failing rank's error
                 raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
             if done:
+                for thread in fetching:  # done too by now: every byte it reads was read by the restore
+                    if thread is not None:
+                        thread.join()
                 return _finish(loaded, state, in_place=True, weights_only=weights_only, world_size=world_size)
         metadata = probed[0].metadata if probed and probed[0].metadata is not None else None
         if metadata is None and found.indexed:  # the probe read the index only: what it would have checked

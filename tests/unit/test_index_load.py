@@ -282,3 +282,36 @@ def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_pat
             # a swap of two records of one dtype and shape is the one edit the record framing cannot see
             swapped = any(kind == "swap" for _, kind in mutations)
             assert swapped or torch.equal(flat[key].detach(), value.detach()), key
+
+
+def test_a_data_file_replaced_by_a_fifo_fails_the_restore_and_never_blocks_the_prefetch(tmp_path):
+    tree = _tree()
+    path = _saved(tmp_path, tree)
+    name = next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
+    records = parse_index(json.loads(open(os.path.join(path, ".commit")).read()))
+    os.remove(os.path.join(path, name))
+    os.mkfifo(os.path.join(path, name))
+    thread = index_load.prefetch(path, records)  # opens without blocking, skips what is not a regular file
+    thread.join(timeout=10)
+    assert not thread.is_alive()
+    with pytest.raises(CorruptCheckpointError, match=name):
+        Checkpointer().load(path, target=_blank(tree))
+
+
+def test_the_prefetch_reads_no_further_than_the_last_record(tmp_path, monkeypatch):
+    tree = _tree()
+    path = _saved(tmp_path, tree)
+    records = parse_index(json.loads(open(os.path.join(path, ".commit")).read()))
+    name = next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
+    with open(os.path.join(path, name), "ab") as f:  # a file longer than its records (loads as before)
+        f.write(b"\0" * (1 << 20))
+    read: list[tuple[str, int]] = []
+    with monkeypatch.context() as patched:
+        patched.setattr(index_load, "_fill_page_cache", read.extend)
+        index_load.prefetch(path, records).join()
+    ends = {}
+    for record in records.values():
+        ends[record.file] = max(ends.get(record.file, 0), record.offset + record.length)
+    assert {os.path.basename(p): end for p, end in read} == ends
+    loaded = Checkpointer().load(path, target=_blank(tree))
+    _assert_equal(loaded.tree, tree)

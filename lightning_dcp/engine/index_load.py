@@ -82,8 +82,8 @@ def load_indexed(
             ``CorruptCheckpointError`` naming the file for a record that does not match ``.commit``).
     """
     flat, mappings = flatten(state)
-    trees = tuple(key for key in state if key not in (EXTRA_KEY, RANK_KEY))
-    plan = _plan(flat, records, trees) if records is not None else None
+    blobs = (EXTRA_KEY in state) + len(state.get(RANK_KEY, ()))
+    plan = _plan(flat, records, blobs) if records is not None else None
     if not (all_true(plan is not None) if distributed else plan is not None):
         return False
     error: BaseException | None = None
@@ -148,53 +148,50 @@ def _fill_page_cache(files: list[tuple[str, int]]) -> None:
         os.close(sink)
 
 
-def _plan(
-    flat: dict[str, Any], records: dict[str, IndexedRecord], trees: tuple[str, ...]
-) -> dict[str, list[tuple]] | None:
+def _plan(flat: dict[str, Any], records: dict[str, IndexedRecord], blobs: int) -> dict[str, list[tuple]] | None:
     """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
 
     ``target`` is the tensor to fill at ``address`` (``frame``: :func:`~lightning_dcp.engine.records.record_frame`
     of its record), or ``None`` for a bytes entry (and ``frame`` too, ``address`` 0).
 
     ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
-    shape, a target that is not a plain contiguous CPU tensor, a saved entry of the target's state dicts (``trees``:
-    the target's top-level keys) that the target lacks, or a saved state dict the target does not name.
+    shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs that the target
+    lacks (``blobs``: how many of ``flat``'s keys are blobs, the Trainer state and rank states).
     """
     tensor, parameter = torch.Tensor, torch.nn.Parameter
     per_file: dict[str, list[tuple]] = {}
+    frames: dict[tuple, tuple] = {}  # record_frame per (dtype, shape): thousands of keys, a few shapes
+    get = records.get
     for key, value in flat.items():
-        record = records.get(key)
+        record = get(key)
         if record is None:
             return None
+        file, offset, length, digest, dtype, shape = record
         kind = type(value)
         if kind is tensor or kind is parameter:
-            if (
-                record.shape is None
-                or value.dtype != record.dtype
-                or value.shape != record.shape
-                or not value.is_cpu
-                or not value.is_contiguous()
-            ):
+            if shape is None or value.dtype is not dtype or value.shape != shape:
                 return None
-            frame = record_frame(record.dtype, record.shape)
-            entry = (record.offset, record.length, record.checksum, value, frame, key, value.data_ptr())
-        elif isinstance(value, tensor) or record.dtype is not None:  # a DTensor, a subclass; or a tensor saved
+            if not value.is_cpu or not value.is_contiguous():
+                return None
+            frame = frames.get((dtype, shape))
+            if frame is None:
+                frame = frames[dtype, shape] = record_frame(dtype, shape)
+            entry = (offset, length, digest, value, frame, key, value.data_ptr())
+        elif dtype is not None or isinstance(value, tensor):  # a tensor saved; or a DTensor, a subclass
             return None
         else:
-            entry = (record.offset, record.length, record.checksum, None, None, key, 0)
-        files = per_file.get(record.file)
+            entry = (offset, length, digest, None, None, key, 0)
+        files = per_file.get(file)
         if files is None:
-            files = per_file[record.file] = []
+            files = per_file[file] = []
         files.append(entry)
-    named, prefixes, blobs = set(trees), tuple(tree + "." for tree in trees), RANK_KEY + "."
-    saved = 0
-    for key in records:
-        if key in named or key.startswith(prefixes):
-            saved += 1
-        elif key != EXTRA_KEY and not key.startswith(blobs):
-            return None  # another saved state dict: the general way loads it as new tensors
-    if saved != sum(1 for key in flat if key in named or key.startswith(prefixes)):
-        return None  # the target lacks some saved entries (the general way checks strictness and reports them)
+    # Every saved entry but the blobs has its place in the target (each of the target's was found above): so the
+    # target lacks none of the saved model and optimizer entries, and the checkpoint holds no other state dict
+    # (those load as new tensors, the general way).
+    rank_blobs = RANK_KEY + "."
+    saved_blobs = sum(1 for key in records if key == EXTRA_KEY or key.startswith(rank_blobs))
+    if len(records) - saved_blobs != len(flat) - blobs:
+        return None
     for entries in per_file.values():
         entries.sort(key=_offset)
     return per_file

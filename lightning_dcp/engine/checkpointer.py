@@ -30,7 +30,7 @@ from lightning_utilities.core.rank_zero import rank_zero_warn
 from lightning_dcp.engine import layout, saving
 from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.dcp_io import save_planner, storage_writer
-from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.dist import all_true, distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.incremental import Incremental
 from lightning_dcp.engine.integrity import committed_checkpoints
@@ -543,6 +543,8 @@ def _first_failure(failure: CheckpointError | None, collective: bool) -> Checkpo
     """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
     if not distributed(collective):
         return failure
+    if all_true(failure is None):  # the common case: one small all-reduce, no pickling
+        return None
     failures: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(failures, failure)
     return next((f for f in failures if f is not None), None)

@@ -368,6 +368,7 @@ class Checkpointer:
         exclude: Sequence[str] = (),
         map_location: Any | None = None,
         model_key: str = layout.MODEL_KEY,
+        objects_only: bool = False,
     ) -> Loaded:
         """Load the checkpoint at ``path``: a lightning_dcp directory, Lightning's sharded layout or one file.
 
@@ -383,6 +384,8 @@ class Checkpointer:
             map_location: Passed to ``torch.load`` for single-file checkpoints.
             model_key: The top-level key whose FQNs ``strict`` and ``exclude`` apply to and the report names
                 (``"state_dict"``: the Trainer's; a Fabric checkpoint names its modules by their state keys).
+            objects_only: With ``target={}``: read the non-tensor state (``objects``, ``rank_objects``) and no
+                tensor at all (otherwise the saved state dicts the target does not name load as new CPU tensors).
 
         A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``) that is incomplete
         or corrupt falls back to the newest valid checkpoint in the same directory, with a warning naming both.
@@ -405,6 +408,7 @@ class Checkpointer:
             exclude=exclude,
             map_location=map_location,
             model_key=model_key,
+            objects_only=objects_only,
         )
         with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
             if self.memory is not None and memory_io.covers(self, location):

@@ -58,6 +58,7 @@ def load_indexed(
     *,
     weights_only: bool,
     distributed: bool,
+    whole: bool = True,
 ) -> bool:
     """Fill ``state`` in place from the local checkpoint directory ``path`` through its record index.
 
@@ -70,6 +71,8 @@ def load_indexed(
             it has none.
         weights_only: Passed to ``torch.load`` for every bytes entry.
         distributed: Whether the default process group takes part.
+        whole: The target must have a place for every saved entry besides the blobs (a resume); ``False`` reads
+            what the target names and nothing else (the blobs alone, for a target of only them).
 
     Returns:
         False when the index cannot serve this target on some rank (nothing was read: restore the general way);
@@ -83,7 +86,7 @@ def load_indexed(
     """
     flat, mappings = flatten(state)
     blobs = (EXTRA_KEY in state) + len(state.get(RANK_KEY, ()))
-    plan = _plan(flat, records, blobs) if records is not None else None
+    plan = _plan(flat, records, blobs if whole else None) if records is not None else None
     if not (all_true(plan is not None) if distributed else plan is not None):
         return False
     error: BaseException | None = None
@@ -148,7 +151,7 @@ def _fill_page_cache(files: list[tuple[str, int]]) -> None:
         os.close(sink)
 
 
-def _plan(flat: dict[str, Any], records: dict[str, IndexedRecord], blobs: int) -> dict[str, list[tuple]] | None:
+def _plan(flat: dict[str, Any], records: dict[str, IndexedRecord], blobs: int | None) -> dict[str, list[tuple]] | None:
     """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
 
     ``target`` is the tensor to fill at ``address`` (``frame``: :func:`~lightning_dcp.engine.records.record_frame`
@@ -156,7 +159,8 @@ def _plan(flat: dict[str, Any], records: dict[str, IndexedRecord], blobs: int) -
 
     ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
     shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs that the target
-    lacks (``blobs``: how many of ``flat``'s keys are blobs, the Trainer state and rank states).
+    lacks (``blobs``: how many of ``flat``'s keys are blobs, the Trainer state and rank states; ``None``: any saved
+    entry the target lacks is left unread).
     """
     tensor, parameter = torch.Tensor, torch.nn.Parameter
     per_file: dict[str, list[tuple]] = {}
@@ -188,10 +192,11 @@ def _plan(flat: dict[str, Any], records: dict[str, IndexedRecord], blobs: int) -
     # Every saved entry but the blobs has its place in the target (each of the target's was found above): so the
     # target lacks none of the saved model and optimizer entries, and the checkpoint holds no other state dict
     # (those load as new tensors, the general way).
-    rank_blobs = RANK_KEY + "."
-    saved_blobs = sum(1 for key in records if key == EXTRA_KEY or key.startswith(rank_blobs))
-    if len(records) - saved_blobs != len(flat) - blobs:
-        return None
+    if blobs is not None:
+        rank_blobs = RANK_KEY + "."
+        saved_blobs = sum(1 for key in records if key == EXTRA_KEY or key.startswith(rank_blobs))
+        if len(records) - saved_blobs != len(flat) - blobs:
+            return None
     for entries in per_file.values():
         entries.sort(key=_offset)
     return per_file

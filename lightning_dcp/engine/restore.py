@@ -79,6 +79,7 @@ def load_one(
     map_location: Any | None,
     model_key: str,
     node_local: bool = False,
+    objects_only: bool = False,
 ) -> Loaded:
     """Load the one checkpoint at ``location`` (pointers followed by :func:`probe`) into ``target`` or as new tensors.
 
@@ -86,7 +87,8 @@ def load_one(
     candidates (a ``last`` fallback) with this function one by one.
 
     ``node_local``: every rank reads its own copy of the same checkpoint at its own ``location`` (the memory tier
-    assembles one per node); rank 0's copy is probed for all.
+    assembles one per node); rank 0's copy is probed for all. ``objects_only``: with an empty ``target``, read the
+    blobs and no other saved state dict.
 
     Collective: call on all ranks when ``collective``.
 
@@ -97,7 +99,14 @@ def load_one(
     with gc_paused():  # tens of thousands of small objects: collections would cost more than the load
         probed: list[Probe] = []
         # A local resume into a target may skip .metadata: the record index in .commit serves it (index_load).
-        indexed = target is not None and only is None and not exclude and location.local and not node_local
+        indexed = (
+            target is not None
+            and (bool(target) or objects_only)
+            and only is None
+            and not exclude
+            and location.local
+            and not node_local
+        )
 
         fetching: list[Any] = []
 
@@ -126,7 +135,12 @@ def load_one(
             state = _with_blobs(dict(target), loaded.saved_world_size, rank, world_size)
             try:
                 done = index_load.load_indexed(
-                    location.path, state, records, weights_only=weights_only, distributed=distributed(collective)
+                    location.path,
+                    state,
+                    records,
+                    weights_only=weights_only,
+                    distributed=distributed(collective),
+                    whole=not objects_only,
                 )
             except Exception as err:  # raised on every rank alike: the lowest failing rank's error
                 raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
@@ -156,8 +170,8 @@ def load_one(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )
             if not lightning_layout and only is None:
-                for key in _other_tree_keys(metadata, state):  # other saved state dicts: full CPU tensors
-                    state.update(layout.metadata_target(metadata, prefixes=(key + ".",)))
+                for key in [] if objects_only else _other_tree_keys(metadata, state):  # other saved state dicts:
+                    state.update(layout.metadata_target(metadata, prefixes=(key + ".",)))  # full CPU tensors
                 state = _with_blobs(state, loaded.saved_world_size, rank, world_size)
         try:
             local_load.load(

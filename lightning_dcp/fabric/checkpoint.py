@@ -173,7 +173,9 @@ def _load_one(
             f"{found.url!r} keys optimizer state by parameter names: load it together with its module,"
             " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
-    head = checkpointer.load(found.url, target={}, strict=False, collective=True, weights_only=weights_only)
+    head = checkpointer.load(
+        found.url, target={}, strict=False, collective=True, weights_only=weights_only, objects_only=True
+    )
     info = head.objects.pop(layout.INFO_KEY, {})
     roles = layout.tree_roles(info)
     if isinstance(state, Module):

@@ -315,3 +315,19 @@ def test_the_prefetch_reads_no_further_than_the_last_record(tmp_path, monkeypatc
     assert {os.path.basename(p): end for p, end in read} == ends
     loaded = Checkpointer().load(path, target=_blank(tree))
     _assert_equal(loaded.tree, tree)
+
+
+@pytest.mark.parametrize("index", [True, False])
+def test_objects_only_reads_the_blobs_and_no_tensor(tmp_path, general_calls, index):
+    tree = {"model": _tree()["state_dict"]}  # a Fabric layout: state dicts under names of the user's choosing
+    path = _saved(tmp_path, tree)
+    if not index:
+        commit = json.loads(open(os.path.join(path, ".commit")).read())
+        del commit["index"]
+        with open(os.path.join(path, ".commit"), "w") as f:
+            json.dump(commit, f)
+    head = Checkpointer().load(path, target={}, strict=False, objects_only=True)
+    assert head.tree == {} and head.objects["epoch"] == 4 and head.objects["hparams"] == {"lr": 0.1}
+    assert general_calls == ([] if index else [1])
+    everything = Checkpointer().load(path, target={}, strict=False)  # without it: the saved state dicts as well
+    _assert_equal(everything.tree["model"], tree["model"])

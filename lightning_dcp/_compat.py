@@ -181,6 +181,44 @@ def loads_only_own_keys(module: torch.nn.Module) -> bool:
     return type(module)._load_from_state_dict in _PLAIN_STATE_LOADERS
 
 
+def own_state_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]] | None:
+    """The ``(key, tensor)`` pairs of ``module.state_dict()`` in its order, the tensors themselves (not detached).
+
+    One walk over the modules' parameter and buffer registries instead of ``state_dict()``, which detaches every
+    tensor and calls per-module hooks (~10 ms for 800 modules). ``None`` when some module could make
+    ``state_dict()`` or ``load_state_dict()`` give or take anything else: state dict or load hooks, its own
+    ``state_dict``, ``_save_to_state_dict`` or ``get_extra_state``, a loader :func:`loads_only_own_keys` refuses.
+
+    Reads ``torch.nn.Module``'s private registries (``_modules``, ``_parameters``, ``_buffers``,
+    ``_non_persistent_buffers_set`` and the hook dicts; torch 2.x names).
+    """
+    out: list[tuple[str, torch.Tensor]] = []
+    stack: list[tuple[str, torch.nn.Module]] = [("", module)]
+    base = torch.nn.Module
+    while stack:
+        prefix, current = stack.pop()
+        kind = type(current)
+        if (
+            current._state_dict_hooks
+            or current._state_dict_pre_hooks
+            or kind.state_dict is not base.state_dict
+            or kind._save_to_state_dict is not base._save_to_state_dict
+            or kind.get_extra_state is not base.get_extra_state
+            or not loads_only_own_keys(current)
+        ):
+            return None
+        for name, param in current._parameters.items():
+            if param is not None:
+                out.append((prefix + name, param))
+        skipped = current._non_persistent_buffers_set
+        for name, buffer in current._buffers.items():
+            if buffer is not None and name not in skipped:
+                out.append((prefix + name, buffer))
+        children = [(prefix + name + ".", child) for name, child in current._modules.items() if child is not None]
+        stack.extend(reversed(children))  # depth first, in registration order, as state_dict() recurses
+    return out
+
+
 def storage_type_name(dtype: torch.dtype) -> str:
     """The legacy storage class name ``torch.save`` records for ``dtype`` (``torch.float32`` -> ``"FloatStorage"``)."""
     return torch.storage._dtype_to_storage_type_map()[dtype]

@@ -27,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine import layout, saving
+from lightning_dcp.engine import layout, page_cache, saving
 from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.dist import all_true, distributed, on_rank0, rank_and_world
@@ -116,6 +116,7 @@ class Checkpointer:
         self._counters: dict[str, int] = {}  # directory URL -> the last save counter used there (rank 0)
         self.tiers = tiers
         self.memory = memory
+        self._prefetched: str | None = None  # the directory prefetch() started reading, until the next load
         self.memory_directory: Location | None = None
         """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
         self._into_memory = False
@@ -415,6 +416,31 @@ class Checkpointer:
                 return memory_io.load_newest(self, location, collective=collective, **options)
             return self.load_candidates(location, collective=collective, **options)
 
+    def prefetch(self, path: str | os.PathLike, *, rank: int = 0) -> bool:
+        """Start reading the local checkpoint directory ``path`` into the page cache in a background thread.
+
+        For a restore that reads every byte of the checkpoint on every rank (DDP, one device): call it before
+        building the load's target, so the disk reads while the target is built and the checkpoint is probed
+        (:func:`~lightning_dcp.engine.page_cache.prefetch`; ``rank`` picks the data file this rank's thread
+        starts at). Not for sharded restores (FSDP, tensor parallel), where each rank needs a part of the files.
+
+        Any rank. Never raises: a path that is not a local checkpoint directory (a store, the memory tier, a file,
+        a pointer) starts nothing, and what is wrong with it is for the load to report.
+
+        Returns:
+            Whether a thread started.
+        """
+        try:
+            location = self.location(path)
+            if not location.local or (self.memory is not None and memory_io.covers(self, location)):
+                return False
+            started = page_cache.prefetch(location.path, rank=rank)
+        except Exception:  # the load reports it
+            return False
+        if started:  # the load of this path starts no prefetch of its own
+            self._prefetched = os.path.realpath(location.path)
+        return started
+
     def load_candidates(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
         """Load the first loadable of the durable checkpoints ``location`` designates (see :meth:`load`).
 
@@ -423,10 +449,13 @@ class Checkpointer:
         path = location.url
         urls = on_rank0(collective, lambda: self._candidates(location))
         failures: list[tuple[str, CheckpointError]] = []
+        prefetched, self._prefetched = self._prefetched, None
         for url in urls:
             loaded, failure = None, None
             try:
-                loaded = load_one(self.location(url), collective=collective, **options)
+                candidate = self.location(url)
+                fetched = candidate.local and os.path.realpath(candidate.path) == prefetched
+                loaded = load_one(candidate, collective=collective, prefetch=not fetched, **options)
             except StateDictMismatchError:
                 raise  # about the target, not the checkpoint: an older checkpoint would not fit either
             except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)

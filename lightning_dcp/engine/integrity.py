@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.record_index import IndexedRecord, parse_index
+from lightning_dcp.engine.record_index import IndexEntry, parse_index
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
@@ -60,7 +60,7 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     return metadata
 
 
-def check_indexed(location: Location) -> tuple[dict[str, Any], dict[str, IndexedRecord]] | None:
+def check_indexed(location: Location) -> tuple[dict[str, Any], dict[str, IndexEntry]] | None:
     """:func:`check_checkpoint` (fast mode) for a restore through the record index, without parsing ``.metadata``.
 
     The marker, the size and checksum of ``.metadata`` and the data files' sizes are checked as there; instead of

@@ -27,7 +27,7 @@ from lightning_dcp.engine.integrity import check_checkpoint, check_indexed
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.metadata import read_metadata
 from lightning_dcp.engine.planning import flatten
-from lightning_dcp.engine.record_index import IndexedRecord
+from lightning_dcp.engine.record_index import IndexEntry
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.errors import (
     CheckpointError,
@@ -58,7 +58,7 @@ class Probe:
     url: str
     kind: Literal["file", "dcp", "lightning"]
     metadata: Metadata | None = None
-    records: dict[str, IndexedRecord] | None = None
+    records: dict[str, IndexEntry] | None = None
     """The record index, where ``probe(..., indexed=True)`` found one (``metadata`` is then not read)."""
     indexed: bool = False
     """Whether the probe checked the checkpoint through its record index (``records``) rather than ``metadata``."""

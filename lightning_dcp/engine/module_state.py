@@ -26,7 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from lightning_dcp._compat import ShardedTensor, loads_only_own_keys, optimizer_load_hooked
+from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
 
 __all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
 
@@ -157,21 +157,25 @@ def _set_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
 
 
 def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
-    """Whether loading ``state`` into ``module`` would only copy each of the module's tensors onto itself."""
+    """Whether loading ``state`` into ``module`` would only copy each of the module's tensors onto itself.
+
+    Each value must be a plain tensor of the dtype and over the very memory (storage, offset, sizes, strides) of the
+    module tensor ``module.state_dict()`` gives for its key, in a module that saves and loads its state the stock way
+    (:func:`~lightning_dcp._compat.own_state_tensors`).
+    """
     keys = _MODELS.get(module)
     if keys is None or not isinstance(state, dict) or len(state) != len(keys):
         return False
     if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
         return False
-    if not all(loads_only_own_keys(m) for m in module.modules()):
+    current = own_state_tensors(module)
+    if current is None or len(current) != len(keys):
         return False
-    current = module.state_dict()
-    if tuple(current) != keys:
-        return False
-    for key, mine in current.items():
-        value = state.get(key)
-        if type(value) is not torch.Tensor or type(mine) is not torch.Tensor or not _same(value, mine):
-            return False
+    plain, get = torch.Tensor, state.get
+    for (key, mine), expected in zip(current, keys, strict=True):
+        value = get(key)
+        if key != expected or type(value) is not plain or value.dtype is not mine.dtype or not value.is_set_to(mine):
+            return False  # is_set_to: the same storage, offset, sizes and strides
     return True
 
 

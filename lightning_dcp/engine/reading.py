@@ -76,6 +76,15 @@ class Source:
             return_buffer(self._span)
             self._span = None
 
+    def span_buffer(self) -> memoryview:
+        """The buffer :meth:`read_span` reads into (:data:`~lightning_dcp.engine.fileout.PIECE` bytes).
+
+        For the caller to fill otherwise; valid until :meth:`close`.
+        """
+        if self._span is None:
+            self._span = borrow_buffer()
+        return self._span[1]
+
     def read_span(self, offset: int, length: int) -> tuple[memoryview, int]:
         """``length`` (at most :data:`~lightning_dcp.engine.fileout.PIECE`) bytes from ``offset`` in one read.
 

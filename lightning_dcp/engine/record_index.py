@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["INDEX_VERSION", "IndexedRecord", "encode_index", "parse_index"]
+__all__ = ["INDEX_VERSION", "IndexEntry", "IndexedRecord", "encode_index", "parse_index", "record_ends", "records_of"]
 
 INDEX_VERSION = 1
 
@@ -59,7 +59,9 @@ class IndexedRecord(NamedTuple):
         length: The record's length (bytes).
         checksum: Its xxHash3-64 recorded in ``.commit``.
         dtype: The tensor's dtype; ``None`` for a bytes entry.
-        shape: The tensor's shape (a whole tensor), or ``None`` for a bytes entry or a chunk.
+        shape: The tensor's shape (a whole tensor) or the chunk's sizes (a chunk); ``None`` for a bytes entry.
+        chunk: The chunk's offsets in the whole tensor (elements per dimension); ``None`` for a whole tensor or a
+            bytes entry.
     """
 
     file: str
@@ -68,6 +70,11 @@ class IndexedRecord(NamedTuple):
     checksum: int
     dtype: torch.dtype | None
     shape: tuple[int, ...] | None
+    chunk: tuple[int, ...] | None = None
+
+
+IndexEntry = IndexedRecord | tuple[IndexedRecord, ...]
+"""What the index holds for one FQN: its one record, or the records of its chunks (a tuple, in the index's order)."""
 
 
 def encode_index(metadata: Metadata, per_file: dict[str, list[str]], offsets: dict[str, list[Any]]) -> dict | None:
@@ -115,14 +122,16 @@ def _chunk_sizes(meta: TensorStorageMetadata, offsets: Any) -> list[int] | None:
     return None
 
 
-def parse_index(marker: dict[str, Any]) -> dict[str, IndexedRecord] | None:
+def parse_index(marker: dict[str, Any]) -> dict[str, IndexEntry] | None:
     """The records of a parsed ``.commit`` marker by FQN, from its index; ``None`` where it cannot serve a restore.
 
+    A tensor saved whole or a bytes entry maps to its :class:`IndexedRecord`; a tensor saved in chunks maps to the
+    tuple of its chunks' records (whether they tile the tensor is for the restore to check against its target).
     ``None`` when the marker has no index (written before it existed, or by the memory tier), when the index is of
-    another version or malformed, when a tensor is saved in chunks, or when an FQN has two records: the caller then
-    restores the general way (``.metadata`` and DCP's planning), which checks everything itself. Every record
-    listed here lies inside its file as ``.commit`` records it (:func:`~lightning_dcp.engine.marker.parse_commit`
-    checked the records; the index only names them).
+    another version or malformed, or when an FQN has a whole record beside another record: the caller then restores
+    the general way (``.metadata`` and DCP's planning), which checks everything itself. Every record listed here lies
+    inside its file as ``.commit`` records it (:func:`~lightning_dcp.engine.marker.parse_commit` checked the
+    records; the index only names them).
     """
     index = marker.get("index")
     if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
@@ -130,31 +139,64 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexedRecord] | None:
     files = index.get("files")
     if not isinstance(files, dict) or set(files) != set(marker["files"]):
         return None
-    found: dict[str, IndexedRecord] = {}
+    found: dict[str, IndexEntry] = {}
+    chunked: dict[str, list[IndexedRecord]] = {}
+    count = 0
     dtypes, shapes, new = _DTYPES, {}, tuple.__new__  # (no NamedTuple.__new__ call per record)
     for name, entries in files.items():
         records = marker["files"][name]["records"]
         if not isinstance(entries, list) or len(entries) != len(records):
             return None
+        count += len(entries)
         for entry, (offset, length, digest) in zip(entries, records, strict=True):
             if type(entry) is not list or not entry or type(entry[0]) is not str:
                 return None
-            fqn = entry[0]
-            if len(entry) == 1:
-                found[fqn] = new(IndexedRecord, (name, offset, length, digest, None, None))
-            elif len(entry) == 3 and type(entry[2]) is list:
-                dtype = dtypes.get(entry[1]) if type(entry[1]) is str else None
-                key = tuple(entry[2])
-                shape = shapes.get(key)
-                if shape is None:
-                    if not all(type(d) is int and d >= 0 for d in key):
-                        return None
-                    shape = shapes[key] = key
-                if dtype is None:
-                    return None
-                found[fqn] = new(IndexedRecord, (name, offset, length, digest, dtype, shape))
-            else:  # a chunk, or something else: the general way
+            fqn, size = entry[0], len(entry)
+            if size == 1:
+                found[fqn] = new(IndexedRecord, (name, offset, length, digest, None, None, None))
+                continue
+            if size not in (3, 4) or type(entry[2]) is not list:
                 return None
-    if len(found) != sum(len(entries) for entries in files.values()):
-        return None  # an FQN with two records
+            dtype = dtypes.get(entry[1]) if type(entry[1]) is str else None
+            key = tuple(entry[2])
+            shape = shapes.get(key)
+            if shape is None:
+                if not _dims(key):
+                    return None
+                shape = shapes[key] = key
+            if dtype is None:
+                return None
+            if size == 3:
+                found[fqn] = new(IndexedRecord, (name, offset, length, digest, dtype, shape, None))
+                continue
+            if type(entry[3]) is not list or len(entry[3]) != len(shape) or not _dims(entry[3]):
+                return None
+            chunk = new(IndexedRecord, (name, offset, length, digest, dtype, shape, tuple(entry[3])))
+            chunked.setdefault(fqn, []).append(chunk)
+    for fqn, chunks in chunked.items():
+        if fqn in found:
+            return None  # a whole record beside chunks
+        found[fqn] = tuple(chunks)
+    if len(found) + sum(len(chunks) - 1 for chunks in chunked.values()) != count:
+        return None  # an FQN with two whole records
     return found
+
+
+def _dims(values: Any) -> bool:
+    return all(type(d) is int and d >= 0 for d in values)
+
+
+def records_of(entry: IndexEntry) -> tuple[IndexedRecord, ...]:
+    """The records of one index entry: its one record, or its chunks' records."""
+    return entry if type(entry) is tuple else (entry,)
+
+
+def record_ends(records: dict[str, IndexEntry]) -> dict[str, int]:
+    """Where the last record of each data file ends (bytes), by file name."""
+    ends: dict[str, int] = {}
+    for entry in records.values():
+        for record in records_of(entry):
+            end = record.offset + record.length
+            if end > ends.get(record.file, 0):
+                ends[record.file] = end
+    return ends

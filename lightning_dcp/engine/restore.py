@@ -11,9 +11,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import torch
 from torch.distributed.checkpoint.metadata import Metadata
+from torch.nn import Parameter
 
-from lightning_dcp.engine import index_load, layout, local_load
+from lightning_dcp.engine import index_load, layout, local_load, page_cache
 from lightning_dcp.engine.blob import decode_extra
 from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
@@ -30,7 +32,7 @@ from lightning_dcp.engine.loading import (
 )
 from lightning_dcp.engine.local_load import FastLoadPlanner
 from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.record_index import IndexedRecord, parse_index
+from lightning_dcp.engine.record_index import IndexEntry, parse_index, record_ends
 from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.errors import checkpoint_failure
 
@@ -80,6 +82,7 @@ def load_one(
     model_key: str,
     node_local: bool = False,
     objects_only: bool = False,
+    prefetch: bool = True,
 ) -> Loaded:
     """Load the one checkpoint at ``location`` (pointers followed by :func:`probe`) into ``target`` or as new tensors.
 
@@ -88,7 +91,9 @@ def load_one(
 
     ``node_local``: every rank reads its own copy of the same checkpoint at its own ``location`` (the memory tier
     assembles one per node); rank 0's copy is probed for all. ``objects_only``: with an empty ``target``, read the
-    blobs and no other saved state dict.
+    blobs and no other saved state dict. ``prefetch``: once the probe has the record index of a local checkpoint
+    that every rank reads whole (a target of plain tensors), read its data files into the page cache in the
+    background (:func:`~lightning_dcp.engine.page_cache.prefetch`); ``False`` when the caller already started that.
 
     Collective: call on all ranks when ``collective``.
 
@@ -108,20 +113,22 @@ def load_one(
             and not node_local
         )
 
-        fetching: list[Any] = []
+        prefetching = prefetch and indexed and _reads_everything(target)  # worth reading every file into the page cache
 
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
             probed.append(probe(location, indexed=indexed))
-            if probed[0].records is not None:  # the disk reads while the ranks plan
-                fetching.append(index_load.prefetch(location.path, probed[0].records))
+            records = probed[0].records
+            if records is not None and prefetching:  # the disk reads while the ranks plan
+                where = Location(probed[0].url, storage_options=location.storage_options).path
+                page_cache.prefetch(where, ends=lambda: record_ends(records))
             return dataclasses.replace(probed[0], metadata=None, records=None)
 
         rank, world_size = rank_and_world(collective)
-        ahead: dict[str, IndexedRecord] | None = None
+        ahead: dict[str, IndexEntry] | None = None
         if rank != 0 and location.local:
             ahead = _parse_ahead(location, indexed=indexed)
-            if ahead is not None:
-                fetching.append(index_load.prefetch(location.path, ahead, rank=rank))
+            if ahead is not None and prefetching:
+                page_cache.prefetch(location.path, rank=rank, ends=lambda: record_ends(ahead))
         found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)
@@ -145,9 +152,6 @@ def load_one(
             except Exception as err:  # raised on every rank alike: the lowest failing rank's error
                 raise checkpoint_failure(err, f"Loading the checkpoint at {location.url!r} failed") from err
             if done:
-                for thread in fetching:  # done too by now: every byte it reads was read by the restore
-                    if thread is not None:
-                        thread.join()
                 return _finish(loaded, state, in_place=True, weights_only=weights_only, world_size=world_size)
         metadata = probed[0].metadata if probed and probed[0].metadata is not None else None
         if metadata is None and found.indexed:  # the probe read the index only: what it would have checked
@@ -231,7 +235,7 @@ def _checked_metadata(location: Location, collective: bool) -> Metadata:
     return kept[0] if kept else read_metadata(location)
 
 
-def _parse_ahead(location: Location, *, indexed: bool) -> dict[str, IndexedRecord] | None:
+def _parse_ahead(location: Location, *, indexed: bool) -> dict[str, IndexEntry] | None:
     """Parse the checkpoint at ``location`` (if it is a checkpoint directory) while rank 0 probes it.
 
     With ``indexed``, its ``.commit`` and the record index in it (returned; ``None`` without one), which a restore
@@ -250,6 +254,15 @@ def _parse_ahead(location: Location, *, indexed: bool) -> dict[str, IndexedRecor
     except Exception:  # not a checkpoint directory, or a broken one: rank 0's probe says which
         pass
     return None
+
+
+def _reads_everything(target: dict[str, Any] | None) -> bool:
+    """Whether a restore into ``target`` reads every record on this rank.
+
+    So it does when its model state is plain tensors (DDP, one device) rather than this rank's shards (DTensor).
+    """
+    model = target.get(layout.MODEL_KEY) if target else None
+    return isinstance(model, dict) and all(type(v) is torch.Tensor or type(v) is Parameter for v in model.values())
 
 
 def _other_tree_keys(metadata: Any, target: dict[str, Any]) -> list[str]:

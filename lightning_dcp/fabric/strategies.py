@@ -192,6 +192,9 @@ class DCPStrategyMixin:
         """
         torch.cuda.empty_cache()
         path = self.broadcast(os.fspath(path))
+        resume = isinstance(state, dict) and any(isinstance(value, Optimizer) for value in state.values())
+        if resume and isinstance(self, (DDPStrategy, SingleDeviceStrategy)):  # every rank reads every file
+            self.checkpointer.prefetch(path, rank=self.global_rank)
         return load_state(self.checkpointer, path, state, strict=strict, weights_only=weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

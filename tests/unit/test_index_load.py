@@ -18,6 +18,7 @@ from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMism
 from lightning_dcp.engine import index_load, local_load, planning
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dcp_reader import storage_reader
+from lightning_dcp.engine.reading import SMALL_RECORD
 from lightning_dcp.engine.record_index import parse_index
 from lightning_dcp.engine.storage import Location
 
@@ -113,7 +114,61 @@ def test_the_index_names_each_record_as_the_metadata_does(tmp_path, monkeypatch)
                 chunked += 1
                 assert entry[3] == list(key.offset) and any(tuple(c.sizes) == tuple(entry[2]) for c in meta.chunks)
     assert chunked == 4
-    assert parse_index(commit) is None  # a chunked tensor: such checkpoints restore the general way
+    chunks = parse_index(commit)["state_dict.big"]  # the chunks of one tensor, together
+    assert sorted((c.chunk, c.shape) for c in chunks) == [((16 * i, 0), (16, 64)) for i in range(4)]
+
+
+@pytest.mark.parametrize("chunk_bytes", [1 << 12, 3 << 19])
+def test_a_tensor_saved_in_row_chunks_restores_through_the_index_in_place(
+    tmp_path, monkeypatch, general_calls, chunk_bytes
+):
+    monkeypatch.setattr(planning, "CHUNK_BYTES", chunk_bytes)
+    tree = _tree()
+    # 4 KiB: 4 chunks of 16 rows, read in spans; 1.5 MiB: 3 chunks over SMALL_RECORD, read straight in
+    tree["state_dict"]["big"] = torch.randn(64, 64) if chunk_bytes < SMALL_RECORD else torch.randn(4000, 200)
+    path = _saved(tmp_path, tree, thread_count=2)
+    commit = json.loads(open(os.path.join(path, ".commit")).read())
+    lengths = [
+        rec[1]
+        for name, entries in commit["index"]["files"].items()
+        for entry, rec in zip(entries, commit["files"][name]["records"], strict=True)
+        if len(entry) == 4
+    ]
+    assert len(lengths) >= 3 and all((n > SMALL_RECORD) == (chunk_bytes > SMALL_RECORD) for n in lengths)
+    target = _blank(tree)
+    big = target["state_dict"]["big"]
+    loaded = Checkpointer().load(path, target=target)
+    assert general_calls == []
+    _assert_equal(loaded.tree, tree)
+    assert loaded.tree["state_dict"]["big"] is big
+
+
+@pytest.mark.parametrize("edit", ["gap", "overlap", "column", "short", "whole beside"])
+def test_chunks_that_do_not_tile_their_tensor_take_the_general_way(tmp_path, monkeypatch, general_calls, edit):
+    monkeypatch.setattr(planning, "CHUNK_BYTES", 1 << 12)
+    tree = _tree()
+    tree["state_dict"]["big"] = torch.randn(64, 64)
+    path = _saved(tmp_path, tree, thread_count=2)
+    commit = json.loads(open(os.path.join(path, ".commit")).read())
+    chunks = sorted(
+        (entry for entries in commit["index"]["files"].values() for entry in entries if len(entry) == 4),
+        key=lambda entry: entry[3][0],
+    )
+    if edit == "gap":
+        chunks[1][3][0] += 1
+    elif edit == "overlap":
+        chunks[1][3][0] -= 1
+    elif edit == "column":
+        chunks[1][3][1] = 1
+    elif edit == "short":
+        chunks[-1][2][0] -= 1
+    else:
+        chunks[0][1:] = [chunks[0][1], [64, 64]]
+    with open(os.path.join(path, ".commit"), "w") as f:
+        json.dump(commit, f)
+    loaded = Checkpointer().load(path, target=_blank(tree))
+    assert general_calls == [1]  # the general way reads .metadata, which the edit left as saved
+    _assert_equal(loaded.tree, tree)
 
 
 def test_a_matching_target_restores_through_the_index_bit_equal(tmp_path, general_calls):
@@ -227,7 +282,7 @@ def test_plain_objects_decode_as_torch_load_does_and_others_go_to_torch_load():
 _MUTATIONS = st.lists(
     st.tuples(
         st.integers(min_value=0, max_value=10**6),
-        st.sampled_from(["drop", "fqn", "dtype", "shape", "kind", "swap", "version", "type"]),
+        st.sampled_from(["drop", "fqn", "dtype", "shape", "kind", "swap", "version", "type", "offsets"]),
     ),
     min_size=1,
     max_size=3,
@@ -240,7 +295,10 @@ def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_pat
     """Edits of the index (as JSON values) either leave the restore exact, or it fails with a CheckpointError."""
     tmp = tmp_path_factory.mktemp("hostile")
     tree = _tree()
-    path = _saved(tmp, tree)
+    tree["state_dict"]["big"] = torch.randn(64, 64)
+    with pytest.MonkeyPatch.context() as patched:  # "big" in row chunks
+        patched.setattr(planning, "CHUNK_BYTES", 1 << 12)
+        path = _saved(tmp, tree, thread_count=2)
     commit = json.loads(open(os.path.join(path, ".commit")).read())
     files = commit["index"]["files"]
     names = sorted(files)
@@ -269,6 +327,8 @@ def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_pat
             commit["index"]["version"] = pick % 4
         elif kind == "type":
             entries[i] = [None, {}, "x", 5][pick % 4]
+        elif kind == "offsets" and len(entry) == 4 and isinstance(entry[3], list):
+            entry[3] = [[d + 1 for d in entry[3]], [0] * len(entry[3]), entry[3][:1], "x"][pick % 4]
     with open(os.path.join(path, ".commit"), "w") as f:
         json.dump(commit, f)
     target = _blank(tree)
@@ -282,39 +342,6 @@ def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_pat
             # a swap of two records of one dtype and shape is the one edit the record framing cannot see
             swapped = any(kind == "swap" for _, kind in mutations)
             assert swapped or torch.equal(flat[key].detach(), value.detach()), key
-
-
-def test_a_data_file_replaced_by_a_fifo_fails_the_restore_and_never_blocks_the_prefetch(tmp_path):
-    tree = _tree()
-    path = _saved(tmp_path, tree)
-    name = next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
-    records = parse_index(json.loads(open(os.path.join(path, ".commit")).read()))
-    os.remove(os.path.join(path, name))
-    os.mkfifo(os.path.join(path, name))
-    thread = index_load.prefetch(path, records)  # opens without blocking, skips what is not a regular file
-    thread.join(timeout=10)
-    assert not thread.is_alive()
-    with pytest.raises(CorruptCheckpointError, match=name):
-        Checkpointer().load(path, target=_blank(tree))
-
-
-def test_the_prefetch_reads_no_further_than_the_last_record(tmp_path, monkeypatch):
-    tree = _tree()
-    path = _saved(tmp_path, tree)
-    records = parse_index(json.loads(open(os.path.join(path, ".commit")).read()))
-    name = next(n for n in sorted(os.listdir(path)) if n.endswith(".distcp"))
-    with open(os.path.join(path, name), "ab") as f:  # a file longer than its records (loads as before)
-        f.write(b"\0" * (1 << 20))
-    read: list[tuple[str, int]] = []
-    with monkeypatch.context() as patched:
-        patched.setattr(index_load, "_fill_page_cache", read.extend)
-        index_load.prefetch(path, records).join()
-    ends = {}
-    for record in records.values():
-        ends[record.file] = max(ends.get(record.file, 0), record.offset + record.length)
-    assert {os.path.basename(p): end for p, end in read} == ends
-    loaded = Checkpointer().load(path, target=_blank(tree))
-    _assert_equal(loaded.tree, tree)
 
 
 @pytest.mark.parametrize("index", [True, False])

@@ -416,13 +416,13 @@ class Checkpointer:
                 return memory_io.load_newest(self, location, collective=collective, **options)
             return self.load_candidates(location, collective=collective, **options)
 
-    def prefetch(self, path: str | os.PathLike, *, rank: int = 0) -> bool:
+    def prefetch(self, path: str | os.PathLike) -> bool:
         """Start reading the local checkpoint directory ``path`` into the page cache in a background thread.
 
         For a restore that reads every byte of the checkpoint on every rank (DDP, one device): call it before
         building the load's target, so the disk reads while the target is built and the checkpoint is probed
-        (:func:`~lightning_dcp.engine.page_cache.prefetch`; ``rank`` picks the data file this rank's thread
-        starts at). Not for sharded restores (FSDP, tensor parallel), where each rank needs a part of the files.
+        (:func:`~lightning_dcp.engine.page_cache.prefetch`). Not for sharded restores (FSDP, tensor parallel),
+        where each rank needs a part of the files.
 
         Any rank. Never raises: a path that is not a local checkpoint directory (a store, the memory tier, a file,
         a pointer) starts nothing, and what is wrong with it is for the load to report.
@@ -434,7 +434,7 @@ class Checkpointer:
             location = self.location(path)
             if not location.local or (self.memory is not None and memory_io.covers(self, location)):
                 return False
-            started = page_cache.prefetch(location.path, rank=rank)
+            started = page_cache.prefetch(location.path)
         except Exception:  # the load reports it
             return False
         if started:  # the load of this path starts no prefetch of its own

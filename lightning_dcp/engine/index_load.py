@@ -91,8 +91,7 @@ def load_indexed(
             ``CorruptCheckpointError`` naming the file for a record that does not match ``.commit``).
     """
     flat, mappings = flatten(state)
-    blobs = (EXTRA_KEY in state) + len(state.get(RANK_KEY, ()))
-    plan = _plan(flat, records, blobs if whole else None) if records is not None else None
+    plan = _plan(flat, records, whole=whole) if records is not None else None
     if not (all_true(plan is not None) if distributed else plan is not None):
         return False
     error: BaseException | None = None
@@ -105,31 +104,43 @@ def load_indexed(
     return True
 
 
-def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], blobs: int | None) -> dict[str, list[tuple]] | None:
+def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], *, whole: bool) -> dict[str, list[tuple]] | None:
     """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
 
     ``target`` is the tensor to fill at ``address`` (``frame``: :func:`~lightning_dcp.engine.records.record_frame`
     of its record), or ``None`` for a bytes entry (and ``frame`` too, ``address`` 0).
 
     ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
-    shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs that the target
-    lacks (``blobs``: how many of ``flat``'s keys are blobs, the Trainer state and rank states; ``None``: any saved
-    entry the target lacks is left unread).
+    shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs (the Trainer
+    state and rank states) that the target lacks: so the target lacks none of the saved model and optimizer
+    entries, and the checkpoint holds no other state dict (those load as new tensors, the general way). Unless
+    ``whole``: then any saved entry the target lacks is left unread.
     """
     tensor, parameter = torch.Tensor, torch.nn.Parameter
     per_file: dict[str, list[tuple]] = {}
+    unsorted: set[str] = set()  # files whose entries were not appended by offset (chunks come last in the index)
     frames: dict[tuple, tuple] = {}  # record_frame per (dtype, shape): thousands of keys, a few shapes
-    get = records.get
-    for key, value in flat.items():
-        record = get(key)
+    if not whole:  # the target's keys, each saved
+        pairs = ((key, value, records.get(key)) for key, value in flat.items())
+    else:  # every saved entry, in the index's order (each file's by offset): each in the target, or a blob
+        get, missing, rank_blobs = flat.get, _MISSING, RANK_KEY + "."
+        pairs = ((key, get(key, missing), record) for key, record in records.items())
+    matched = 0
+    for key, value, record in pairs:
         if record is None:
             return None
+        if value is _MISSING:
+            if key == EXTRA_KEY or key.startswith(rank_blobs):  # another rank's blob
+                continue
+            return None  # a saved model or optimizer entry, or another state dict, the target lacks
+        matched += 1
         if type(record) is tuple:  # a tensor saved in row chunks
             chunks = _chunk_entries(key, value, record, frames)
             if chunks is None:
                 return None
             for file, entry in chunks:
                 per_file.setdefault(file, []).append(entry)
+                unsorted.add(file)
             continue
         file, offset, length, digest, dtype, shape, _ = record
         kind = type(value)
@@ -149,18 +160,17 @@ def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], blobs: int | Non
         files = per_file.get(file)
         if files is None:
             files = per_file[file] = []
+        elif files[-1][0] > offset:
+            unsorted.add(file)
         files.append(entry)
-    # Every saved entry but the blobs has its place in the target (each of the target's was found above): so the
-    # target lacks none of the saved model and optimizer entries, and the checkpoint holds no other state dict
-    # (those load as new tensors, the general way).
-    if blobs is not None:
-        rank_blobs = RANK_KEY + "."
-        saved_blobs = sum(1 for key in records if key == EXTRA_KEY or key.startswith(rank_blobs))
-        if len(records) - saved_blobs != len(flat) - blobs:
-            return None
-    for entries in per_file.values():
-        entries.sort(key=_offset)
+    if matched != len(flat):  # a target entry the checkpoint lacks
+        return None
+    for file in unsorted:
+        per_file[file].sort(key=_offset)
     return per_file
+
+
+_MISSING = object()
 
 
 def _chunk_entries(

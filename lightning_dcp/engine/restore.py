@@ -128,7 +128,7 @@ def load_one(
         if rank != 0 and location.local:
             ahead = _parse_ahead(location, indexed=indexed)
             if ahead is not None and prefetching:
-                page_cache.prefetch(location.path, rank=rank, ends=lambda: record_ends(ahead))
+                page_cache.prefetch(location.path, ends=lambda: record_ends(ahead))
         found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)

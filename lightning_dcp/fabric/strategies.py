@@ -194,7 +194,7 @@ class DCPStrategyMixin:
         path = self.broadcast(os.fspath(path))
         resume = isinstance(state, dict) and any(isinstance(value, Optimizer) for value in state.values())
         if resume and isinstance(self, (DDPStrategy, SingleDeviceStrategy)):  # every rank reads every file
-            self.checkpointer.prefetch(path, rank=self.global_rank)
+            self.checkpointer.prefetch(path)
         return load_state(self.checkpointer, path, state, strict=strict, weights_only=weights_only)
 
     def remove_checkpoint(self, path: str | os.PathLike) -> None:

@@ -274,7 +274,7 @@ class DCPStrategyMixin:
         if not self._dcp_sharded:
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         if isinstance(self, (DDPStrategy, SingleDeviceStrategy)):  # every rank reads every file: from now on
-            self._dcp_io.checkpointer.prefetch(checkpoint_path, rank=self.global_rank)
+            self._dcp_io.checkpointer.prefetch(checkpoint_path)
         module = self._dcp_module()
         target: dict[str, Any] = {layout.MODEL_KEY: model_state_dict(module)}
         trainer = self.lightning_module.trainer

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
 import torch.distributed as dist
 
 from lightning_dcp import CorruptCheckpointError
-from lightning_dcp.engine import local_load
+from lightning_dcp.engine import local_load, planning
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.record_index import parse_index
 from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 
 
 def _state() -> dict:
     g = torch.Generator().manual_seed(5)
-    return {f"layer{i}.{p}": torch.randn(7, 3 + i % 3, generator=g) for i in range(30) for p in ("weight", "grad")}
+    state = {f"layer{i}.{p}": torch.randn(7, 3 + i % 3, generator=g) for i in range(30) for p in ("weight", "grad")}
+    state["embedding.weight"] = torch.randn(96, 32, generator=g)  # 12 KiB: row chunks (CHUNK_BYTES patched)
+    return state
 
 
 def _worker(rank: int, world_size: int, tmp: str) -> None:
@@ -29,10 +33,13 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
         return original(*args, **kwargs)
 
     local_load.load = counted
+    planning.CHUNK_BYTES = 4 << 10  # the embedding in 3 row chunks, written by both ranks
     state = _state()
     path = os.path.join(tmp, "c.ckpt")
     Checkpointer().save({"state_dict": state}, path, objects={"step": 3}, collective=True)
-    results = {}
+    with open(os.path.join(path, ".commit")) as f:
+        chunks = parse_index(json.load(f))["state_dict.embedding.weight"]
+    results = {"chunks": sorted((chunk.file, chunk.chunk[0], chunk.shape[0]) for chunk in chunks)}
     for case in ("both", "rank 1 cannot"):
         target = {"state_dict": {k: torch.zeros_like(v) for k, v in state.items()}}
         if case == "rank 1 cannot" and rank == 1:  # a non-contiguous target: the index cannot copy into it
@@ -61,6 +68,8 @@ def test_the_ranks_take_the_same_way_and_fail_alike(tmp_path):
     spawn(_worker, 2, str(tmp_path))
     for rank in (0, 1):
         results = load_result(str(tmp_path), "results", rank)
-        assert results["both"] == (True, 0, 3), rank  # through the index on both ranks
+        assert [rows for _, _, rows in results["chunks"]] == [32, 32, 32], rank
+        assert len({file for file, _, _ in results["chunks"]}) == 2, rank  # chunks in both ranks' files
+        assert results["both"] == (True, 0, 3), rank  # through the index on both ranks, chunks included
         assert results["rank 1 cannot"] == (True, 1, 3), rank  # the general way on both ranks
         assert results["corrupt"] == "CorruptCheckpointError", rank

@@ -39,21 +39,18 @@ def _names(files: list[tuple[str, int]]) -> list[str]:
     return [os.path.basename(path) for path, _ in files]
 
 
-def test_a_listing_prefetch_reads_the_marker_and_metadata_first_then_the_data_files_from_its_rank(tmp_path, filled):
+def test_a_listing_prefetch_reads_the_marker_and_metadata_first_then_the_data_files_by_name(tmp_path, filled):
     path = _saved(tmp_path)
-    data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    for name in ("__1_0.distcp", "__2_0.distcp"):  # three data files, as three ranks would write
+    for name in ("__2_0.distcp", "__1_0.distcp"):  # three data files, as three ranks would write
         with open(os.path.join(path, name), "wb") as f:
             f.write(b"x")
     data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
     assert len(data) == 3
-    for rank in range(4):
-        assert page_cache.prefetch(path, rank=rank)
-        assert page_cache.wait(path, timeout=10)
-    for rank, files in enumerate(filled):
-        k = rank % 3
-        assert _names(files) == [".commit", ".metadata", *data[k:], *data[:k]]
-        assert all(end == -1 for _, end in files)  # whole files
+    assert page_cache.prefetch(path)
+    assert page_cache.wait(path, timeout=10)
+    (files,) = filled
+    assert _names(files) == [".commit", ".metadata", *data]  # the order every rank's restore reads them in
+    assert all(end == -1 for _, end in files)  # whole files
 
 
 def test_an_index_prefetch_reads_no_further_than_the_last_record(tmp_path, filled):
@@ -67,12 +64,18 @@ def test_an_index_prefetch_reads_no_further_than_the_last_record(tmp_path, fille
     assert all(0 < end <= os.path.getsize(os.path.join(path, name)) for name, end in ends.items())
 
 
-def test_the_fill_stops_at_the_end_it_is_given_and_skips_what_is_not_a_regular_file(tmp_path):
-    regular = tmp_path / "data.distcp"
-    regular.write_bytes(os.urandom(1 << 20))
+def test_the_fill_stops_at_its_budget_and_skips_what_is_not_a_regular_file(tmp_path):
+    huge = tmp_path / "huge.distcp"
+    with open(huge, "wb") as f:
+        f.truncate(1 << 40)  # 1 TiB, sparse: read whole, this would take minutes
     fifo = tmp_path / "fifo.distcp"
-    os.mkfifo(fifo)  # opened without blocking, never read: the fill returns
-    page_cache.fill_page_cache([(str(fifo), -1), (str(regular), 4096), (str(tmp_path / "missing"), -1)])
+    os.mkfifo(fifo)  # opened without blocking, never read
+    files = [(str(fifo), -1), (str(tmp_path / "missing"), -1), (str(huge), -1)]
+    thread = threading.Thread(target=page_cache.fill_page_cache, args=(files, 1 << 20), daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert not thread.is_alive()  # stopped after 1 MiB
+    assert page_cache._half_the_memory() == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def test_a_data_file_replaced_by_a_fifo_never_blocks_the_prefetch_and_fails_the_restore(tmp_path):

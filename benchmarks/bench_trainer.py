@@ -25,7 +25,10 @@ every round (A B C A B C ...) so that they see the same machine:
   restore of stock Lightning DDP's single ``.ckpt`` of the same state (``torch.load`` on every rank, then
   ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; ``dcp``: raw
   ``dcp.load`` of a raw ``dcp.save`` of the same state into ``get_state_dict``'s targets, then ``set_state_dict``; and
-  ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit).
+  ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit), right after
+  ``load`` in each round. ``paired``: each round's ``read`` over its ``load`` (the restore against the cold read),
+  which a disk whose speed changes from one minute to the next (this project's VM: the cold read of one file took
+  0.58-1.49 s within one run) skews less than the ratio of the medians.
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -353,7 +356,7 @@ def task_load(
     dcp_path = os.path.join(workdir, f"dcp-ws{save_world_size}.ckpt")
     trainer, _ = _fitted(world_size, mix, scale)
     strategy = trainer.strategy
-    methods = ("load", "stock", "dcp", "read")
+    methods = ("load", "read", "stock", "dcp")
     runs: dict[str, list[float]] = {m: [] for m in methods}
     cold = True
 
@@ -507,6 +510,7 @@ def run(
                 "stock_bytes": res["stock_bytes"],
                 "cold": res["cold"],
                 **{m: summary(v) for m, v in res["runs"].items()},
+                "paired": summary([r / t for t, r in zip(res["runs"]["load"], res["runs"]["read"], strict=True)]),
             }
     return out
 

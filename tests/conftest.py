@@ -18,3 +18,19 @@ def _restore_environ():
     if os.environ != saved:
         os.environ.clear()
         os.environ.update(saved)
+
+
+_TIER_ORDER = ("unit", "lightning_suite", "integration", "distributed", "chaos", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Runs the quick tiers first (unit, then integration, then the multi-process distributed tests), each in its
+    collection order, so that the test command shows progress from its first seconds instead of starting with minutes
+    of silent multi-process runs."""
+
+    def tier(item) -> int:
+        parts = item.nodeid.split("/")
+        name = parts[1] if len(parts) > 2 and parts[0] == "tests" else ""
+        return _TIER_ORDER.index(name) if name in _TIER_ORDER else len(_TIER_ORDER)
+
+    items[:] = sorted(items, key=tier)  # sorted() is stable: the order inside a tier is kept

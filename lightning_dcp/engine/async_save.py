@@ -282,6 +282,10 @@ class AsyncSaves:
         """The location of the save in flight, if one is."""
         return None if self._inflight is None else self._inflight.location
 
+    def done(self) -> bool:
+        """Whether this rank's part of the save in flight (if any) is finished: :meth:`wait` would not block."""
+        return self._inflight is None or self._inflight.finished.is_set()
+
     def start(
         self,
         state_dict: dict[str, Any],

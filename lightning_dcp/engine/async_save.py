@@ -315,6 +315,8 @@ class AsyncSaves:
         """
         if self._inflight is not None:
             raise RuntimeError("A background save is still in flight: call wait() before starting another.")
+        if volatile is not None and self.defer and _GATE.bypassed():  # an optimizer's steps would not wait
+            volatile = None  # so everything is copied at the call
         group = None
         if distributed:
             if self._group is None:

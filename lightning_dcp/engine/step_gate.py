@@ -4,6 +4,12 @@ A save that reads tensors after its call returned (deferred staging copies, live
 see :mod:`lightning_dcp.engine.async_save`) holds the gate; a global optimizer pre-step hook, installed on first
 use, makes every step wait until the save lets it go. Lightning's Trainer runs forward and backward inside
 ``optimizer.step(closure)``: its strategies wait after the closure instead (:meth:`_StepGate.after_closure`).
+
+An optimizer whose ``step`` does not run torch.optim's hooks (not a ``torch.optim.Optimizer``, or a subclass that
+never called ``Optimizer.__init__``, which wraps ``step``) would change weights under a save's deferred copies:
+:meth:`_StepGate.check` finds it (the Trainer's strategies check every optimizer they step, Fabric's saves the
+optimizers in the saved state) and remembers it while it lives; async saves then copy everything at the call
+(:meth:`_StepGate.bypassed`), with a warning once per optimizer class.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.optim.optimizer import register_optimizer_step_pre_hook
+from lightning_utilities.core.rank_zero import rank_zero_warn
+from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 
 __all__ = ["STEP_GATE"]
 
@@ -33,6 +41,38 @@ class _StepGate:
         self._hook: Any = None
         self._local = threading.local()  # .closing: the optimizer whose step waits after its closure instead
         self._watch: Callable[[float], None] | None = None
+        self._unhooked: weakref.WeakSet = weakref.WeakSet()  # live optimizers whose steps bypass the hooks
+        self._warned: set[str] = set()  # their classes, warned about once
+
+    def check(self, optimizer: Any) -> bool:
+        """Whether ``optimizer.step`` runs torch.optim's global pre-step hooks, so its steps wait at this gate.
+
+        ``False`` for an object that is not a ``torch.optim.Optimizer``, one whose class's ``step`` was never
+        wrapped (``Optimizer.__init__`` wraps it; a subclass that skips it is not), or one with its own ``step``
+        attribute shadowing the method. Such an optimizer is remembered while it lives (:meth:`bypassed`), and the
+        first of its class is warned about.
+        """
+        step = getattr(type(optimizer), "step", None)
+        if isinstance(optimizer, Optimizer) and getattr(step, "hooked", False) and "step" not in vars(optimizer):
+            return True
+        try:
+            self._unhooked.add(optimizer)
+        except TypeError:  # not weakly referenceable: remembered by its class only (see bypassed)
+            self._warned.add(f"@{type(optimizer).__qualname__}")
+        name = type(optimizer).__qualname__
+        if name not in self._warned:
+            self._warned.add(name)
+            rank_zero_warn(
+                f"lightning_dcp: the optimizer `{name}` does not run torch.optim's step hooks (it is not a"
+                " `torch.optim.Optimizer` whose `step` was wrapped by `Optimizer.__init__`), which async saves with"
+                " deferred staging rely on to hold its updates until the saved tensors are copied. Async saves now"
+                " copy every tensor before the save call returns, as with `defer_staging=False`."
+            )
+        return False
+
+    def bypassed(self) -> bool:
+        """Whether an optimizer found by :meth:`check` to bypass the step hooks is alive (saves stage at the call)."""
+        return len(self._unhooked) > 0 or any(name.startswith("@") for name in self._warned)
 
     def hold(
         self,
@@ -105,8 +145,13 @@ class _StepGate:
         copy (:meth:`wait_all`); the pre-step hook of ``optimizer`` (that object only) does not wait meanwhile.
         Only for torch's own optimizers (``torch.optim``), which evaluate the closure before they change a tensor:
         others may change parameters first (SAM-like optimizers perturb them, then call the closure), so they wait
-        in the hook as before and ``closure`` is yielded unchanged.
+        in the hook as before and ``closure`` is yielded unchanged. One whose step bypasses the hooks
+        (:meth:`check`) waits here, before the closure, and is remembered: later saves copy at the call.
         """
+        if not self.check(optimizer):  # its step never reaches the hook: the pending copies are made first
+            self.wait_all()
+            yield closure
+            return
         if not type(optimizer).__module__.startswith("torch.optim."):
             yield closure
             return

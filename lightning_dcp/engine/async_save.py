@@ -436,8 +436,19 @@ class AsyncSaves:
             snapshot, versions, error = flat, {}, err
         planner.use_flat(snapshot, mappings)
         self.last_deferred = list(versions)
+        streams = self.stager.stream_copies if error is None else None  # queued GPU copies (stream_copies)
+        if streams is not None:
+            _GATE.hold_stream(streams)
 
         def stage(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
+            try:
+                return stage_cpu(release)
+            finally:
+                if streams is not None:  # also when planning failed: the gate never keeps a dead save's copies
+                    streams.wait()
+                    _GATE.release_stream(streams)
+
+        def stage_cpu(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
             made: list[Deferred] = []
             if error is None and not live:
                 try:
@@ -452,6 +463,10 @@ class AsyncSaves:
             self._last_items = prepared.plan.items
             if error is not None:
                 return prepared, error, None
+            if streams is not None:
+                streams.wait()  # the GPU copies land before the writer reads their buffers
+                if streams.changed:  # changed before the first step, maybe under its copy: dropped, as on CPU
+                    return prepared, StagingRaceError(streams.changed), None
             try:
                 staged, deferred = self.stager.stage_deferred(
                     prepared.plan.items, planner.resolve_data, versions, live=live

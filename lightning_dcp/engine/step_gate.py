@@ -41,6 +41,7 @@ class _StepGate:
         self._hook: Any = None
         self._local = threading.local()  # .closing: the optimizer whose step waits after its closure instead
         self._watch: Callable[[float], None] | None = None
+        self._streams: list[Any] = []  # queued GPU copies: the next step waits for them on the GPU (hold_stream)
         self._unhooked: weakref.WeakSet = weakref.WeakSet()  # live optimizers whose steps bypass the hooks
         self._warned: set[str] = set()  # their classes, warned about once
 
@@ -94,6 +95,22 @@ class _StepGate:
         with self._lock:
             self._pending.pop(copied, None)
 
+    def hold_stream(self, copies: Any) -> None:
+        """Hold queued GPU copies (:class:`~lightning_dcp.engine.stream_copies.StreamCopies`) until a step or a wait.
+
+        The next optimizer step calls ``copies.at_step()`` (its update then waits for them on the GPU, not the CPU);
+        other waiters (:meth:`wait_all` with ``step=False``) block in ``copies.wait()``. Either lets them go.
+        """
+        with self._lock:
+            if self._hook is None:
+                self._hook = register_optimizer_step_pre_hook(self._before_step)
+            self._streams.append(copies)
+
+    def release_stream(self, copies: Any) -> None:
+        """Forget ``copies`` (the writer waited for them, or the save failed before)."""
+        with self._lock:
+            self._streams = [held for held in self._streams if held is not copies]
+
     def watch(self, seen: Callable[[float], None]) -> None:
         """Call ``seen(perf_counter())`` once, when the next optimizer step reaches the gate."""
         self._watch = seen
@@ -110,7 +127,7 @@ class _StepGate:
     def pending(self) -> bool:
         """Whether some staging copy held here is not made yet."""
         with self._lock:
-            return any(not copied.is_set() for copied in self._pending)
+            return bool(self._streams) or any(not copied.is_set() for copied in self._pending)
 
     def wait_all(self, *, step: bool = True) -> None:
         """Wait for every pending staging copy.
@@ -123,6 +140,14 @@ class _StepGate:
         if seen is not None and step:
             self._watch = None
             seen(time.perf_counter())
+        if self._streams:
+            with self._lock:
+                streams, self._streams = self._streams, []
+            for copies in streams:
+                if step:
+                    copies.at_step()
+                else:
+                    copies.wait()
         if not self._pending:
             return
         with self._lock:

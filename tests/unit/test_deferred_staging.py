@@ -291,3 +291,36 @@ def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at
     checkpointer.save({"state_dict": {"w": param.detach()}}, str(tmp_path / "b"), objects={}, volatile=[])
     assert checkpointer._async.last_deferred == ["state_dict.w"]
     checkpointer.close()
+
+
+def test_queued_gpu_copies_are_waited_for_on_the_next_step_or_by_code_outside_steps():
+    """The step gate's side of CUDA stream staging, with a CPU stand-in for the queued copies (no GPU here)."""
+    from lightning_dcp.engine.step_gate import STEP_GATE
+
+    class Queued:  # the contract of StreamCopies: at_step() before an update, wait() elsewhere
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def at_step(self) -> None:
+            self.calls.append("at_step")
+
+        def wait(self) -> None:
+            self.calls.append("wait")
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    stepped, waited, released = Queued(), Queued(), Queued()
+    STEP_GATE.hold_stream(stepped)
+    assert STEP_GATE.pending()
+    optimizer.step()  # the first step makes its update wait for the copies (on the GPU), once
+    optimizer.step()
+    assert stepped.calls == ["at_step"] and not STEP_GATE.pending()
+    STEP_GATE.hold_stream(waited)
+    STEP_GATE.wait_all(step=False)  # e.g. validation start: blocks until the copies landed
+    optimizer.step()
+    assert waited.calls == ["wait"]
+    STEP_GATE.hold_stream(released)
+    STEP_GATE.release_stream(released)  # the writer waited for them itself
+    optimizer.step()
+    assert released.calls == [] and not STEP_GATE.pending()

@@ -18,6 +18,7 @@ alternate (none, async, sync, none, async, ...) so drift hits every mode alike. 
 process (own CUDA context, allocator and pinned-memory cache).
 
     python benchmarks/bench_gpu.py --size-gb 2            # one size (JSON on stdout)
+    python -m benchmarks.bench_gpu --gpt                  # the GPT-shaped Trainer run of every method (gpu_trainer.py)
     python -m benchmarks.run --gpu                        # 2, 8, 20 GB and the training run -> results/GPU.md
     python -m benchmarks.run --gpu --smoke                # tiny sizes on CPU: the same code paths, no numbers
 
@@ -39,9 +40,11 @@ from typing import Any
 import torch
 
 try:
+    from benchmarks import gpu_trainer
     from benchmarks._cli import bench_main
     from benchmarks.bench_save import disk_write, nbytes, workload
 except ImportError:  # run as a script: python benchmarks/bench_gpu.py
+    import gpu_trainer
     from _cli import bench_main
     from bench_save import disk_write, nbytes, workload
 
@@ -153,10 +156,15 @@ def _run_child(target: Callable[..., None], workdir: str, *args: Any) -> dict:
     return result
 
 
-def run(size_gb: float, workdir: str, *, repeats: int = 3, smoke: bool = False) -> dict:
-    """Measure the save side for ``size_gb`` GB on the GPU (``smoke``: on CPU); medians, min-max and ratios."""
+def run(size_gb: float, workdir: str, *, repeats: int = 3, smoke: bool = False, gpt: bool = False) -> dict:
+    """Measure the save side for ``size_gb`` GB on the GPU (``smoke``: on CPU); medians, min-max and ratios.
+
+    ``gpt``: :func:`run_gpt` instead (``size_gb`` unused).
+    """
     if not cuda_ready(smoke):
         return {"skipped": SKIP_MESSAGE}
+    if gpt:
+        return run_gpt(workdir, repeats=max(1, repeats // 2), smoke=smoke)
     os.makedirs(workdir, exist_ok=True)
     raw = _run_child(_saves_child, workdir, size_gb, repeats, smoke)
     size = raw["bytes"]
@@ -311,6 +319,33 @@ def run_training(
     return {"settings": settings, "state_gb": first["state_gb"], "layers": first["layers"], "modes": summary}
 
 
+def run_gpt(
+    workdir: str,
+    *,
+    steps: int = 50,
+    every: int = 10,
+    repeats: int = 1,
+    methods: tuple[str, ...] = gpu_trainer.METHODS,
+    smoke: bool = False,
+) -> dict:
+    """The GPT-shaped Trainer run of every method (:mod:`benchmarks.gpu_trainer`), methods alternating per repeat."""
+    if not cuda_ready(smoke):
+        return {"skipped": SKIP_MESSAGE}
+    os.makedirs(workdir, exist_ok=True)
+    settings = {"steps": 6 if smoke else steps, "every": 2 if smoke else every, "smoke": smoke}
+    runs: dict[str, list[dict]] = {method: [] for method in methods}
+    for _ in range(repeats):
+        for method in methods:
+            runs[method].append(_run_child(gpu_trainer.train_child, workdir, method, settings))
+    first = next(iter(runs.values()))[0]
+    return {
+        "settings": settings,
+        "device": "cpu (smoke)" if smoke else torch.cuda.get_device_name(0),
+        "state_gb": first["state_gb"],
+        "methods": gpu_trainer.summarize(runs, settings["every"]),
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not cuda_ready("--smoke" in argv):
@@ -321,7 +356,10 @@ def main(argv: list[str] | None = None) -> int:
         doc=__doc__,
         default_size_gb=2.0,
         prefix="bench_gpu_",
-        options={"--smoke": {"action": "store_true", "help": "tiny state on CPU: checks the code paths run"}},
+        options={
+            "--smoke": {"action": "store_true", "help": "tiny state on CPU: checks the code paths run"},
+            "--gpt": {"action": "store_true", "help": "the GPT-shaped Trainer run of every method instead"},
+        },
     )
 
 

@@ -47,6 +47,23 @@ step then ran 0.9-2.0 s slower while the pages were copied on write, against 0.5
 made by a background thread (``python -m benchmarks.fork_cow --mix huge``).
 
 The loop is blocked for the call plus whatever the next optimizer step waits (:attr:`AsyncSaves.last_step_wait`).
+
+**Process groups** (which group each collective uses; nothing runs a collective at world size 1 or when a single
+process saves alone, and no side group is made then):
+
+- *The save's own group*: ``dist.new_group(backend="gloo")``, made once per :class:`AsyncSaves` at its first
+  distributed save (``new_group`` is itself a collective of the default group, in the caller's thread). Gloo whatever
+  the training backend is (``nccl``, ``cpu:gloo,cuda:nccl``, ``cpu:gloo``). Everything a background thread runs
+  uses it and nothing else: planning (:func:`~lightning_dcp.engine.saving.prepare`), the write's gather of results
+  and the broadcast of the outcome (:func:`~lightning_dcp.engine.saving.write`). Planning in the caller's thread
+  (saves without deferred staging) and the staging agreement (:func:`~lightning_dcp.engine.saving.agree`) use it
+  too, before the background thread starts: one thread at a time issues its collectives.
+- *The default (training) group*, only in the caller's thread, in the order every rank makes its calls: rank 0's
+  decisions (``on_rank0``: where to write), gathering the previous save's errors (``Checkpointer.wait``), the
+  ``when_busy="skip"`` vote (:mod:`lightning_dcp.engine.when_busy`). A background thread never issues a collective
+  on it: on a GPU it is NCCL's, and collectives from a second thread there hang or corrupt runs.
+- The memory tier's copies and replication use the tier's own gloo group (``MemoryTier.group``), never this one nor
+  the default group; the local tier's uploads (:mod:`lightning_dcp.engine.tiers`) run no collective.
 """
 
 from __future__ import annotations
@@ -64,7 +81,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItem
 
 from lightning_dcp.engine import saving
-from lightning_dcp.engine.gc_pause import gc_paused
+from lightning_dcp.engine.inflight import InFlight, Stage
 from lightning_dcp.engine.live_write import LiveWrite
 from lightning_dcp.engine.planning import BalancedSavePlanner, flatten
 from lightning_dcp.engine.staging import Deferred, Stager, StagingRaceError
@@ -77,162 +94,6 @@ __all__ = ["STEP_GATE", "AsyncSaves"]
 _GATE = STEP_GATE
 
 log = logging.getLogger(__name__)
-
-
-class _InFlight:
-    """One background save: its thread, what to do once it is done, and what went wrong."""
-
-    def __init__(self, location: Location, rank: int, commit: Callable[[], None], abandon: Callable[[], None]) -> None:
-        self.location = location
-        self.rank = rank
-        self.commit = commit
-        self.abandon = abandon
-        self.removals: list[Location] = []
-        self.error: BaseException | None = None
-        self.dropped: list[str] = []  # tensors that changed before their deferred copy: the save was dropped
-        self.dropped_outside_steps = True  # whether they changed outside optimizer steps (copied at the call since)
-        self.finished = threading.Event()
-        self.removed = threading.Event()  # the removals queued behind it are done too
-        self.staged = threading.Event()
-        self.step_wait = 0.0
-        self.learn: Callable[[list[str]], None] = lambda names: None
-        self.lock = threading.Lock()
-        self.live = False  # written from the live tensors while steps wait (no staging copies)
-        self.called_at: float | None = None  # perf_counter() when the call returned
-        self.step_at: float | None = None  # ... when the first optimizer step after the call reached the gate
-        self.released_at: float | None = None  # ... when steps were let go
-        self.written_at: float | None = None  # ... when this rank's data was written
-        self.live_write: LiveWrite | None = None
-        self.hurried = False  # a step arrived while the live write went on
-        self.hurry_after: float | None = None  # seconds after the call to hurry a live write unasked
-
-    def add_step_wait(self, seconds: float) -> None:
-        """Count time an optimizer step waited for this save's staging copies."""
-        self.step_wait += seconds
-
-    def hurry(self) -> None:
-        """A step waits for this save (run in its thread): a live write copies what it has not written yet."""
-        with self.lock:
-            self.hurried = True
-            live_write = self.live_write
-        if live_write is not None:
-            live_write.hurry()
-
-    def saw_step(self, now: float) -> None:
-        """The first optimizer step after the call reached the gate at ``now`` (``perf_counter()``)."""
-        self.step_at = now
-
-    def ready_time(self) -> float | None:
-        """Seconds from the call until this rank's data was written (what a live write keeps steps waiting)."""
-        if self.written_at is None or self.called_at is None:
-            return None
-        return self.written_at - self.called_at
-
-    def fail(self, error: BaseException) -> None:
-        """Record a failure before the background part started: abandon the save (rank 0), report it later."""
-        self.error = error
-        if self.rank == 0:
-            _quietly(self.abandon)
-        self.staged.set()
-        self.finished.set()
-        self.removed.set()
-
-    def release(self) -> None:
-        """The staging copies optimizer steps wait for are made: let them go (idempotent)."""
-        if self.released_at is None:
-            self.released_at = time.perf_counter()
-        self.staged.set()
-        _GATE.release(self.staged)
-
-    def run(self, stage: _Stage) -> None:
-        """The background thread: ``stage()``, then write, finish, commit (rank 0), deferred removals.
-
-        ``stage(release)`` plans the save if the call left that to this thread, makes the deferred staging copies
-        (calling ``release`` once optimizer steps may go on, if before it returns) and returns the prepared save,
-        this rank's staging error (``None`` when it has none) and, for a live write, the :class:`LiveWrite` its writer
-        reads through (it lets steps go; otherwise they go when ``stage`` returns).
-        """
-        with gc_paused():
-            self._run(stage)
-
-    def _run(self, stage: _Stage) -> None:
-        live_write = None
-        try:
-            prepared, staging_error, live_write = stage(self.release)
-        except BaseException as err:  # planning failed (on every rank alike): nothing to write
-            self.fail(err)
-            return
-        finally:
-            if live_write is None:
-                self.release()
-        if live_write is not None:
-            with self.lock:
-                self.live_write = live_write
-                hurried = self.hurried
-            if hurried:  # a step arrived while the save was planned: copy here
-                live_write.hurry()
-        timer = None
-        if live_write is not None and self.hurry_after is not None:  # copy the rest shortly before the step is due
-            timer = threading.Timer(max(0.0, self.called_at + self.hurry_after - time.perf_counter()), self.hurry)
-            timer.daemon = True
-            timer.start()
-
-        def written() -> BaseException | None:
-            self.written_at = time.perf_counter()
-            if timer is not None:
-                timer.cancel()
-            try:
-                if live_write is not None:
-                    live_write.finish()
-            except Exception as err:
-                return err
-            finally:
-                self.release()
-            return None
-
-        try:
-            saving.write(prepared, error=staging_error, written=written)
-        except BaseException as err:
-            race = next(iter(getattr(err, "failures", {}).values()), None)
-            if isinstance(race, StagingRaceError):  # dropped on every rank alike, with a warning: not an error
-                self.dropped = race.names
-                self.dropped_outside_steps = race.outside_steps
-                if race.outside_steps:
-                    self.learn(race.names)
-            else:
-                self.error = err
-            if self.rank == 0:
-                _quietly(self.abandon)
-        else:
-            if self.rank == 0:
-                try:
-                    self.commit()
-                except BaseException as err:
-                    self.error = err
-        if live_write is not None and self.hurried and self.error is None:
-            try:  # a step came before the write was done: make the next saves' copies cheap (see LiveWrite)
-                live_write.warm_buffers()
-            except Exception:  # e.g. out of memory: the next save allocates (and fails) in its own time
-                log.debug("lightning_dcp: warming staging buffers failed", exc_info=True)
-        with self.lock:
-            removals, self.removals = self.removals, []
-            self.finished.set()
-        if self.error is None and not self.dropped:
-            for location in removals:
-                _quietly(location.remove)
-        self.removed.set()
-
-    def defer_removal(self, location: Location) -> bool:
-        """Queue ``location`` for deletion after this save commits; False if the save already finished."""
-        with self.lock:
-            if self.finished.is_set():
-                return False
-            self.removals.append(location)
-            return True
-
-
-_Stage = Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None, LiveWrite | None]]
-"""What a save's background thread runs first (see :meth:`_InFlight.run`)."""
 
 
 class _Staged:
@@ -265,8 +126,8 @@ class AsyncSaves:
         self._write_rate: float | None = None  # bytes per second of the last live write (LiveWrite's estimates)
         self.stager = Stager(pin_memory=pin_memory)
         self._group: dist.ProcessGroup | None = None
-        self._inflight: _InFlight | None = None
-        self._last: _InFlight | None = None
+        self._inflight: InFlight | None = None
+        self._last: InFlight | None = None
         self._at_call: set[str] = set()  # keys seen changing before their deferred copy: copied at the call
         self.last_step_wait: float | None = None
         """Seconds optimizer steps waited for the deferred copies of the last save that completed (``wait``)."""
@@ -281,6 +142,10 @@ class AsyncSaves:
     def in_flight(self) -> Location | None:
         """The location of the save in flight, if one is."""
         return None if self._inflight is None else self._inflight.location
+
+    def done(self) -> bool:
+        """Whether this rank's part of the save in flight (if any) is finished: :meth:`wait` would not block."""
+        return self._inflight is None or self._inflight.finished.is_set()
 
     def start(
         self,
@@ -311,12 +176,14 @@ class AsyncSaves:
         """
         if self._inflight is not None:
             raise RuntimeError("A background save is still in flight: call wait() before starting another.")
+        if volatile is not None and self.defer and _GATE.bypassed():  # an optimizer's steps would not wait
+            volatile = None  # so everything is copied at the call
         group = None
         if distributed:
             if self._group is None:
                 self._group = dist.new_group(backend="gloo")
             group = self._group
-        inflight = _InFlight(location, rank, commit, abandon)
+        inflight = InFlight(location, rank, commit, abandon)
         inflight.learn = self._at_call.update
         inflight.live = live = self.defer and volatile is not None and self._choose_live(writer)
         if live and self._timings is not None and self._timings[0] > self._timings[1]:
@@ -389,7 +256,7 @@ class AsyncSaves:
         group: dist.ProcessGroup | None,
         distributed: bool,
         live: bool,
-    ) -> _Stage:
+    ) -> Stage:
         """Copy what may change before the next optimizer step now; return what the background thread runs first.
 
         The volatile tensors, those learned to change outside optimizer steps, GPU tensors and mutable non-tensor
@@ -413,8 +280,19 @@ class AsyncSaves:
             snapshot, versions, error = flat, {}, err
         planner.use_flat(snapshot, mappings)
         self.last_deferred = list(versions)
+        streams = self.stager.stream_copies if error is None else None  # queued GPU copies (stream_copies)
+        if streams is not None:
+            _GATE.hold_stream(streams)
 
         def stage(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
+            try:
+                return stage_cpu(release)
+            finally:
+                if streams is not None:  # also when planning failed: the gate never keeps a dead save's copies
+                    streams.wait()
+                    _GATE.release_stream(streams)
+
+        def stage_cpu(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
             made: list[Deferred] = []
             if error is None and not live:
                 try:
@@ -429,6 +307,10 @@ class AsyncSaves:
             self._last_items = prepared.plan.items
             if error is not None:
                 return prepared, error, None
+            if streams is not None:
+                streams.wait()  # the GPU copies land before the writer reads their buffers
+                if streams.changed:  # changed before the first step, maybe under its copy: dropped, as on CPU
+                    return prepared, StagingRaceError(streams.changed), None
             try:
                 staged, deferred = self.stager.stage_deferred(
                     prepared.plan.items, planner.resolve_data, versions, live=live
@@ -452,7 +334,7 @@ class AsyncSaves:
             return False
         return True if self.live else self._live_next
 
-    def _learn(self, inflight: _InFlight) -> None:
+    def _learn(self, inflight: InFlight) -> None:
         """Choose the next save's mode from this one's timings (adaptive :attr:`live` only).
 
         A live write is worth it while the writer is done by the time the first step after the call needs the
@@ -472,7 +354,7 @@ class AsyncSaves:
         self._live_next = inflight.step_wait <= 0.05 * ready if inflight.live else ready <= window
 
     @staticmethod
-    def _run(inflight: _InFlight, stage: _Stage) -> None:
+    def _run(inflight: InFlight, stage: Stage) -> None:
         _GATE.watch(inflight.saw_step)
         inflight.called_at = time.perf_counter()
         thread = threading.Thread(target=inflight.run, args=(stage,), name="lightning_dcp-save")
@@ -565,10 +447,3 @@ def _live(flat: dict[str, Any], item: WriteItem) -> torch.Tensor | None:
 def _storage(tensor: torch.Tensor) -> int:
     """The address of ``tensor``'s storage (its own address when it starts there: no storage object made)."""
     return tensor.data_ptr() if tensor.storage_offset() == 0 else tensor.untyped_storage().data_ptr()
-
-
-def _quietly(fn: Callable[[], None]) -> None:
-    try:
-        fn()
-    except Exception:  # cleanup must not hide the error that triggered it
-        log.warning("lightning_dcp: cleanup after a background save failed", exc_info=True)

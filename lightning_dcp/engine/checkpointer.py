@@ -42,6 +42,7 @@ from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
+from lightning_dcp.engine.when_busy import WhenBusy
 from lightning_dcp.errors import (
     CheckpointError,
     InvalidPathError,
@@ -76,6 +77,11 @@ class Checkpointer:
             chosen save by save; a step that comes before the writer is done copies the rest and goes on: see
             :mod:`lightning_dcp.engine.live_write`). ``False``: copy everything before returning (see
             :mod:`lightning_dcp.engine.async_save`).
+        when_busy: With ``async_save``: what a save does when called while the previous one is still being written
+            (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is committed,
+            then save. ``"skip"``: return at once without saving, with a warning naming the step and path skipped
+            (recorded in :attr:`skipped`); removals requested after it are held until a newer save commits. A save
+            of the same step as the one in flight always waits. See :mod:`lightning_dcp.engine.when_busy`.
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
@@ -86,7 +92,8 @@ class Checkpointer:
             and a load of ``last`` in that directory takes the newest checkpoint across memory and the durable tiers.
 
     Raises:
-        ValueError: ``thread_count`` is not a positive integer.
+        ValueError: ``thread_count`` is not a positive integer, or ``when_busy`` is neither ``"wait"`` nor
+            ``"skip"``.
     """
 
     def __init__(
@@ -97,6 +104,7 @@ class Checkpointer:
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = True,
+        when_busy: str = "wait",
         tiers: Tiers | None = None,
         incremental: bool = False,
         memory: MemoryTier | None = None,
@@ -108,6 +116,7 @@ class Checkpointer:
         self.sync_files = sync_files
         self.async_save = async_save
         self._async = AsyncSaves(defer=defer_staging) if async_save else None
+        self._busy = WhenBusy(when_busy)
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
         self.incremental = Incremental() if incremental else None
@@ -129,6 +138,16 @@ class Checkpointer:
             yield
         finally:
             self._into_memory = False
+
+    @property
+    def when_busy(self) -> str:
+        """What an async save called while the previous one is being written does: ``"wait"`` or ``"skip"``."""
+        return self._busy.policy
+
+    @property
+    def skipped(self) -> list[tuple[int | None, str]]:
+        """``(step, url)`` of each save skipped under ``when_busy="skip"``, oldest first (on every rank)."""
+        return list(self._busy.skipped)
 
     @property
     def last_step_wait(self) -> float | None:
@@ -178,6 +197,8 @@ class Checkpointer:
                 snapshots), or the path cannot round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
+        if not self._into_memory and self._skip(path, storage_options, collective, step):
+            return
         self._await_pending(collective)
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
             self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
@@ -273,6 +294,8 @@ class Checkpointer:
                     volatile=volatile,
                 )
                 self._record(started, location, "staged (writing in the background)")
+                for held in self._busy.started(location, step=step):  # removals held behind a skipped save
+                    self.remove(held.url, collective=collective)
                 return
             saving.save(state, writer=writer, planner=planner, distributed=distributed(collective))
         except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
@@ -288,6 +311,17 @@ class Checkpointer:
                 err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=_outage(location)
             ) from err
         self._record(started, location, "saved")
+
+    def _skip(self, path: Any, storage_options: dict[str, Any] | None, collective: bool, step: int | None) -> bool:
+        """``when_busy="skip"``: whether this save is skipped (the previous one still writing); records the stall."""
+        if self._busy.policy != "skip" or self._async is None or self._async.in_flight is None:
+            return False
+        started = time.perf_counter()
+        location = self.location(path, storage_options)
+        if not self._busy.skip(self._async, location, step=step, collective=collective):
+            return False
+        self._record(started, location, "skipped (the previous save is still being written)")
+        return True
 
     def _writes_in_place(self, location: Location) -> bool:
         """Whether a save writes straight into ``location`` (True) or into a hidden staging directory beside it.
@@ -491,6 +525,8 @@ class Checkpointer:
         Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
         """
         location = self.location(path)
+        if self._busy.hold(location):  # a save was skipped: nothing is removed before a newer save commits
+            return
         in_flight = self._async.in_flight if self._async is not None else None
         if self.tiers is not None and self.tiers.covers(location):  # both tiers, behind the uploads queued before
             if in_flight is not None and in_flight.url == self.tiers.local_twin(location).url:

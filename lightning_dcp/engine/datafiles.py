@@ -21,6 +21,7 @@ import torch
 import xxhash
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from lightning_dcp.engine.copy_ahead import copy_ahead
 from lightning_dcp.engine.fileout import ALIGN, DIRECT_MIN, PIECE, StreamOut, open_local
 from lightning_dcp.engine.memo import PlanMemo
 from lightning_dcp.engine.records import cpu_contiguous, raw_bytes, tensor_record
@@ -198,6 +199,7 @@ def _write_records(
     results: list[RecordResult] = []
     name = job.name
     hasher = xxhash.xxh3_64()
+    resolve = copy_ahead(job.items, resolve)  # GPU tensors: the next record's copy to the host runs meanwhile
     for item in job.items:
         data = resolve(item)
         framed = _frame_small(item, data, out)

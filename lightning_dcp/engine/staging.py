@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
 from lightning_dcp._compat import ShardedTensor, dtensor_over, foreach_copy, sharded_tensor_over, tensor_version
+from lightning_dcp.engine.stream_copies import StreamCopies
 
 __all__ = ["Deferred", "Stager", "StagingRaceError"]
 
@@ -95,6 +96,8 @@ class Stager(AsyncStager):
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self._buffers: dict[tuple, torch.Tensor] = {}
         self._cuda_copies = False
+        self.stream_copies: StreamCopies | None = None
+        """The queued CUDA copies of the last :meth:`snapshot` (:mod:`lightning_dcp.engine.stream_copies`)."""
 
     def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """Return a copy of ``state_dict`` whose tensors live in this stager's buffers (same structure)."""
@@ -160,16 +163,23 @@ class Stager(AsyncStager):
         Returns:
             ``(snapshot, versions)``: ``flat`` with every other tensor replaced by a staging buffer holding its copy
             (the CPU ones copied in one batched call) and mutable leaves deep-copied; and the in-place version
-            counter, now, of each tensor left live (by key).
+            counter, now, of each tensor left live (by key). The copies of CUDA tensors into pinned buffers are
+            queued, not waited for: :attr:`stream_copies` (``None`` when there are none) says when they land.
         """
         self._cuda_copies = False
+        self.stream_copies = streams = None
         out: dict[str, Any] = {}
         versions: dict[str, int] = {}
         buffers: list[torch.Tensor] = []
         sources: list[torch.Tensor] = []
         for key, value in flat.items():
             if isinstance(value, torch.Tensor):
-                if not value.is_cpu:
+                if value.is_cuda and self.pin_memory:  # queued on CUDA streams, not waited for (stream_copies)
+                    source = value.detach()
+                    out[key] = buffer = self._buffer(source, ("flat", key))
+                    streams = streams or StreamCopies()
+                    streams.add(key, source, buffer, later=defer(key, value))
+                elif not value.is_cpu:
                     out[key] = self._copy_tensor(value, ("flat", key))
                 elif defer(key, value):
                     versions[key] = tensor_version(value)
@@ -185,6 +195,9 @@ class Stager(AsyncStager):
                 out[key] = copy.deepcopy(value)
         if buffers:
             foreach_copy(buffers, sources)
+        if streams is not None:
+            streams.launch()
+            self.stream_copies = streams
         if self._cuda_copies:
             torch.cuda.synchronize()
         return out, versions

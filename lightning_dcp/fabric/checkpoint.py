@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from lightning.fabric.wrappers import _FabricOptimizer
 from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -45,6 +46,7 @@ from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
+from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers import memory_io, recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
@@ -78,6 +80,10 @@ def save_state(
     Raises:
         CheckpointError: Writing failed on some rank (nothing was committed), or the state cannot be split.
     """
+    for value in state.values():  # an optimizer whose steps skip torch.optim's hooks: async saves copy at the call
+        value = value.optimizer if isinstance(value, _FabricOptimizer) else value
+        if isinstance(value, Optimizer):
+            STEP_GATE.check(value)
     loaders = {key: obj.state_dict() for key, obj in state.items() if is_stateful_loader(obj)}
     tree, objects, layout_info = split_state({k: v for k, v in state.items() if k not in loaders}, filters=filters)
     rank_objects: dict[str, Any] = {"rng": collect_rng_states()}

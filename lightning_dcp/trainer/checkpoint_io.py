@@ -52,6 +52,13 @@ class DCPCheckpointIO(CheckpointIO):
             writes parameters that way between a save and the next update (a callback, ``training_step``, a
             forward pass) needs ``False``, which copies everything before returning. See
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
+        when_busy: With ``async_save``: what ``save_checkpoint`` does when called while the previous save is still
+            being written (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is
+            committed, then save; every requested checkpoint is written. ``"skip"``: return at once without saving,
+            warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
+            removals requested after a skip are held until a newer save commits, so nothing is removed before a
+            newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
+            waits; ``save_last="link"`` avoids that second write. See :mod:`lightning_dcp.engine.when_busy`.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
@@ -76,7 +83,8 @@ class DCPCheckpointIO(CheckpointIO):
             frozen parameters cost no writes. Every checkpoint stays complete and loads alone.
 
     Raises:
-        ValueError: ``thread_count`` or ``local_keep`` is not a positive integer, or ``local_dir`` is not local.
+        ValueError: ``thread_count`` or ``local_keep`` is not a positive integer, ``local_dir`` is not local, or
+            ``when_busy`` is neither ``"wait"`` nor ``"skip"``.
         TypeError: ``storage_options`` is not a dict of fsspec options.
     """
 
@@ -88,6 +96,7 @@ class DCPCheckpointIO(CheckpointIO):
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = True,
+        when_busy: str = "wait",
         local_dir: str | os.PathLike | None = None,
         local_keep: int = 2,
         incremental: bool = False,
@@ -102,6 +111,7 @@ class DCPCheckpointIO(CheckpointIO):
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
+            when_busy=when_busy,
             tiers=tiers,
             incremental=incremental,
         )

@@ -107,3 +107,58 @@ def test_async_no_torn_state_and_errors_surface(tmp_path):
     spawn(_torn_worker, 2, tmp)
     assert "rank" in load_result(tmp, "error", 0)
     assert not os.path.exists(tmp_path / "next.ckpt")  # the save that raised did not start
+
+
+def _groups_worker(rank: int, world_size: int, tmp: str) -> None:
+    """Which process group each collective of an async save uses, with the default group made as ``cpu:gloo``."""
+    import torch.distributed as dist
+
+    from lightning_dcp.engine.checkpointer import Checkpointer
+
+    dist.init_process_group(backend="cpu:gloo")
+    default = dist.group.WORLD
+
+    def ops(group: dist.ProcessGroup) -> int:  # collectives issued on the group so far (its gloo sequence number)
+        return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
+
+    checkpointer = Checkpointer(async_save=True)
+    weights = {"w": torch.full((1024, 256), float(rank)), "b": torch.arange(4.0)}
+    seen = {}
+    for i in range(3):
+        path = os.path.join(tmp, f"s{i}.ckpt")
+        checkpointer.save({"state_dict": weights}, path, objects={}, collective=True, volatile=[])
+        returned = ops(default)
+        checkpointer._async.wait()  # this rank's background part only: no collective of the caller's
+        seen[i] = ops(default) - returned  # what the background thread ran on it
+    side = checkpointer._async._group
+    dist.barrier()
+    checkpointer.close()
+    save_result(
+        tmp,
+        "groups",
+        rank,
+        {
+            "default_backend": str(dist.get_backend(default)),
+            "side": None if side is None else (str(dist.get_backend(side)), side is default, dist.get_world_size(side)),
+            "side_ops": None if side is None else ops(side),
+            "default_ops_in_background": seen,
+        },
+    )
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_background_writes_use_their_own_gloo_group_never_the_training_group(tmp_path, world_size):
+    tmp = str(tmp_path)
+    spawn(_groups_worker, world_size, tmp)
+    for rank in range(world_size):
+        result = load_result(tmp, "groups", rank)
+        assert result["default_backend"] == "cpu:gloo"
+        # Nothing the background thread runs (planning, the write's gather, the commit's agreement) touches the
+        # default (training) group: on a GPU it is NCCL's, and a second thread's collectives there hang or corrupt.
+        assert result["default_ops_in_background"] == {0: 0, 1: 0, 2: 0}
+        if world_size == 1:
+            assert result["side"] is None  # one process: no group, nothing collective at all
+        else:
+            assert result["side"] == ("gloo", False, 2)  # a group of its own, gloo whatever the default is
+            assert result["side_ops"] > 0
+    assert all(os.path.isfile(tmp_path / f"s{i}.ckpt" / ".commit") for i in range(3))

@@ -79,6 +79,7 @@ class _InFlightProbe(Callback):
         seen["in_flight_one"] = saves.in_flight.url
         seen["side_group"] = dist.get_backend(saves._group)
         seen["stall_s"] = self.io.last_save_seconds
+        self.io.checkpointer.wait_for_staging()  # code outside an optimizer step waits for the (queued) GPU copies
         with torch.no_grad():  # the next training step starts while the first save is written
             for param in pl_module.parameters():
                 param.add_(1000.0)

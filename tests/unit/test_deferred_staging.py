@@ -243,3 +243,84 @@ def test_a_closure_step_waits_for_pending_copies_after_its_closure_and_other_ste
     STEP_GATE.release(copied3)
     assert copied3.is_set()
     assert seen["closure_ran_while_pending"] is False
+
+
+def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at_the_call(tmp_path):
+    import gc
+
+    from lightning_dcp.engine.step_gate import STEP_GATE
+
+    class SkipsInit(torch.optim.SGD):
+        def __init__(self, params) -> None:  # never calls Optimizer.__init__: its step is never wrapped
+            self.param_groups = [{"params": list(params), "lr": 0.1}]
+            self.state = {}
+            self.defaults = {}
+
+        def step(self, closure=None):
+            for p in self.param_groups[0]["params"]:
+                p.data.add_(1.0)
+
+    class NotAnOptimizer:
+        def step(self) -> None:
+            pass
+
+    param = torch.nn.Parameter(torch.ones(4))
+    hooked = torch.optim.AdamW([param])
+    assert STEP_GATE.check(hooked) and not STEP_GATE.bypassed()
+    shadowed = torch.optim.SGD([param], lr=0.1)
+    shadowed.step = lambda closure=None: None  # an instance attribute shadows the wrapped method
+    assert not STEP_GATE.check(shadowed) and STEP_GATE.bypassed()
+    del shadowed
+    gc.collect()
+    assert not STEP_GATE.bypassed()  # remembered while it lives
+    skips = SkipsInit([param])
+    with pytest.warns(UserWarning, match="`.*SkipsInit` does not run torch.optim's step hooks") as record:
+        assert not STEP_GATE.check(skips) and not STEP_GATE.check(NotAnOptimizer())
+    assert sum("SkipsInit" in str(w.message) for w in record) == 1
+    # While it lives, saves copy everything at the call, even with the volatile tensors named (deferred staging).
+    checkpointer = Checkpointer(async_save=True)
+    checkpointer.save({"state_dict": {"w": param.detach()}}, str(tmp_path / "a"), objects={}, volatile=[])
+    assert checkpointer._async.last_deferred == []
+    skips.step()  # right after the save, through .data, no hook: the checkpoint still holds the value at the call
+    checkpointer.close()
+    assert torch.equal(_saved(str(tmp_path / "a"))["state_dict"]["w"], torch.ones(4))
+    del skips, record
+    gc.collect()
+    assert not STEP_GATE.bypassed()
+    checkpointer = Checkpointer(async_save=True)
+    checkpointer.save({"state_dict": {"w": param.detach()}}, str(tmp_path / "b"), objects={}, volatile=[])
+    assert checkpointer._async.last_deferred == ["state_dict.w"]
+    checkpointer.close()
+
+
+def test_queued_gpu_copies_are_waited_for_on_the_next_step_or_by_code_outside_steps():
+    """The step gate's side of CUDA stream staging, with a CPU stand-in for the queued copies (no GPU here)."""
+    from lightning_dcp.engine.step_gate import STEP_GATE
+
+    class Queued:  # the contract of StreamCopies: at_step() before an update, wait() elsewhere
+        def __init__(self) -> None:
+            self.calls: list[str] = []
+
+        def at_step(self) -> None:
+            self.calls.append("at_step")
+
+        def wait(self) -> None:
+            self.calls.append("wait")
+
+    param = torch.nn.Parameter(torch.ones(4))
+    param.grad = torch.ones(4)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    stepped, waited, released = Queued(), Queued(), Queued()
+    STEP_GATE.hold_stream(stepped)
+    assert STEP_GATE.pending()
+    optimizer.step()  # the first step makes its update wait for the copies (on the GPU), once
+    optimizer.step()
+    assert stepped.calls == ["at_step"] and not STEP_GATE.pending()
+    STEP_GATE.hold_stream(waited)
+    STEP_GATE.wait_all(step=False)  # e.g. validation start: blocks until the copies landed
+    optimizer.step()
+    assert waited.calls == ["wait"]
+    STEP_GATE.hold_stream(released)
+    STEP_GATE.release_stream(released)  # the writer waited for them itself
+    optimizer.step()
+    assert released.calls == [] and not STEP_GATE.pending()

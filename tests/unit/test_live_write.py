@@ -12,8 +12,9 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from lightning_dcp.engine.async_save import AsyncSaves, _InFlight
+from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.inflight import InFlight
 from lightning_dcp.engine.live_write import LiveWrite
 from lightning_dcp.engine.staging import Stager, StagingRaceError
 
@@ -77,7 +78,7 @@ def test_the_next_save_writes_live_unless_the_last_one_kept_steps_waiting():
     saves = AsyncSaves(defer=True)
 
     def done(*, live: bool, ready: float, window: float, waited: float) -> bool:
-        inflight = _InFlight(None, 0, lambda: None, lambda: None)  # type: ignore[arg-type]
+        inflight = InFlight(None, 0, lambda: None, lambda: None)  # type: ignore[arg-type]
         inflight.live, inflight.called_at, inflight.step_at = live, 0.0, window
         inflight.written_at, inflight.step_wait = ready, waited
         saves._learn(inflight)

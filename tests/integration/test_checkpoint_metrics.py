@@ -1,0 +1,105 @@
+"""Checkpoint metrics reach the Trainer's loggers: a real ``Trainer.fit`` with a ``CSVLogger``, read back from its file.
+
+Sync, async and memory-tier saves, and a resume; each save's row sits at the step it saved, on rank 0, and never
+reaches ``trainer.callback_metrics`` (what monitoring callbacks and the progress bar read).
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+import warnings
+
+import pytest
+from lightning.pytorch import Trainer
+from lightning.pytorch.loggers import CSVLogger
+
+from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, MemoryCheckpoint
+from lightning_dcp.engine.save_log import TIER_CODES
+from tests._models import RandomDataModule, TinyModel
+from tests._trainer import seed
+
+KEYS = {"checkpoint/save_blocked_s", "checkpoint/save_s", "checkpoint/tier"}
+DISK_KEYS = KEYS | {"checkpoint/save_bytes", "checkpoint/save_gbps"}
+
+
+def _fit(tmp_path, name, callbacks, io, *, max_steps=4, ckpt_path=None):
+    seed()
+    logger = CSVLogger(tmp_path / "logs", name=name, version=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy="dcp_single_device",
+        plugins=[io],
+        callbacks=callbacks,
+        logger=logger,
+        max_steps=max_steps,
+        limit_val_batches=0,
+        log_every_n_steps=1,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(TinyModel(), datamodule=RandomDataModule(n=64, batch_size=4), ckpt_path=ckpt_path)
+    assert not any(key.startswith("checkpoint/") for key in trainer.callback_metrics)
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = list(csv.DictReader(f))
+    return trainer, [{k: float(v) for k, v in row.items() if v != ""} for row in rows]
+
+
+def _saves(rows):
+    return [row for row in rows if "checkpoint/save_s" in row]
+
+
+def _size(path) -> int:
+    return sum(os.path.getsize(os.path.join(path, name)) for name in os.listdir(path))
+
+
+def _check_disk_save(row, directory, tier="durable"):
+    assert DISK_KEYS <= row.keys(), row
+    path = os.path.join(directory, f"epoch=0-step={int(row['step'])}.ckpt")
+    assert row["checkpoint/save_bytes"] == _size(path)  # the committed checkpoint's files, byte for byte
+    assert 0 < row["checkpoint/save_blocked_s"] <= row["checkpoint/save_s"] < 60
+    assert row["checkpoint/save_gbps"] == pytest.approx(row["checkpoint/save_bytes"] / row["checkpoint/save_s"] / 1e9)
+    assert row["checkpoint/tier"] == TIER_CODES[tier]
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_save_and_restore_metrics_in_csv(tmp_path, caplog, async_save):
+    directory = str(tmp_path / "ckpt")
+    ckpt = DCPModelCheckpoint(directory, every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}")
+    with caplog.at_level(logging.INFO, logger="lightning_dcp"):
+        _, rows = _fit(tmp_path, "first", [ckpt], DCPCheckpointIO(async_save=async_save))
+    saves = _saves(rows)
+    assert [int(r["step"]) for r in saves] == [2, 4]  # at the step of each save, once
+    for row in saves:
+        _check_disk_save(row, directory)
+    lines = [r.getMessage() for r in caplog.records if "checkpoint saved to" in r.getMessage()]
+    assert len(lines) == 2 and "step 2: the loop waited" in lines[0] and "GB/s" in lines[0], lines
+
+    # A resume from the last checkpoint logs its restore time at the restored step, then goes on saving.
+    ckpt = DCPModelCheckpoint(directory, every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        _, rows = _fit(
+            tmp_path, "resumed", [ckpt], DCPCheckpointIO(async_save=async_save), max_steps=6, ckpt_path="last"
+        )
+    assert not [str(w.message) for w in seen if "exists and is not empty" in str(w.message)]  # its own directory
+    restores = [row for row in rows if "checkpoint/restore_s" in row]
+    assert len(restores) == 1 and int(restores[0]["step"]) == 4 and 0 < restores[0]["checkpoint/restore_s"] < 60
+    assert [int(r["step"]) for r in _saves(rows)] == [6]
+
+
+def test_memory_saves_log_their_tier(tmp_path, caplog):
+    memory = MemoryCheckpoint(tmp_path / "shm", every_n_train_steps=2, dirpath=str(tmp_path / "ckpt"), replicas=1)
+    with caplog.at_level(logging.INFO):
+        _, rows = _fit(tmp_path, "memory", [memory], DCPCheckpointIO())
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if "`weights_only` was not set" in m]  # Lightning's line at every memory save
+    assert len([m for m in messages if "(memory tier), step" in m]) == 2, messages
+    saves = _saves(rows)
+    assert [int(r["step"]) for r in saves] == [2, 4]
+    for row in saves:
+        assert KEYS <= row.keys() and "checkpoint/save_bytes" not in row, row
+        assert row["checkpoint/tier"] == TIER_CODES["memory"]
+        assert 0 < row["checkpoint/save_blocked_s"] <= row["checkpoint/save_s"] < 60

@@ -74,15 +74,19 @@ def save_metrics(record: SaveRecord) -> dict[str, float]:
 
 def summary(record: SaveRecord) -> str:
     """One line for the log: where, which step, what the loop waited, when it was committed, how much, how fast."""
-    where = {"durable": "", "local_dir": " (local tier; uploaded next)", "memory": " (memory tier)"}[record.tier]
+    if record.tier == "memory":  # not on disk (yet): the name it has in the tier, and the directory it persists to
+        directory, _, name = record.url.rstrip("/").rpartition("/")
+        where = f"the memory tier as {name!r} (of {directory})"
+    else:
+        where = record.url + (" (the local tier; the upload follows)" if record.tier == "local_dir" else "")
     line = (
-        f"lightning_dcp: checkpoint saved to {record.url}{where}, step {record.step}: the loop waited"
+        f"lightning_dcp: checkpoint saved to {where}, step {record.step}: the loop waited"
         f" {record.blocked_s or 0.0:.3f} s, committed after {record.save_s or 0.0:.3f} s"
     )
     if record.nbytes is not None:
-        line += f", {record.nbytes / 1e6:.1f} MB"
+        line += f", {record.nbytes / 1e6:.3g} MB"
         if record.save_s:
-            line += f" at {record.nbytes / record.save_s / 1e9:.2f} GB/s"
+            line += f" at {record.nbytes / record.save_s / 1e9:.3g} GB/s"
     return line
 
 

@@ -12,6 +12,7 @@ import os
 import warnings
 
 import pytest
+import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
 
@@ -96,10 +97,38 @@ def test_memory_saves_log_their_tier(tmp_path, caplog):
         _, rows = _fit(tmp_path, "memory", [memory], DCPCheckpointIO())
     messages = [r.getMessage() for r in caplog.records]
     assert not [m for m in messages if "`weights_only` was not set" in m]  # Lightning's line at every memory save
-    assert len([m for m in messages if "(memory tier), step" in m]) == 2, messages
+    assert len([m for m in messages if "saved to the memory tier as" in m]) == 2, messages
     saves = _saves(rows)
     assert [int(r["step"]) for r in saves] == [2, 4]
     for row in saves:
         assert KEYS <= row.keys() and "checkpoint/save_bytes" not in row, row
         assert row["checkpoint/tier"] == TIER_CODES["memory"]
         assert 0 < row["checkpoint/save_blocked_s"] <= row["checkpoint/save_s"] < 60
+
+
+def test_fabric_saves_and_loads_log_through_fabric_log(tmp_path):
+    from lightning.fabric import Fabric
+    from lightning.fabric.loggers import CSVLogger as FabricCSVLogger
+
+    from lightning_dcp.fabric import log_checkpoint_metrics
+
+    logger = FabricCSVLogger(tmp_path / "logs", name="fabric", version=0)
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="dcp_single_device", loggers=logger)
+    fabric.launch()
+    model = torch.nn.Linear(64, 64)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model, optimizer = fabric.setup(model, optimizer)
+    path = str(tmp_path / "fabric-ckpt")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "step": 3})
+    assert log_checkpoint_metrics(fabric) == 1
+    fabric.load(path, {"model": model, "optimizer": optimizer})
+    assert log_checkpoint_metrics(fabric, step=3) == 1
+    assert log_checkpoint_metrics(fabric) == 0  # drained
+    logger.finalize("success")
+    with open(os.path.join(logger.log_dir, "metrics.csv")) as f:
+        rows = [{k: float(v) for k, v in row.items() if v != ""} for row in csv.DictReader(f)]
+    (save,) = _saves(rows)
+    assert DISK_KEYS <= save.keys() and int(save["step"]) == 3
+    assert save["checkpoint/save_bytes"] == _size(path)
+    (restore,) = [row for row in rows if "checkpoint/restore_s" in row]
+    assert int(restore["step"]) == 3 and 0 < restore["checkpoint/restore_s"] < 60

@@ -118,12 +118,13 @@ class SaveLog:
     @staticmethod
     def committed(record: SaveRecord, *, sizes: Any = None) -> None:
         """The save is committed now; ``sizes()`` gives ``{name: bytes}`` of its files (a failure leaves them out)."""
-        record.save_s = time.perf_counter() - record.started
+        save_s = time.perf_counter() - record.started
         if sizes is not None:
             try:
                 record.nbytes = sum(sizes().values())
             except Exception:  # a measurement never fails a save
                 record.nbytes = None
+        record.save_s = save_s  # last: a record is finished (drained) only once everything is in it
 
     def announce(self, record: SaveRecord) -> str | None:
         """The one-line summary of ``record`` the first time it is asked for once finished, else ``None``."""

@@ -251,7 +251,7 @@ class Checkpointer:
             if remote is not None:
                 self.tiers.committed(remote)
             if record is not None:
-                SaveLog.committed(record, sizes=location.sizes)
+                self.saves.committed(record, sizes=location.sizes)
                 line = self.saves.announce(record)  # async: here in the background thread, if the call returned
                 if line is not None:
                     log.info(line)
@@ -372,9 +372,9 @@ class Checkpointer:
         record, self._record_of = self._record_of, None
         if record is None:  # not rank 0: one line per save, not per rank
             return
-        SaveLog.returned(record)
+        self.saves.returned(record)
         if record.tier == "memory":
-            SaveLog.committed(record)
+            self.saves.committed(record)
         line = self.saves.announce(record)
         if line is not None:
             log.info(line)

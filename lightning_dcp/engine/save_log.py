@@ -108,23 +108,24 @@ class SaveLog:
             del self._records[:-16]  # nobody drains (no logger): keep a few
         return record
 
-    @staticmethod
-    def returned(record: SaveRecord) -> None:
+    def returned(self, record: SaveRecord) -> None:
         """The save's call returns now (a save committed before its call returned counts as committed now)."""
-        record.blocked_s = time.perf_counter() - record.started
-        if record.save_s is not None:
-            record.save_s = max(record.save_s, record.blocked_s)
+        with self._lock:
+            record.blocked_s = time.perf_counter() - record.started
+            if record.save_s is not None:
+                record.save_s = max(record.save_s, record.blocked_s)
 
-    @staticmethod
-    def committed(record: SaveRecord, *, sizes: Any = None) -> None:
+    def committed(self, record: SaveRecord, *, sizes: Any = None) -> None:
         """The save is committed now; ``sizes()`` gives ``{name: bytes}`` of its files (a failure leaves them out)."""
-        save_s = time.perf_counter() - record.started
+        nbytes = None
         if sizes is not None:
             try:
-                record.nbytes = sum(sizes().values())
+                nbytes = sum(sizes().values())
             except Exception:  # a measurement never fails a save
-                record.nbytes = None
-        record.save_s = save_s  # last: a record is finished (drained) only once everything is in it
+                nbytes = None
+        with self._lock:  # finished (drained) only once everything is in it
+            record.nbytes = nbytes
+            record.save_s = max(time.perf_counter() - record.started, record.blocked_s or 0.0)
 
     def announce(self, record: SaveRecord) -> str | None:
         """The one-line summary of ``record`` the first time it is asked for once finished, else ``None``."""

@@ -206,6 +206,14 @@ class DCPModelCheckpoint(ModelCheckpoint):
         Collective: call on all ranks (Lightning does).
         """
         self._stat_defaults.restore()
+        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        if not isinstance(io, DCPCheckpointIO) and not hasattr(trainer.strategy, "_dcp_sharded"):
+            rank_zero_warn(
+                f"`DCPModelCheckpoint` saves through the Trainer's `{type(io).__name__}` under"
+                f" `{type(trainer.strategy).__name__}`, which writes Lightning's single-file checkpoints, not DCP"
+                " directories. Add `plugins=[lightning_dcp.DCPCheckpointIO()]` to the Trainer, or use a `dcp_*`"
+                " strategy (e.g. `strategy='dcp_ddp'`)."
+            )
         self.dirpath = trainer.strategy.broadcast(getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
         directory = self._directory(trainer)
         self._fs = directory.fs

@@ -132,3 +132,14 @@ def test_fabric_saves_and_loads_log_through_fabric_log(tmp_path):
     assert save["checkpoint/save_bytes"] == _size(path)
     (restore,) = [row for row in rows if "checkpoint/restore_s" in row]
     assert int(restore["step"]) == 3 and 0 < restore["checkpoint/restore_s"] < 60
+
+
+def test_saves_through_the_local_tier_log_tier_1(s3_bucket, tmp_path):
+    url, options = s3_bucket
+    local_dir = str(tmp_path / "local")
+    ckpt = DCPModelCheckpoint(url + "/run", every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}")
+    _, rows = _fit(tmp_path, "tiered", [ckpt], DCPCheckpointIO(storage_options=options, local_dir=local_dir))
+    saves = _saves(rows)
+    assert [int(r["step"]) for r in saves] == [2, 4]
+    for row in saves:  # committed in local_dir at disk speed: the bytes are those of the local copy
+        _check_disk_save(row, local_dir, tier="local_dir")

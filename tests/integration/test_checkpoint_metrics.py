@@ -25,6 +25,22 @@ KEYS = {"checkpoint/save_blocked_s", "checkpoint/save_s", "checkpoint/tier"}
 DISK_KEYS = KEYS | {"checkpoint/save_bytes", "checkpoint/save_gbps"}
 
 
+@pytest.fixture
+def dcp_logs(caplog):
+    """``caplog`` at INFO for lightning_dcp's loggers, enabled again if a logging configuration disabled them (the
+    import linter of tests/unit/test_layering.py applies one with ``disable_existing_loggers``)."""
+    loggers = [
+        logging.getLogger(name) for name in ("lightning_dcp.engine.checkpointer", "lightning_dcp.trainer.metrics")
+    ]
+    disabled = [logger.disabled for logger in loggers]
+    for logger in loggers:
+        logger.disabled = False
+    with caplog.at_level(logging.INFO):
+        yield caplog
+    for logger, was in zip(loggers, disabled, strict=True):
+        logger.disabled = was
+
+
 def _fit(tmp_path, name, callbacks, io, *, max_steps=4, ckpt_path=None):
     seed()
     logger = CSVLogger(tmp_path / "logs", name=name, version=0)
@@ -66,16 +82,15 @@ def _check_disk_save(row, directory, tier="durable"):
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_save_and_restore_metrics_in_csv(tmp_path, caplog, async_save):
+def test_save_and_restore_metrics_in_csv(tmp_path, dcp_logs, async_save):
     directory = str(tmp_path / "ckpt")
     ckpt = DCPModelCheckpoint(directory, every_n_train_steps=2, save_top_k=-1, filename="{epoch}-{step}")
-    with caplog.at_level(logging.INFO, logger="lightning_dcp"):
-        _, rows = _fit(tmp_path, "first", [ckpt], DCPCheckpointIO(async_save=async_save))
+    _, rows = _fit(tmp_path, "first", [ckpt], DCPCheckpointIO(async_save=async_save))
     saves = _saves(rows)
     assert [int(r["step"]) for r in saves] == [2, 4]  # at the step of each save, once
     for row in saves:
         _check_disk_save(row, directory)
-    lines = [r.getMessage() for r in caplog.records if "checkpoint saved to" in r.getMessage()]
+    lines = [r.getMessage() for r in dcp_logs.records if "checkpoint saved to" in r.getMessage()]
     assert len(lines) == 2 and "step 2: the loop waited" in lines[0] and "GB/s" in lines[0], lines
 
     # A resume from the last checkpoint logs its restore time at the restored step, then goes on saving.
@@ -91,11 +106,10 @@ def test_save_and_restore_metrics_in_csv(tmp_path, caplog, async_save):
     assert [int(r["step"]) for r in _saves(rows)] == [6]
 
 
-def test_memory_saves_log_their_tier(tmp_path, caplog):
+def test_memory_saves_log_their_tier(tmp_path, dcp_logs):
     memory = MemoryCheckpoint(tmp_path / "shm", every_n_train_steps=2, dirpath=str(tmp_path / "ckpt"), replicas=1)
-    with caplog.at_level(logging.INFO):
-        _, rows = _fit(tmp_path, "memory", [memory], DCPCheckpointIO())
-    messages = [r.getMessage() for r in caplog.records]
+    _, rows = _fit(tmp_path, "memory", [memory], DCPCheckpointIO())
+    messages = [r.getMessage() for r in dcp_logs.records]
     assert not [m for m in messages if "`weights_only` was not set" in m]  # Lightning's line at every memory save
     assert len([m for m in messages if "saved to the memory tier as" in m]) == 2, messages
     saves = _saves(rows)

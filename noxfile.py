@@ -1,5 +1,5 @@
 """Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``,
-``chaos`` (the fault-injection campaign).
+``chaos`` (the fault-injection campaign), ``docs`` (the API reference).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -8,7 +8,9 @@ Set ``LIGHTNING_DCP_TORCH`` to install another torch (e.g. ``"torch>=2.6"`` on a
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import shutil
 
 import nox
@@ -57,6 +59,15 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "lightning_dcp", "tests", "examples", "benchmarks", "noxfile.py")
     session.run("ruff", "format", "--check", "lightning_dcp", "tests")
     session.run("lint-imports")
+
+
+@nox.session(python=PYTHON)
+def docs(session: nox.Session) -> None:
+    """The API reference (mkdocs.yml, docs/api/): ``mkdocs build --strict``, so a docstring's broken cross-reference or
+    a warning fails it. mkdocstrings reads the sources without importing them: no torch, no package install."""
+    with open("pyproject.toml") as f:  # the `docs` extra (no tomllib on Python 3.10)
+        session.install(*ast.literal_eval(re.search(r"^docs = (\[.*\])$", f.read(), re.MULTILINE).group(1)))
+    session.run("mkdocs", "build", "--strict", "--site-dir", "site", *session.posargs, env={"NO_MKDOCS_2_WARNING": "1"})
 
 
 @nox.session(python=PYTHON)

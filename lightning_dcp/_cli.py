@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -37,9 +39,16 @@ def parse_storage_options(text: str | None) -> dict[str, Any] | None:
 
 
 def run_cli(command: Callable[[], int]) -> int:
-    """Run ``command``; a failure a user can act on prints ``error: <message>`` on stderr and returns 1."""
+    """Run ``command``; a failure a user can act on prints ``error: <message>`` on stderr and returns 1.
+
+    A closed stdout (the output piped into ``head``) ends the command quietly with 0.
+    """
     try:
-        return command()
+        code = command()
+        sys.stdout.flush()  # a reader gone now (`... | head`) is seen here, not at the interpreter's exit
+        return code
+    except BrokenPipeError:
+        return _reader_gone()
     except _EXPECTED as err:
         return _fail(str(err) if isinstance(err, CheckpointError) else f"{type(err).__name__}: {err}")
     except Exception as err:
@@ -49,6 +58,20 @@ def run_cli(command: Callable[[], int]) -> int:
             f"no credentials were found for the storage ({type(err).__name__}: {err}); pass them with"
             """ --storage-options '{"key": "...", "secret": "..."}' or set AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY."""
         )
+
+
+def _reader_gone() -> int:
+    """The reader of stdout closed it (``python -m lightning_dcp.inspect ... | head``): stop quietly, exit code 0.
+
+    What is left in stdout's buffer goes to ``os.devnull``, so the interpreter's final flush raises nothing either.
+    """
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation):  # stdout is no file (an in-process caller's capture)
+        pass
+    return 0
 
 
 def _fail(message: str) -> int:

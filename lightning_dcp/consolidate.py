@@ -18,7 +18,8 @@ __all__ = ["consolidate", "main"]
 _EXAMPLES = f"""\
 examples:
   python -m lightning_dcp.consolidate checkpoints/last.ckpt
-      full Lightning checkpoint (weights, optimizer, loops, ...) -> checkpoints/last.ckpt{SUFFIX}
+      full Lightning checkpoint (weights, optimizer, loops, ...) -> checkpoints-<the checkpoint last.ckpt
+      designates>{SUFFIX}, beside the checkpoints directory
   python -m lightning_dcp.consolidate checkpoints/last.ckpt -o model.safetensors --dtype bf16
       model weights only, cast to bfloat16, one safetensors file
   python -m lightning_dcp.consolidate checkpoints/last.ckpt -o hf_model --max-shard-size 5GB
@@ -44,7 +45,12 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("checkpoint", help="checkpoint directory (local path or fsspec URL)")
-    parser.add_argument("--output", "-o", default=None, help=f"output path (default: CHECKPOINT{SUFFIX} for ckpt)")
+    parser.add_argument(
+        "--output",
+        "-o",
+        default=None,
+        help=f"output path (default: DIRPATH-NAME{SUFFIX}, beside the directory of checkpoints)",
+    )
     parser.add_argument("--format", choices=FORMATS, default=None, help="default: from --output's suffix")
     parser.add_argument("--weights-only", action="store_true", default=None, help="model weights only")
     parser.add_argument("--full", dest="weights_only", action="store_false", help="everything (default for ckpt)")

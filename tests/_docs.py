@@ -5,9 +5,11 @@ document reads as one script); ``bash`` / ``sh`` / ``console`` blocks run line b
 output) are not code. A block without a language is an error: say what it is.
 
 What a block may use without defining it (the harness provides it, as a user's script would): ``model`` (a small
-``LightningModule`` that logs ``train_loss``), ``dm`` (its ``LightningDataModule``), ``options`` (the
-``storage_options`` of the loopback S3 server); ``s3://bucket`` is a bucket on that server (fsspec's defaults point
-``s3://`` at it) and ``$AZURE_STORAGE_CONNECTION_STRING`` names the loopback Azure server. Trainers and Fabric run
+``LightningModule`` that logs ``train_loss``) and ``dm`` (its ``LightningDataModule``), which the documents call
+"your model"; ``s3://bucket`` is an existing bucket on the loopback S3 server, reached through the ``AWS_*``
+environment variables that the documents name (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+``AWS_ENDPOINT_URL``), and ``$AZURE_STORAGE_CONNECTION_STRING`` names the loopback Azure server (its ``container``
+exists). Nothing else is configured behind a block's back. Trainers and Fabric run
 reduced: a few steps, one CPU process (``devices`` above 1 becomes 1), no logger or progress bar.
 
 Commands run in a reduced form where running them whole would take minutes (:data:`REDUCED`): ``nox -s NAME``

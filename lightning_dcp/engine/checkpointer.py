@@ -38,6 +38,7 @@ from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_inte
 from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
 from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.restore import Loaded, load_one
+from lightning_dcp.engine.save_log import SaveLog, SaveRecord
 from lightning_dcp.engine.storage import Location, fsync_dir, new_token
 from lightning_dcp.engine.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers, memory_io
@@ -129,6 +130,9 @@ class Checkpointer:
         self.memory_directory: Location | None = None
         """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
         self._into_memory = False
+        self.saves = SaveLog()
+        """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
+        self._record_of: SaveRecord | None = None  # the save being made (rank 0)
 
     @contextlib.contextmanager
     def into_memory(self) -> Iterator[None]:
@@ -217,7 +221,10 @@ class Checkpointer:
     ) -> None:
         started = time.perf_counter()
         location = self.location(path, storage_options)
+        self._record_of = None
         if self._into_memory:
+            if rank_and_world(collective)[0] == 0:
+                self._record_of = self.saves.begin(location.url, step=step, tier="memory", started=started)
             memory_io.save_to_memory(
                 self,
                 tree,
@@ -239,6 +246,10 @@ class Checkpointer:
         if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
             location = self.tiers.local_twin(remote)
         rank, world_size = rank_and_world(collective)
+        if rank == 0:
+            tier = "durable" if remote is None else "local_dir"
+            self._record_of = self.saves.begin(location.url, step=step, tier=tier, started=started)
+        record = self._record_of
 
         def decide() -> tuple[str, bool, Any, int]:  # rank 0 decides where this save writes; all ranks must agree
             if remote is not None:
@@ -260,6 +271,11 @@ class Checkpointer:
             location.remove_stale_staging(keep=None if direct else token)
             if remote is not None:
                 self.tiers.committed(remote)
+            if record is not None:
+                self.saves.committed(record, sizes=location.sizes)
+                line = self.saves.announce(record)  # async: here in the background thread, if the call returned
+                if line is not None:
+                    log.info(line)
 
         def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
             if remote is not None:
@@ -387,8 +403,17 @@ class Checkpointer:
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
-        if not dist.is_available() or not dist.is_initialized() or dist.get_rank() == 0:  # once per save, not per rank
-            log.info("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
+        record, self._record_of = self._record_of, None
+        if record is None:  # not rank 0: one line per save, not per rank
+            return
+        self.saves.returned(record)
+        if record.tier == "memory":
+            self.saves.committed(record)
+        line = self.saves.announce(record)
+        if line is not None:
+            log.info(line)
+        else:
+            log.debug("lightning_dcp: checkpoint %s to %s in %.3f s", what, location.url, self.last_save_seconds)
 
     # ----------------------------------------------------------------------------------------------- load
     def load(

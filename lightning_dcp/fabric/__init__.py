@@ -4,6 +4,7 @@ It translates Fabric's state dicts (modules, optimizers, objects) into the engin
 (:mod:`lightning_dcp.engine`) and back. ``import lightning_dcp`` registers the strategy names in Fabric's registry.
 """
 
+from lightning_dcp.fabric.metrics import log_checkpoint_metrics
 from lightning_dcp.fabric.resume import latest_checkpoint
 from lightning_dcp.fabric.strategies import (
     DCPDDPStrategy,
@@ -23,5 +24,6 @@ __all__ = [
     "DCPStrategyMixin",
     "fully_shard_layers",
     "latest_checkpoint",
+    "log_checkpoint_metrics",
     "register_strategies",
 ]

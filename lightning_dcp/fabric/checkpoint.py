@@ -22,6 +22,7 @@ restripes the epoch's rest itself; any other loader is refused (:func:`lightning
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -46,6 +47,7 @@ from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.restore import Loaded
 from lightning_dcp.engine.rng import collect_rng_states, resume_rng_states
+from lightning_dcp.engine.save_log import RestoreRecord
 from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers import memory_io, recovery
@@ -145,6 +147,20 @@ def load_state(
     """
     weights_only = True if weights_only is None else weights_only
     checkpointer.wait(collective=True)  # a background save to this path must land before it is probed
+    started = time.perf_counter()
+    loaded = _load_state(checkpointer, path, state, strict=strict, weights_only=weights_only)
+    checkpointer.saves.restore = RestoreRecord(url=path, tier=None, restore_s=time.perf_counter() - started)
+    return loaded
+
+
+def _load_state(
+    checkpointer: Checkpointer,
+    path: str,
+    state: Module | Optimizer | dict[str, Any] | None,
+    *,
+    strict: bool,
+    weights_only: bool,
+) -> dict[str, Any]:
     location = checkpointer.location(path)
     if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
         memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
+from lightning_utilities.core.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
@@ -182,16 +183,38 @@ class Targets:
 def check_requested(path: str, requested: Iterable[str], available: Iterable[str], *, strict: bool) -> list[str]:
     """The requested keys the checkpoint lacks; with ``strict`` any of them is an error, as in Fabric.
 
+    Without ``strict`` the missing keys are left as they are, with a warning naming them (and saying when nothing at
+    all was loaded). A module asked for under a key that a Trainer checkpoint does not have (``{"model": model}``;
+    the Trainer keeps the weights under ``"state_dict"``) is answered with the way to load it.
+
     Raises:
         StateDictMismatchError: ``strict`` and a requested key is not in the checkpoint.
     """
-    missing = sorted(set(requested) - set(available))
-    if strict and missing:
+    available = set(available)
+    missing = sorted(set(requested) - available)
+    if not missing:
+        return missing
+    hint = ""
+    modules = [k for k in missing if isinstance(requested, Mapping) and isinstance(requested[k], Module)]
+    if modules and layout.MODEL_KEY in available:
+        hint = (
+            f" {path!r} is a Trainer checkpoint: its model weights are under {layout.MODEL_KEY!r}. Load them with"
+            f" `fabric.load(path, {{{layout.MODEL_KEY!r}: {modules[0]}}})`, or weights only with"
+            f" `lightning_dcp.load_model_weights({modules[0]}, path)`."
+        )
+    if strict:
         raise StateDictMismatchError(
             path,
             missing_keys=missing,
-            hint=f"The checkpoint holds {sorted(available)}. Pass `strict=False` to load the keys it has.",
+            hint=hint.strip()
+            or f"The checkpoint holds {sorted(available)}. Pass `strict=False` to load the keys it has (the others"
+            " stay as they are).",
         )
+    nothing = " Nothing was loaded." if not set(requested) & available else ""
+    rank_zero_warn(
+        f"lightning_dcp: {path!r} holds no {', '.join(map(repr, missing))} (it holds {sorted(available)}); with"
+        f" `strict=False` they stay as they are.{nothing}{hint}",
+    )
     return missing
 
 

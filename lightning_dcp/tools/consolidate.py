@@ -39,7 +39,7 @@ __all__ = [
 ]
 
 SUFFIX = ".consolidated"
-"""Default ``.ckpt`` output name: ``<checkpoint>.consolidated`` beside the input, as Lightning's own tool names it."""
+"""Suffix of the default ``.ckpt`` output (see :func:`default_output`), as Lightning's own tool names its output."""
 FORMATS = ("ckpt", "safetensors")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 """Accepted ``dtype`` names (``torch.dtype`` objects of these three are accepted too)."""
@@ -84,8 +84,10 @@ def consolidate(
 
     Args:
         src: Checkpoint directory, local path or fsspec URL.
-        dst: Output path. Default: ``<src>.consolidated`` (ckpt), ``<src>.safetensors`` (safetensors), or the
-            directory ``<src>-safetensors`` (sharded safetensors).
+        dst: Output path. Default: beside the directory holding the checkpoint (a run's ``dirpath``), never among
+            its checkpoints: ``run1/last.ckpt`` gives ``run1-<the checkpoint it designates>.consolidated`` (ckpt),
+            ``....safetensors`` (safetensors) or the directory ``...-safetensors`` (sharded safetensors); see
+            :func:`default_output`.
         storage_options: fsspec options for reading ``src`` and writing ``dst``.
         overwrite: Replace an existing ``dst`` (refused by default).
         format: ``"ckpt"`` or ``"safetensors"``. Default: ``"safetensors"`` when ``dst`` ends in ``.safetensors``
@@ -126,14 +128,12 @@ def consolidate(
         raise ValueError("`max_shard_size` applies to safetensors output only; pass `format='safetensors'`.")
     if (include or exclude) and not weights_only:
         raise ValueError("`include`/`exclude` select model weights: pass `weights_only=True` (CLI: --weights-only).")
-    if dst is None:
-        dst = src.rstrip("/") + {"ckpt": SUFFIX, "safetensors": ".safetensors"}[fmt]
-        if shard_bytes is not None:
-            dst = src.rstrip("/") + "-safetensors"
-    dst = os.fspath(dst)
-    out = Location(dst, storage_options=storage_options)
     given = Location(src, storage_options=storage_options)
     resolved = designated(given)
+    if dst is None:
+        dst = default_output(resolved, fmt=fmt, sharded=shard_bytes is not None)
+    dst = os.fspath(dst)
+    out = Location(dst, storage_options=storage_options)
     refuse_overlap((given, resolved), out)
     refuse_existing(out, overwrite=overwrite, kind="sharded" if shard_bytes is not None else "file")
     source = Source(resolved)
@@ -160,6 +160,26 @@ def consolidate(
     finally:
         bar.close()
     return dst
+
+
+def default_output(checkpoint: Location, *, fmt: str, sharded: bool) -> str:
+    """Where an output goes by default: beside the directory holding ``checkpoint``, never among its checkpoints.
+
+    ``run1/last.ckpt`` (designating ``run1/epoch=1-step=20.ckpt``) gives ``run1-epoch=1-step=20.ckpt.consolidated``
+    beside ``run1`` (``.safetensors`` for safetensors, ``-safetensors`` for a sharded export); a checkpoint at the
+    top of a relative path gives ``<checkpoint>.consolidated`` beside it.
+    """
+    suffix = "-safetensors" if sharded else {"ckpt": SUFFIX, "safetensors": ".safetensors"}[fmt]
+    url = checkpoint.url.rstrip("/")
+    directory, _, name = url.rpartition("/")
+    if not directory:
+        return url + suffix
+    parent, slash, run = directory.rpartition("/")
+    if not slash:  # a relative "run1/<checkpoint>"
+        return f"{run}-{name}{suffix}"
+    if parent.endswith(":/"):  # "s3://bucket/<checkpoint>": beside it, in the same bucket
+        return url + suffix
+    return f"{parent}/{run}-{name}{suffix}"
 
 
 def refuse_overlap(sources: Sequence[Location], out: Location) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -13,6 +14,7 @@ from typing_extensions import override
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.save_log import RestoreRecord
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.engine.tiers import Tiers
 
@@ -237,6 +239,7 @@ class DCPCheckpointIO(CheckpointIO):
             StateDictMismatchError: Keys, shapes or dtypes differ from the target; nothing was loaded.
             CheckpointError: Non-tensor state that ``weights_only`` refuses.
         """
+        started = time.perf_counter()
         loaded = self.checkpointer.load(
             path,
             target=state_dict,
@@ -247,6 +250,10 @@ class DCPCheckpointIO(CheckpointIO):
             exclude=exclude,
             map_location=map_location,
         )
+        if not only_model:  # for the `checkpoint/restore_s` metric (trainer/metrics.py)
+            tier = getattr(loaded, "tier", None)
+            restored = RestoreRecord(url=loaded.url, tier=tier, restore_s=time.perf_counter() - started)
+            self.checkpointer.saves.restore = restored
         if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
             rank_zero_info(f"lightning_dcp: {os.fspath(path)!r} designates the checkpoint {loaded.url!r}; loaded it.")
         if loaded.kind == "file":

@@ -139,7 +139,7 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         self._last_memory_step = step
         name = self.format_checkpoint_name({"epoch": trainer.current_epoch, "step": step})
         with self._io(trainer).checkpointer.into_memory():
-            trainer.save_checkpoint(name)
+            trainer.save_checkpoint(name, weights_only=False)  # the full state (as ModelCheckpoint passes it)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

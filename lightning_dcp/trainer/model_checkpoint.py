@@ -40,6 +40,7 @@ from lightning_dcp.engine.storage import STAGING_INFIX, Location
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.metrics import log_checkpoint_metrics
 
 __all__ = ["DCPModelCheckpoint"]
 
@@ -95,6 +96,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
         self.dirpath = dirpath
         self._storage_options = None if storage_options is None else dict(storage_options)
         self._stat_defaults = _STAT_DEFAULTS
+        self._not_empty = False  # rank 0: `dirpath` held committed checkpoints at `setup` (warned unless resuming)
 
     # ----------------------------------------------------------------------------------------------- storage
     def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
@@ -204,6 +206,14 @@ class DCPModelCheckpoint(ModelCheckpoint):
         Collective: call on all ranks (Lightning does).
         """
         self._stat_defaults.restore()
+        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        if not isinstance(io, DCPCheckpointIO) and not hasattr(trainer.strategy, "_dcp_sharded"):
+            rank_zero_warn(
+                f"`DCPModelCheckpoint` saves through the Trainer's `{type(io).__name__}` under"
+                f" `{type(trainer.strategy).__name__}`, which writes Lightning's single-file checkpoints, not DCP"
+                " directories. Add `plugins=[lightning_dcp.DCPCheckpointIO()]` to the Trainer, or use a `dcp_*`"
+                " strategy (e.g. `strategy='dcp_ddp'`)."
+            )
         self.dirpath = trainer.strategy.broadcast(getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
         directory = self._directory(trainer)
         self._fs = directory.fs
@@ -215,11 +225,51 @@ class DCPModelCheckpoint(ModelCheckpoint):
             if removed:
                 rank_zero_info(_removed_message(removed))
             known = tiers.known_checkpoints(directory, wait=False) if tiers is not None else None
-            if self.save_top_k != 0 and (known if known is not None else committed_checkpoints(directory)):
-                rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+            # Told in `on_train_start` unless the fit resumes (the checkpoint to resume is chosen after `setup`).
+            self._not_empty = self.save_top_k != 0 and bool(
+                known if known is not None else committed_checkpoints(directory)
+            )
             if tiers is not None:
                 tiers.resume()
         trainer.strategy.barrier("DCPModelCheckpoint.setup")
+
+    # Checkpoint metrics (trainer/metrics.py): logged from the main thread at each hook after a save or restore.
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Warn about a non-empty ``dirpath`` unless this fit resumed; log ``checkpoint/restore_s`` of the resume.
+
+        Lightning's ``ModelCheckpoint`` warns "exists and is not empty" in ``setup``, also when the fit resumes from
+        that very directory (every resume); here only a fit that starts fresh among older checkpoints is told.
+        """
+        super().on_train_start(trainer, pl_module)
+        if self._not_empty and trainer.ckpt_path is None:
+            rank_zero_warn(f"Checkpoint directory {self.dirpath} exists and is not empty.")
+        self._not_empty = False
+        log_checkpoint_metrics(trainer)
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any, **kwargs: Any) -> None:
+        """Save as ``ModelCheckpoint`` does, then log the saves committed since the last hook."""
+        super().on_train_batch_end(trainer, pl_module, *args, **kwargs)
+        log_checkpoint_metrics(trainer)
+
+    @override
+    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save as ``ModelCheckpoint`` does, then log the saves committed since the last hook."""
+        super().on_train_epoch_end(trainer, pl_module)
+        log_checkpoint_metrics(trainer)
+
+    @override
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save as ``ModelCheckpoint`` does, then log the saves committed since the last hook."""
+        super().on_validation_end(trainer, pl_module)
+        log_checkpoint_metrics(trainer)
+
+    @override
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Log the last saves (the strategy's teardown has waited for the one in flight)."""
+        super().on_fit_end(trainer, pl_module)
+        log_checkpoint_metrics(trainer)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

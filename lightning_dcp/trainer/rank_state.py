@@ -35,11 +35,11 @@ from lightning_dcp._compat import (
     train_epoch_in_progress,
 )
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.loaders import refuse
 from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
+from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.callbacks import ElasticResume
 
-__all__ = ["RankResume", "collect_rank_state"]
+__all__ = ["RankResume", "collect_rank_state", "needs_elastic_resume"]
 
 
 def collect_rank_state(trainer: Trainer, checkpoint: dict[str, Any]) -> dict[str, Any]:
@@ -106,13 +106,7 @@ class RankResume:
         replace_fit_loop_loader_states(checkpoint, None)
         info["loader_resume"] = {"exact": False, "states": saved, "saved_world_size": info.get("world_size")}
         if not any(isinstance(cb, ElasticResume) for cb in trainer.callbacks):
-            raise refuse(
-                [f"{len(saved)} train loader(s)"],
-                saved_world_size=info.get("world_size"),
-                hint="Add `lightning_dcp.ElasticResume()` to the Trainer's callbacks: it deals the epoch's remaining"
-                " samples to the new ranks and keeps the global batch size (docs/resume.md).",
-                **where,
-            )
+            raise needs_elastic_resume(len(saved), saved_world_size=info.get("world_size"), **where)
 
     def process_dataloader(self, trainer: Trainer, dataloader: Any) -> None:
         """Prepare a loader before Lightning hands it its saved state and creates the epoch's iterator.
@@ -150,3 +144,14 @@ class RankResume:
         self._disarm = []
         if states is not None:
             restore_rng_states(states)
+
+
+def needs_elastic_resume(count: int, *, saved_world_size: int | None, world_size: int, path: str) -> CheckpointError:
+    """The error for a mid-epoch loader position saved at another world size without ``ElasticResume``: fix first."""
+    return CheckpointError(
+        f"Add `lightning_dcp.ElasticResume()` to the Trainer's callbacks to resume {path!r} at world size"
+        f" {world_size}: the checkpoint was saved at world size {saved_world_size} in the middle of an epoch, with"
+        f" each rank's own position of {count} stateful train loader(s), and ElasticResume deals the epoch's"
+        " remaining samples to the new ranks, keeping the global batch size (docs/resume.md). Resume at world size"
+        f" {saved_world_size} (every rank gets its own loader state back) otherwise."
+    )

@@ -103,7 +103,7 @@ def _other_ranks(rank: int, world_size: int, tmp: str) -> None:
             with pytest.raises(CheckpointError, match=r"Resume at world size 2 \(every rank gets its own"):
                 _fit(tmp, "own", world_size, "refused", resume=True, elastic=elastic)
         # Without ElasticResume a resharded StatefulDataLoader position is refused too (the message names the fix).
-        with pytest.raises(CheckpointError, match=r"Add `lightning_dcp.ElasticResume\(\)`"):
+        with pytest.raises(CheckpointError, match=r"^Add `lightning_dcp.ElasticResume\(\)` to the Trainer"):
             _fit(tmp, "sdl0", world_size, "refused", resume=True, elastic=False)
 
 

@@ -30,7 +30,8 @@ def test_kills_during_sync_and_async_saves_resume_the_newest_committed_state(tmp
     assert not any(summary["failures"].values()), report
     verdicts = [e.get("verdict") for e in summary["events"]]
     assert all(v in ("ok", "fresh_ok") for v in verdicts) and "ok" in verdicts, report
-    # A kill during top-k pruning can leave a half-deleted directory whose .commit survives (engine/storage.py
-    # Location.remove, reported); it never becomes what "last" resumes, which the verdicts above check.
-    other = [p for p in summary["problems"] if p.get("problem") != "committed checkpoint does not verify"]
-    assert other == [], report
+    # Nothing committed may fail verification: not after a kill mid-save, nor after one mid-pruning (a removal deletes
+    # `.commit` first: engine/storage.py Location.remove).
+    unverified = [p for p in summary["problems"] if p.get("problem") == "committed checkpoint does not verify"]
+    assert unverified == [], report
+    assert summary["problems"] == [], report

@@ -47,20 +47,23 @@ def test_every_block_says_what_it_is():
 
 @pytest.fixture(scope="module")
 def loopback(s3_server, tmp_path_factory):
-    """``s3://bucket`` on the loopback SeaweedFS server, as fsspec's default for ``s3://`` during these tests."""
+    """``s3://bucket`` on the loopback SeaweedFS server, reached as a reader reaches their store: through the ``AWS_*``
+    environment variables that s3fs (botocore) reads (``AWS_ACCESS_KEY_ID``, ``AWS_SECRET_ACCESS_KEY``,
+    ``AWS_ENDPOINT_URL``, ``AWS_DEFAULT_REGION``), which the documents name where they use them."""
     import s3fs
 
-    options = s3_server.storage_options()
-    s3 = s3fs.S3FileSystem(skip_instance_cache=True, **options)
+    s3 = s3fs.S3FileSystem(skip_instance_cache=True, **s3_server.storage_options())
     if not s3.exists("bucket"):
         s3.mkdir("bucket")
-    previous = fsspec.config.conf.get("s3")
-    fsspec.config.conf["s3"] = dict(options)
-    yield options
-    if previous is None:
-        fsspec.config.conf.pop("s3", None)
-    else:
-        fsspec.config.conf["s3"] = previous
+    previous = {key: os.environ.get(key) for key in s3_server.env()}
+    os.environ.update(s3_server.env())
+    fsspec.config.conf.pop("s3", None)
+    yield s3_server.storage_options()
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 @pytest.fixture
@@ -87,7 +90,7 @@ def fast(monkeypatch):
 def _document(block: _docs.Block, tmp_path_factory, options: dict[str, Any]) -> dict[str, Any]:
     if block.document not in _documents:
         cwd = str(tmp_path_factory.mktemp(block.document.replace("/", "_")))
-        namespace = {"__name__": "__docs__", "model": DocModel(), "dm": RandomDataModule(), "options": options}
+        namespace = {"__name__": "__docs__", "model": DocModel(), "dm": RandomDataModule()}
         _documents[block.document] = {"cwd": cwd, "namespace": namespace, "prepared": False}
     return _documents[block.document]
 

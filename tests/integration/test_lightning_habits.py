@@ -83,11 +83,23 @@ def runs(request, tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("habits"))
     try:
         server = request.getfixturevalue("s3_server")
-    except pytest.skip.Exception:
-        server = None
+    except pytest.skip.Exception as skipped:  # the local half runs; test_the_s3_half_ran shows this skip
+        server, _S3_SKIPPED[:] = None, [str(skipped)]
     s3_url = f"s3://{server.new_bucket()}" if server else None
     spawn(_worker, 2, tmp, s3_url, env=server.env() if server else None)
     return tmp, s3_url, server.storage_options() if server else None
+
+
+_S3_SKIPPED: list[str] = []
+"""Why the S3 half of these runs did not run (the SeaweedFS server's skip reason), if it did not."""
+
+
+def test_the_s3_half_ran(runs):
+    """The runs also write to and read from S3 when the server is available; when not, this skip says so."""
+    _, s3_url, options = runs
+    if s3_url is None:
+        pytest.skip(f"the S3 half of the Lightning habits tests did not run: {_S3_SKIPPED[0]}")
+    assert options and s3_url.startswith("s3://")
 
 
 def test_load_from_checkpoint_in_a_fresh_process(runs, tmp_path):

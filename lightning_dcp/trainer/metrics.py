@@ -1,0 +1,68 @@
+"""Checkpoint metrics in the Trainer's loggers: what each save and restore cost, logged at the step of the save.
+
+``DCPModelCheckpoint`` (and so ``MemoryCheckpoint``) calls :func:`log_checkpoint_metrics` from its hooks on the main
+thread; it drains the finished records of the Trainer's ``DCPCheckpointIO``
+(:class:`~lightning_dcp.engine.save_log.SaveLog`) and hands them to every logger with ``logger.log_metrics(metrics,
+step=...)``, as Lightning's ``LearningRateMonitor`` does. Nothing goes through ``LightningModule.log``: callbacks
+that monitor metrics, the progress bar and ``trainer.callback_metrics`` never see them, so they cannot change the run.
+An async save is logged once it is committed, at the first hook after that (at the latest when ``fit`` ends).
+
+Metrics (rank 0):
+
+- ``checkpoint/save_blocked_s``: seconds the training loop waited in the save (staging, for an async save).
+- ``checkpoint/save_s``: seconds from the save's start until the checkpoint was committed.
+- ``checkpoint/save_bytes``: bytes of the committed checkpoint's files (not for memory-tier saves).
+- ``checkpoint/save_gbps``: ``save_bytes / save_s`` in GB/s (10^9 bytes per second).
+- ``checkpoint/tier``: where the save went, as a number (:data:`~lightning_dcp.engine.save_log.TIER_CODES`):
+  0 the checkpoint's directory, 1 the local tier of a remote path (``local_dir``), 2 the memory tier.
+- ``checkpoint/restore_s``: seconds the resume's load took on rank 0, logged at the restored step when training
+  starts.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import lightning.pytorch as pl
+
+from lightning_dcp import _compat
+from lightning_dcp.engine.save_log import save_metrics
+from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+
+__all__ = ["log_checkpoint_metrics"]
+
+log = logging.getLogger(__name__)
+
+
+def log_checkpoint_metrics(trainer: pl.Trainer) -> int:
+    """Log the finished saves (and a restore) of the Trainer's ``DCPCheckpointIO`` to its loggers.
+
+    Every rank drains its records (only rank 0 has any); rank 0 logs them. Not collective.
+
+    Returns:
+        How many records were logged (0 on other ranks, without a ``DCPCheckpointIO`` or without loggers).
+    """
+    io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+    if not isinstance(io, DCPCheckpointIO):
+        return 0
+    saves = io.checkpointer.saves
+    records = saves.drain()
+    restore, saves.restore = saves.restore, None
+    if not trainer.is_global_zero:
+        return 0
+    if restore is not None:
+        where = f" ({restore.tier} tier)" if restore.tier else ""
+        log.info("lightning_dcp: restored %s%s in %.3f s", restore.url, where, restore.restore_s)
+    if not trainer.loggers:
+        return 0
+    count = 0
+    for record in records:
+        step = record.step if record.step is not None else trainer.global_step
+        for logger in trainer.loggers:
+            logger.log_metrics(save_metrics(record), step=step)
+        count += 1
+    if restore is not None:
+        for logger in trainer.loggers:
+            logger.log_metrics({"checkpoint/restore_s": restore.restore_s}, step=trainer.global_step)
+        count += 1
+    return count

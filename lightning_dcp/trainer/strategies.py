@@ -367,9 +367,27 @@ class _WaitForStagingAtTrainEnd(Callback):
 
 
 class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
-    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`."""
+    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
+
+    ``device=None`` (the default, and ``"dcp_single_device"``) takes the first of the Trainer's ``devices`` as
+    ``strategy="auto"`` does: ``cuda:k`` for ``accelerator="gpu", devices=[k]``, ``cpu`` on CPU.
+    """
 
     strategy_name = "dcp_single_device"
+
+    def __init__(self, device: Any = None, **kwargs: Any) -> None:
+        self._device_given = device is not None
+        super().__init__(device="cpu" if device is None else device, **kwargs)
+
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The device given at construction (none yet when the Trainer is to choose it)."""
+        return [self.root_device] if self._device_given else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if devices and not self._device_given:
+            self._root_device = torch.device(devices[0])
 
 
 class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):

@@ -52,6 +52,7 @@ from lightning_dcp.engine.module_state import (
 from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.elastic import ElasticAttempt
 from lightning_dcp.trainer.memory import is_memory_sentinel
 from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
@@ -390,13 +391,13 @@ class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
             self._root_device = torch.device(devices[0])
 
 
-class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):
+class DCPDDPStrategy(DCPStrategyMixin, ElasticAttempt, DDPStrategy):
     """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
 
     strategy_name = "dcp_ddp"
 
 
-class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
+class DCPFSDPStrategy(DCPStrategyMixin, ElasticAttempt, FSDPStrategy):
     """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
 
     Lightning's own ``state_dict_type`` of ``FSDPStrategy`` is set to ``"full"`` underneath: with ``"sharded"``
@@ -415,7 +416,7 @@ class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
         return self.model
 
 
-class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
+class DCPModelParallelStrategy(DCPStrategyMixin, ElasticAttempt, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
 
     See :class:`DCPStrategyMixin`. ``state_dict_type="full"`` is Lightning's ``save_distributed_checkpoint=False``.

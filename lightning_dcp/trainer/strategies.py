@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 from typing_extensions import override
 
 from lightning_dcp._compat import (
-    install_flag_only_sigterm_handler,
     restore_modules_and_callbacks,
     trainer_run_arguments,
     unwrap_checkpoint_io,
@@ -54,6 +53,7 @@ from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.elastic import ElasticAttempt
 from lightning_dcp.trainer.memory import is_memory_sentinel
+from lightning_dcp.trainer.preemption import install_preemption
 from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
 __all__ = [
@@ -164,15 +164,14 @@ class DCPStrategyMixin:
 
     @override
     def on_train_start(self) -> None:
-        """Make SIGTERM (preemption) safe for checkpoints: the handler only sets Lightning's flag.
+        """Preemption: SIGTERM/SIGUSR1 only set a flag; at the next step's end every rank saves, then all stop.
 
-        Lightning's own handler runs a collective inside the signal handler, which deadlocks against a checkpoint's
-        collectives (or any other). The flag is still broadcast at the next batch boundary, all ranks stop together,
-        and ``teardown`` finishes the save in flight before the process exits.
+        Lightning's own handlers run collectives inside the signal handler, which deadlock against a checkpoint's
+        collectives (or any other); see :mod:`lightning_dcp.trainer.preemption`. ``teardown`` finishes the save.
         """
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
-            install_flag_only_sigterm_handler(self.lightning_module.trainer)
+            self._dcp_preemption = install_preemption(self.lightning_module.trainer)
         self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
 
     @override

@@ -20,7 +20,8 @@ Where the checkpoint goes:
 - else: ``last-preempted.ckpt`` in the first ``ModelCheckpoint``'s ``dirpath`` (``fit(ckpt_path="last")`` finds it),
   or in ``default_root_dir`` without one.
 
-A second signal before a step ends goes to the handler that was there before (a job stuck in a step still stops).
+Repeated signals change nothing (Lightning's launcher forwards SIGTERM to the ranks it started, which may have had
+it already); a job stuck inside a step is ended by the scheduler's SIGKILL after its grace period, as without us.
 """
 
 from __future__ import annotations
@@ -97,17 +98,10 @@ class Preemption(Callback):
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if self.received is not None:  # a second one before a step ended: stop as the process would have
-            previous = self._previous.get(signum, signal.SIG_DFL)
-            self.uninstall()
-            if callable(previous):
-                previous(signum, frame)
-            else:
-                signal.raise_signal(signum)
-            return
-        self.received = signum
+        first = self.received is None
+        self.received = self.received or signum  # a repeat (Lightning's launcher forwards SIGTERM) changes nothing
         trainer = self._trainer
-        if signum == signal.SIGTERM and trainer is not None and trainer.strategy.launcher is not None:
+        if first and signum == signal.SIGTERM and trainer is not None and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)  # the processes Lightning launched stop too (as its handler does)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -55,7 +55,8 @@ class Preemption(Callback):
     """Records SIGTERM/SIGUSR1 in flag-only handlers; at each step's end the ranks agree, save, and stop together.
 
     Installed by the ``dcp_*`` strategies at ``on_train_start`` (:func:`install_preemption`), last among the
-    callbacks; its handlers are taken back at ``teardown``.
+    callbacks; at the end of the run Lightning's signal connector gives each signal back to its earlier handler.
+    With gradient accumulation the ranks agree at every batch's end (they may stop between a step's micro-batches).
     """
 
     def __init__(self) -> None:

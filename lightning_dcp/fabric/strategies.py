@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.elastic import init_attempt_process_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 from lightning_dcp.fabric.preemption import Preemption
@@ -251,13 +252,36 @@ class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
             self._root_device = torch.device(devices[0])
 
 
-class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):
+class _ElasticAttempt:
+    """Under torchrun's elastic agent, set up the process group in a store of this attempt; elsewhere nothing changes.
+
+    Fabric's multi-process strategies; :mod:`lightning_dcp.engine.elastic` says why. Collective.
+    """
+
+    def _setup_distributed(self) -> None:
+        strategy: Any = self
+        environment = strategy.cluster_environment
+        if environment is not None:
+            strategy._set_world_ranks()
+            init_attempt_process_group(
+                strategy._get_process_group_backend(),
+                rank=environment.global_rank(),
+                world_size=environment.world_size(),
+                host=environment.main_address,
+                port=environment.main_port,
+                timeout=strategy._timeout,
+                device=strategy.root_device,
+            )
+        super()._setup_distributed()  # type: ignore[misc]
+
+
+class DCPDDPStrategy(DCPStrategyMixin, _ElasticAttempt, DDPStrategy):
     """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
 
     strategy_name = "dcp_ddp"
 
 
-class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
+class DCPFSDPStrategy(DCPStrategyMixin, _ElasticAttempt, FSDPStrategy):
     """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
 
     Fabric's own ``state_dict_type`` has no effect: checkpoints are always this strategy's sharded DCP directories.
@@ -282,7 +306,7 @@ def fully_shard_layers(module: Module, device_mesh: Any) -> Module:
     return module
 
 
-class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
+class DCPModelParallelStrategy(DCPStrategyMixin, _ElasticAttempt, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
 
     See :class:`DCPStrategyMixin`. Without a ``parallelize_fn`` (e.g. ``Fabric(strategy="dcp_model_parallel")``)

@@ -37,7 +37,6 @@ from torch.distributed.checkpoint.state_dict import (
 from typing_extensions import override
 
 from lightning_dcp._compat import (
-    install_flag_only_sigterm_handler,
     restore_modules_and_callbacks,
     trainer_run_arguments,
     unwrap_checkpoint_io,
@@ -52,7 +51,9 @@ from lightning_dcp.engine.module_state import (
 from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.elastic import ElasticAttempt
 from lightning_dcp.trainer.memory import is_memory_sentinel
+from lightning_dcp.trainer.preemption import install_preemption
 from lightning_dcp.trainer.rank_state import RankResume, collect_rank_state
 
 __all__ = [
@@ -163,15 +164,14 @@ class DCPStrategyMixin:
 
     @override
     def on_train_start(self) -> None:
-        """Make SIGTERM (preemption) safe for checkpoints: the handler only sets Lightning's flag.
+        """Preemption: SIGTERM/SIGUSR1 only set a flag; at the next step's end every rank saves, then all stop.
 
-        Lightning's own handler runs a collective inside the signal handler, which deadlocks against a checkpoint's
-        collectives (or any other). The flag is still broadcast at the next batch boundary, all ranks stop together,
-        and ``teardown`` finishes the save in flight before the process exits.
+        Lightning's own handlers run collectives inside the signal handler, which deadlock against a checkpoint's
+        collectives (or any other); see :mod:`lightning_dcp.trainer.preemption`. ``teardown`` finishes the save.
         """
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
-            install_flag_only_sigterm_handler(self.lightning_module.trainer)
+            self._dcp_preemption = install_preemption(self.lightning_module.trainer)
         self._dcp_rank_resume.on_train_start()  # mid-epoch RNG states: after the epoch's iterator drew its seed
 
     @override
@@ -367,18 +367,36 @@ class _WaitForStagingAtTrainEnd(Callback):
 
 
 class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
-    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`."""
+    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
+
+    ``device=None`` (the default, and ``"dcp_single_device"``) takes the first of the Trainer's ``devices`` as
+    ``strategy="auto"`` does: ``cuda:k`` for ``accelerator="gpu", devices=[k]``, ``cpu`` on CPU.
+    """
 
     strategy_name = "dcp_single_device"
 
+    def __init__(self, device: Any = None, **kwargs: Any) -> None:
+        self._device_given = device is not None
+        super().__init__(device="cpu" if device is None else device, **kwargs)
 
-class DCPDDPStrategy(DCPStrategyMixin, DDPStrategy):
+    @property
+    def parallel_devices(self) -> list[torch.device]:
+        """The device given at construction (none yet when the Trainer is to choose it)."""
+        return [self.root_device] if self._device_given else []
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[torch.device]) -> None:
+        if devices and not self._device_given:
+            self._root_device = torch.device(devices[0])
+
+
+class DCPDDPStrategy(DCPStrategyMixin, ElasticAttempt, DDPStrategy):
     """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
 
     strategy_name = "dcp_ddp"
 
 
-class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
+class DCPFSDPStrategy(DCPStrategyMixin, ElasticAttempt, FSDPStrategy):
     """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
 
     Lightning's own ``state_dict_type`` of ``FSDPStrategy`` is set to ``"full"`` underneath: with ``"sharded"``
@@ -397,7 +415,7 @@ class DCPFSDPStrategy(DCPStrategyMixin, FSDPStrategy):
         return self.model
 
 
-class DCPModelParallelStrategy(DCPStrategyMixin, ModelParallelStrategy):
+class DCPModelParallelStrategy(DCPStrategyMixin, ElasticAttempt, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
 
     See :class:`DCPStrategyMixin`. ``state_dict_type="full"`` is Lightning's ``save_distributed_checkpoint=False``.

@@ -1,7 +1,9 @@
-"""Async saves while training on CUDA over NCCL: the gloo side group, pinned staging, one save in flight, exact resumes.
+"""Async saves while training on CUDA over NCCL: no background collective on NCCL, pinned staging, exact resumes.
 
-The Trainer's process group is NCCL; ``dcp.async_save`` runs over the plugin's own gloo group
-(lightning_dcp/engine/async_save.py) and stages into pinned host buffers (engine/staging.py).
+The Trainer's process group is NCCL; the background part of ``dcp.async_save`` never uses it: across ranks it runs
+over the plugin's own gloo group (lightning_dcp/engine/async_save.py), and at world size 1 (this tier's one GPU) it
+issues no collective at all, so no side group exists. Staging copies into pinned host buffers (engine/staging.py).
+All five scenarios run in one worker (tests/gpu/_cuda.py).
 """
 
 from __future__ import annotations
@@ -17,11 +19,13 @@ from lightning_dcp import DCPCheckpointIO, DCPFSDPStrategy, DCPModelParallelStra
 from lightning_dcp.engine.marker import COMMIT_FILE
 from tests._models import MixedDtypeFSDP2Model, MixedDtypeModel, RandomDataModule, TinyModel
 from tests._scenarios import check_mixed_state, mixed_state_runs
-from tests._spawn import spawn
-from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot, to_cpu
-from tests.gpu._cuda import GPU, GPU_ENV
+from tests._trainer import assert_same, make_trainer, seed, snapshot, to_cpu
+from tests.gpu._cuda import GPU, scenarios_fixture
 
 pytestmark = GPU
+
+RESUME_KINDS = ("ddp", "fsdp2", "fsdp1")
+PROBE_KINDS = ("ddp", "fsdp2")
 
 
 def _strategy(kind: str):
@@ -37,7 +41,7 @@ def _model(kind: str, **kwargs):
     return {"ddp": MixedDtypeModel, "fsdp2": MixedDtypeFSDP2Model, "fsdp1": TinyModel}[kind](**kwargs)
 
 
-def _resume_worker(rank: int, world_size: int, tmp: str, kind: str) -> None:
+def _resume_worker(rank: int, world_size: int, tmp: str, kind: str) -> dict:
     results = mixed_state_runs(
         tmp,
         accelerator="cuda",
@@ -47,13 +51,12 @@ def _resume_worker(rank: int, world_size: int, tmp: str, kind: str) -> None:
         deterministic=True,
     )
     results["backend"] = dist.get_backend()
-    save_result(tmp, "results", rank, results)
+    return results
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2", "fsdp1"])
-def test_async_saves_over_nccl_resume_like_sync_saves(tmp_path, kind):
-    spawn(_resume_worker, 1, str(tmp_path), kind, env=GPU_ENV)
-    results = load_result(str(tmp_path), "results")
+@pytest.mark.parametrize("kind", RESUME_KINDS)
+def test_async_saves_over_nccl_resume_like_sync_saves(outcomes, kind):
+    results = outcomes(f"resume-{kind}")
     assert results.pop("backend") == "nccl"
     check_mixed_state(results, bf16_param=None if kind == "fsdp1" else "gate")
 
@@ -77,7 +80,8 @@ class _InFlightProbe(Callback):
         seen["staged_bytes"] = saves.stager.nbytes
         seen["pinned"] = [b.device.type == "cpu" and b.is_pinned() for b in saves.stager._buffers.values()]
         seen["in_flight_one"] = saves.in_flight.url
-        seen["side_group"] = dist.get_backend(saves._group)
+        seen["world_size"] = trainer.world_size
+        seen["side_group"] = None if saves._group is None else dist.get_backend(saves._group)
         seen["stall_s"] = self.io.last_save_seconds
         self.io.checkpointer.wait_for_staging()  # code outside an optimizer step waits for the (queued) GPU copies
         with torch.no_grad():  # the next training step starts while the first save is written
@@ -93,7 +97,7 @@ class _InFlightProbe(Callback):
         seen["backend"] = dist.get_backend()
 
 
-def _probe_worker(rank: int, world_size: int, tmp: str, kind: str) -> None:
+def _probe_worker(rank: int, world_size: int, tmp: str, kind: str) -> dict:
     seed()
     io = DCPCheckpointIO(async_save=True)
     probe = _InFlightProbe(tmp, io)
@@ -107,15 +111,15 @@ def _probe_worker(rank: int, world_size: int, tmp: str, kind: str) -> None:
         callbacks=[probe],
     )
     trainer.fit(_model(kind, hidden=1024), datamodule=RandomDataModule())  # ~13 MB of state to stage
-    save_result(tmp, "seen", rank, probe.seen)
+    return probe.seen
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
-def test_async_staging_is_pinned_one_in_flight_and_never_torn(tmp_path, kind):
-    tmp = str(tmp_path)
-    spawn(_probe_worker, 1, tmp, kind, env=GPU_ENV)
-    seen = load_result(tmp, "seen")
-    assert seen["backend"] == "nccl" and seen["side_group"] == "gloo"
+@pytest.mark.parametrize("kind", PROBE_KINDS)
+def test_async_staging_is_pinned_one_in_flight_and_never_torn(outcomes, kind):
+    seen = outcomes(f"probe-{kind}")
+    assert seen["backend"] == "nccl"
+    # Background collectives never run on the NCCL training group: over gloo across ranks, none at world size 1.
+    assert seen["side_group"] == ("gloo" if seen["world_size"] > 1 else None), seen["side_group"]
     assert seen["pinned"] and all(seen["pinned"]), "staging buffers must be pinned host memory"
     assert seen["staged_bytes"] > 12e6
     # Staging copies into host memory: the GPU holds no second copy of the state while the save is written.
@@ -126,3 +130,10 @@ def test_async_staging_is_pinned_one_in_flight_and_never_torn(tmp_path, kind):
     assert_same(seen["before"], seen["one"], "one")  # the change made while it was written is not in it
     assert_same(seen["after"], seen["two"], "two")
     assert seen["one"]["gate"].dtype == torch.bfloat16 and seen["one"]["body.0.weight"].dtype == torch.float32
+
+
+outcomes = scenarios_fixture(
+    [(f"resume-{kind}", _resume_worker, (kind,)) for kind in RESUME_KINDS]
+    + [(f"probe-{kind}", _probe_worker, (kind,)) for kind in PROBE_KINDS],
+    timeout=180,
+)

@@ -10,9 +10,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_dcp import DCPCheckpointIO, consolidate, load_model_weights
 from tests._models import DropoutModel, RandomDataModule, TinyModel
 from tests._scenarios import perturb_rngs
-from tests._spawn import spawn
-from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot, to_cpu
-from tests.gpu._cuda import GPU, GPU_ENV
+from tests._trainer import assert_same, make_trainer, seed, snapshot, to_cpu
+from tests.gpu._cuda import GPU, scenarios_fixture
 
 pytestmark = GPU
 
@@ -30,30 +29,34 @@ def _trainer(max_epochs: int, **kwargs):
     )
 
 
-def _resume_worker(rank: int, world_size: int, tmp: str) -> None:
+def _resume_worker(rank: int, world_size: int, tmp: str) -> dict:
     seed()
     full = _trainer(2)
     full.fit(DropoutModel(), datamodule=RandomDataModule(n=4 * STEPS))  # dropout on CUDA draws from the CUDA generator
-    assert full.strategy.root_device.type == "cuda"
-    save_result(tmp, "full", rank, {**to_cpu(snapshot(full)), "cuda_rng": torch.cuda.get_rng_state()})
+    assert full.strategy.root_device == torch.device("cuda", 0)  # strategy="dcp_single_device" takes the GPU
+    result = {"full": {**to_cpu(snapshot(full)), "cuda_rng": torch.cuda.get_rng_state()}}
 
     seed()
     ckpt = ModelCheckpoint(dirpath=os.path.join(tmp, "ckpts"), every_n_epochs=1, save_top_k=-1)
     first = _trainer(1, callbacks=[ckpt])
     first.fit(DropoutModel(), datamodule=RandomDataModule(n=4 * STEPS))
-    save_result(tmp, "first", rank, to_cpu(snapshot(first)))
+    result["first"] = to_cpu(snapshot(first))
 
     perturb_rngs()  # other CPU and CUDA streams: the checkpoint's states must win
     resumed = _trainer(2)
     ckpt_path = os.path.join(tmp, "ckpts", f"epoch=0-step={STEPS}.ckpt")
     resumed.fit(DropoutModel(), datamodule=RandomDataModule(n=4 * STEPS), ckpt_path=ckpt_path)
-    save_result(tmp, "resumed", rank, {**to_cpu(snapshot(resumed)), "cuda_rng": torch.cuda.get_rng_state()})
+    result["resumed"] = {**to_cpu(snapshot(resumed)), "cuda_rng": torch.cuda.get_rng_state()}
+    return result
 
 
-def test_cuda_resume_is_exact_and_consolidates(tmp_path):
-    tmp = str(tmp_path)
-    spawn(_resume_worker, 1, tmp, env=GPU_ENV)
-    full, first, resumed = (load_result(tmp, name) for name in ("full", "first", "resumed"))
+outcomes = scenarios_fixture([("resume", _resume_worker, ())], timeout=120)
+
+
+def test_cuda_resume_is_exact_and_consolidates(outcomes):
+    result = outcomes("resume")
+    tmp = outcomes.directory("resume")
+    full, first, resumed = (result[name] for name in ("full", "first", "resumed"))
     assert first["global_step"] == STEPS and resumed["global_step"] == 2 * STEPS
     for key in ("params", "optimizers", "lrs", "schedulers", "global_step", "epoch"):
         assert_same(full[key], resumed[key], key)

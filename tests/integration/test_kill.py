@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -72,7 +73,7 @@ def test_killed_saves_never_break_resume(tmp_path, reference, use_async, kills, 
     rng = random.Random(1234 + kills + int(use_async))
     directory = str(tmp_path)
     ckpt_dir = os.path.join(directory, "ckpts")
-    mid_save = 0
+    mid_save = preempted = 0
     for _ in range(kills):
         before = set(_committed(ckpt_dir))
         proc = _start(directory, use_async)
@@ -92,11 +93,18 @@ def test_killed_saves_never_break_resume(tmp_path, reference, use_async, kills, 
         if _in_progress(ckpt_dir):
             mid_save += 1  # killed with a save in flight: its uncommitted directory is left behind
         committed = _committed(ckpt_dir)
+        if "last-preempted.ckpt" in committed:  # SIGTERM: the run saved its step on every rank, then stopped
+            preempted += 1  # (lightning_dcp.trainer.preemption); resumed mid-epoch, this loader's order would differ
+            verify_checkpoint(os.path.join(ckpt_dir, "last-preempted.ckpt"))
+            shutil.rmtree(os.path.join(ckpt_dir, "last-preempted.ckpt"))
+            committed.remove("last-preempted.ckpt")
         assert committed, "the first checkpoint must exist by now"
         for name in committed:  # every checkpoint that looks complete is complete, byte for byte
             verify_checkpoint(os.path.join(ckpt_dir, name))
     if sig == signal.SIGKILL:
         assert mid_save >= kills // 3, f"only {mid_save} of {kills} kills hit a save in flight"
+    else:
+        assert preempted, "no SIGTERM reached a training step"
     final = _run_to_end(directory, use_async)
     assert final.keys() == reference.keys()
     for key in reference:

@@ -1,0 +1,284 @@
+"""Time to recover from a dead rank under ``torchrun --max-restarts``, phase by phase, with the memory tier.
+
+Each trial runs ``torchrun --nproc-per-node 2 --max-restarts 1`` on CPU (``dcp_ddp``, gloo) with
+``MemoryCheckpoint(every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``; in the first attempt rank 1 (``--kill
+rank``) or every rank (``--kill job``) SIGKILLs itself after step ``--kill-at``; the agent restarts both workers and
+they resume from the newest memory checkpoint. Phases, from the workers' and the agent's clocks (one machine):
+
+- detection: the kill to the agent's "failed" log line;
+- restart: from there to the restarted worker's interpreter running this module;
+- imports: torch, Lightning, lightning_dcp;
+- process group: the strategy's ``setup_distributed``;
+- find: ``Checkpointer.resumable`` (is anything committed, across memory and the durable directory);
+- restore: the strategy's ``load_checkpoint`` (the newest committed checkpoint found and read into the model and
+  optimizer);
+- first step: from ``on_train_start`` to the end of the first step after resuming;
+- total: the kill to that step's end ("training again").
+
+Every trial also checks that the resumed state is the newest memory save's (its hash) and counts hangs (a trial over
+``--timeout`` seconds) and failed restarts (torchrun's non-zero exit).
+
+    python -m benchmarks.bench_recovery --trials 10 --gb 0.6          # one rank's death, ~0.6 GB of state per rank
+    python -m benchmarks.bench_recovery --trials 4 --kill job         # every rank killed at once
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+START = time.time()  # the worker's interpreter is running this module
+
+_AGENT_FAILED = re.compile(r"^E(\d\d)(\d\d) (\d\d):(\d\d):(\d\d\.\d+) .*failed \(exitcode")
+
+
+def _worker(args: argparse.Namespace) -> None:
+    import hashlib
+    import signal
+
+    import torch
+    from lightning.pytorch import Callback, Trainer
+    from torch import nn
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_dcp import DCPDDPStrategy, MemoryCheckpoint
+
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    rank = int(os.environ["RANK"])
+    path = os.path.join(args.workdir, f"times-{rank}.jsonl")
+
+    def note(event: str, **extra) -> None:
+        with open(path, "a") as f:
+            f.write(json.dumps({"event": event, "t": time.time(), "attempt": attempt, **extra}) + "\n")
+
+    note("start", t0=START)
+    note("imported")
+
+    def digest(model: nn.Module) -> str:
+        h = hashlib.sha256()
+        for value in model.state_dict().values():
+            h.update(value.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()[:16]
+
+    class Timed(DCPDDPStrategy):
+        def setup_distributed(self) -> None:
+            note("pg_start")
+            super().setup_distributed()
+            note("pg_end")
+
+        def setup(self, trainer) -> None:
+            checkpointer = self._dcp_io.checkpointer
+            resumable = checkpointer.resumable
+
+            def timed(**kwargs):
+                note("find_start")
+                try:
+                    return resumable(**kwargs)
+                finally:
+                    note("find_end")
+
+            checkpointer.resumable = timed
+            super().setup(trainer)
+
+        def load_checkpoint(self, *a, **k):
+            note("restore_start")
+            try:
+                return super().load_checkpoint(*a, **k)
+            finally:
+                note("restore_end")
+
+    class Probe(Callback):
+        first = True
+
+        def on_train_start(self, trainer, module) -> None:
+            note("train_start", step=trainer.global_step, hash=digest(module))
+
+        def on_train_batch_end(self, trainer, module, *rest) -> None:
+            step = trainer.global_step
+            if self.first:
+                self.first = False
+                note("first_step", step=step)
+            if step % args.every == 0:
+                note("saved", step=step, hash=digest(module))
+            if attempt == 0 and step == args.kill_at and (args.kill == "job" or rank == 1):
+                note("kill", step=step)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    width = args.width
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(args.layers)])
+
+    class Module(__import__("lightning.pytorch", fromlist=["LightningModule"]).LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = model
+
+        def training_step(self, batch, index):
+            return self.net(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    data = DataLoader(TensorDataset(torch.randn(64 * args.max_steps, width)), batch_size=4)
+    memory = MemoryCheckpoint(
+        os.path.join("/dev/shm", os.path.basename(args.workdir)),
+        every_n_train_steps=args.every,
+        persist_every=0,
+        dirpath=os.path.join(args.workdir, "durable"),
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=Timed(),
+        max_steps=args.max_steps,
+        callbacks=[memory, Probe()],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    trainer.fit(Module(), data, ckpt_path="last")
+    note("done", step=trainer.global_step)
+
+
+def _agent_failed_at(log: str, year: int) -> float | None:
+    for line in log.splitlines():
+        match = _AGENT_FAILED.match(line)
+        if match:
+            month, day, hour, minute, second = match.groups()
+            stamp = datetime.datetime(year, int(month), int(day), int(hour), int(minute), tzinfo=datetime.timezone.utc)
+            return stamp.timestamp() + float(second)
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _events(workdir: str, rank: int) -> list[dict]:
+    path = os.path.join(workdir, f"times-{rank}.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def trial(args: argparse.Namespace, index: int) -> dict:
+    """One torchrun with a kill and a restart; the phases in seconds (see the module docstring)."""
+    workdir = tempfile.mkdtemp(prefix=f"bench_recovery_{index}_", dir=args.dir)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
+    env["TZ"] = "UTC"
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
+    command += ["--master-port", str(_free_port()), "-m", "benchmarks.bench_recovery", "--worker"]
+    command += ["--workdir", workdir, "--kill", args.kill, "--kill-at", str(args.kill_at), "--every", str(args.every)]
+    command += ["--max-steps", str(args.max_steps), "--width", str(args.width), "--layers", str(args.layers)]
+    result: dict = {"trial": index}
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        result["rc"], log = done.returncode, done.stderr
+    except subprocess.TimeoutExpired as hang:
+        result["rc"], log = "hang", (hang.stderr or b"").decode(errors="replace")
+    events = [_events(workdir, rank) for rank in range(2)]
+    shutil.rmtree(os.path.join("/dev/shm", os.path.basename(workdir)), ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    def at(rank: int, event: str, attempt: int) -> dict | None:
+        return next((e for e in events[rank] if e["event"] == event and e["attempt"] == attempt), None)
+
+    kills = [e["t"] for r in range(2) for e in events[r] if e["event"] == "kill"]
+    if result["rc"] != 0 or not kills:
+        result["log"] = log[-3000:]
+        return result
+    kill = min(kills)
+    failed = _agent_failed_at(log, datetime.datetime.fromtimestamp(kill, datetime.timezone.utc).year)
+    starts = [at(r, "start", 1) for r in range(2)]
+    last = max(range(2), key=lambda r: starts[r]["t0"])  # the phases of the slower rank: the group waits for it
+
+    def span(a: str, b: str) -> float:
+        return at(last, b, 1)["t"] - at(last, a, 1)["t"]
+
+    saved = {e["step"]: e["hash"] for e in events[0] if e["event"] == "saved" and e["attempt"] == 0}
+    resumed = at(0, "train_start", 1)
+    newest = max(s for s in saved if s <= args.kill_at)
+    result.update(
+        detection=(failed - kill) if failed else None,
+        restart=starts[last]["t0"] - (failed or kill),
+        imports=starts[last]["t"] - starts[last]["t0"],
+        process_group=span("pg_start", "pg_end"),
+        find=span("find_start", "find_end"),
+        restore=span("restore_start", "restore_end"),
+        first_step=span("train_start", "first_step"),
+        total=max(at(r, "first_step", 1)["t"] for r in range(2)) - kill,
+        resumed_step=resumed["step"],
+        exact=resumed["step"] == newest and resumed["hash"] == saved[newest],
+    )
+    return result
+
+
+PHASES = ("detection", "restart", "imports", "process_group", "find", "restore", "first_step", "total")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--trials", type=int, default=10)
+    parser.add_argument("--kill", choices=("rank", "job"), default="rank")
+    parser.add_argument("--kill-at", type=int, default=13)
+    parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--max-steps", type=int, default=16)
+    parser.add_argument("--gb", type=float, default=0.6, help="state per rank: weights + AdamW's two moments")
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=None, help="default: from --gb")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds before a trial counts as a hang")
+    parser.add_argument("--dir", default=None, help="where the trials' directories go")
+    parser.add_argument("--keep", action="store_true", help="keep the trials' directories")
+    parser.add_argument("--out", default=None, help="write the trials as JSON here")
+    args = parser.parse_args(argv)
+    if args.layers is None:
+        args.layers = max(1, round(args.gb * 1e9 / (12 * (args.width * args.width + args.width))))
+    if args.worker:
+        _worker(args)
+        return 0
+    gb = 12 * args.layers * (args.width * args.width + args.width) / 1e9
+    print(f"{args.trials} trials, kill={args.kill}, {gb:.2f} GB of state per rank ({args.layers} x {args.width}^2)")
+    results = []
+    for index in range(args.trials):
+        result = trial(args, index)
+        results.append(result)
+        shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items() if k != "log"}
+        print(json.dumps(shown), flush=True)
+        if "log" in result:
+            print(result["log"], flush=True)
+    good = [r for r in results if r.get("rc") == 0 and "total" in r]
+    print(
+        f"ok {len(good)}/{len(results)}, exact {sum(bool(r.get('exact')) for r in good)}, "
+        f"hangs {sum(r.get('rc') == 'hang' for r in results)}, "
+        f"failed {sum(r.get('rc') not in (0, 'hang') for r in results)}"
+    )
+    for phase in PHASES:
+        values = [r[phase] for r in good if r.get(phase) is not None]
+        if values:
+            print(f"  {phase:14s} median {statistics.median(values):6.2f} s  range {min(values):.2f}-{max(values):.2f}")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "trials": results}, f, indent=1)
+    return 0 if len(good) == len(results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.dist import distributed
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier
@@ -60,7 +61,8 @@ class MemoryCheckpoint(DCPModelCheckpoint):
     Raises:
         ValueError: A count out of range.
         CheckpointError: At ``setup``: the strategy is not one of the ``dcp_*`` strategies (every rank must write
-            its part), or the plugin is not a ``DCPCheckpointIO``.
+            its part), or the plugin is not a ``DCPCheckpointIO`` (nothing is created then).
+        StorageAccessError: At ``setup``: the memory area cannot be created or written (on every rank).
     """
 
     def __init__(
@@ -125,10 +127,11 @@ class MemoryCheckpoint(DCPModelCheckpoint):
             others = [c for c in trainer.callbacks if isinstance(c, DCPModelCheckpoint) and c is not self]
             if others and others[0].dirpath is not None:
                 self.dirpath = others[0].dirpath
+        io = self._io(trainer)  # refused before anything is created (no `dirpath`, no memory area)
         super().setup(trainer, pl_module, stage)
-        io = self._io(trainer)
         io.checkpointer.memory = self.tier
         memory_io.bind(io.checkpointer, self._directory(trainer), persist_keep=self.persist_keep)
+        self.tier.setup(distributed=distributed(True))  # the area and its `last` entry; every rank alike if refused
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

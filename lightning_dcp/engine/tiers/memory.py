@@ -46,7 +46,7 @@ from lightning_dcp.engine.tiers.parts import Part, PartStore
 from lightning_dcp.engine.tiers.replication import replicate
 from lightning_dcp.engine.tiers.saves import Captured, InFlight, Saved
 from lightning_dcp.engine.tiers.shm_writer import Mappings, ShmWriter
-from lightning_dcp.errors import CheckpointError, checkpoint_failure
+from lightning_dcp.errors import CheckpointError, StorageAccessError, checkpoint_failure
 
 __all__ = ["LAST_ENTRY", "MemoryTier", "Saved"]
 
@@ -101,11 +101,7 @@ class MemoryTier:
         self.memory_dir = os.path.abspath(os.fspath(memory_dir))
         self.replicas, self.keep, self.async_save = replicas, keep, async_save
         self.persist_every, self.persist_every_seconds = persist_every, persist_every_seconds
-        self.store = PartStore(self.memory_dir)
-        sentinel = os.path.join(self.memory_dir, LAST_ENTRY)
-        if not os.path.exists(sentinel):
-            with open(sentinel, "w") as f:
-                f.write("lightning_dcp memory tier: loading this path loads the newest checkpoint of every tier.\n")
+        self.store = PartStore(self.memory_dir, create=False)  # the area is made at :meth:`setup`
         self.mappings = Mappings()
         self.topology: Topology | None = None
         self.group: dist.ProcessGroup | None = None
@@ -135,6 +131,7 @@ class MemoryTier:
         """Join the tier's gloo group and find the nodes, once. Collective when ``distributed``."""
         if self.topology is not None:
             return self.topology
+        error = self.open_area()
         self.distributed = distributed
         if distributed:
             self.group = dist.new_group(backend="gloo")
@@ -142,11 +139,34 @@ class MemoryTier:
         else:
             self.topology = single_process()
         atexit.register(_close_at_exit, weakref.ref(self))
+        own = max((part.key[0] for part in self.store.parts()), default=0) if error is None else 0
+        answers = self.gather((error, own))  # one exchange: whether every area opened, and the newest counters
+        failed = list(dict.fromkeys(e for e, _ in answers if e is not None))
+        if failed:
+            raise StorageAccessError(
+                f"The memory area cannot be written: {'; '.join(failed)}. Give `memory_dir` a directory on a tmpfs that"
+                " every rank of the node can create and write (e.g. `/dev/shm/<user>-<run>`)."
+            )
         if self.topology.leader:
             self.store.remove_stale()
-        own = max((part.key[0] for part in self.store.parts()), default=0)
-        self.highest = max(self.gather(own))
+        self.highest = max(o for _, o in answers)
         return self.topology
+
+    def open_area(self) -> str | None:
+        """Create the memory area and its ``last`` entry (this rank); what failed, or ``None``. Any rank, no I/O else.
+
+        Nothing is created before a front end sets the tier up, so a tier refused at set-up leaves no trace.
+        """
+        sentinel = os.path.join(self.memory_dir, LAST_ENTRY)
+        try:
+            os.makedirs(self.memory_dir, exist_ok=True)
+            with open(sentinel, "a") as f:  # opened for writing even when it exists: a read-only area fails here
+                if not f.tell():
+                    f.write("lightning_dcp memory tier: loading this path loads the newest checkpoint of every tier.\n")
+        except OSError as err:
+            where = getattr(err, "filename", None) or self.memory_dir
+            return f"{where!r} ({type(err).__name__}: {err.strerror or err})"
+        return None
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (rank order). Collective over the tier's group."""

@@ -117,11 +117,11 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
         loaded, failure = None, None
         try:
             loaded = load_one(Location(into), collective=collective, node_local=True, **options)
-        except StateDictMismatchError:
+        except StateDictMismatchError as err:
             recovery.release(memory, into)
-            raise
+            raise _named(err, into, f"{name!r} in the memory tier ({memory.memory_dir})") from None
         except Exception as err:
-            failure = checkpoint_failure(err, f"Loading {name!r} from the memory tier failed")
+            failure = _named(checkpoint_failure(err, f"Loading {name!r} from the memory tier failed"), into, name)
         failures_seen = [f for f in memory.gather(failure) if f is not None]
         recovery.release(memory, into)
         if not failures_seen:
@@ -178,6 +178,14 @@ def _newest_durable(checkpointer: Checkpointer, directory: Location | None) -> t
         rank_zero_warn(f"lightning_dcp: the durable tiers of {directory.url!r} cannot be listed ({err}).")
         return None
     return found[0][0] if found else None
+
+
+def _named(err: Exception, into: str, shown: str) -> Exception:
+    """``err`` naming the checkpoint as the user knows it, not the temporary copy assembled to load it."""
+    if isinstance(err, StateDictMismatchError):
+        err.path = shown
+    err.args = (str(err).replace(repr(into), shown).replace(into, shown),)
+    return err
 
 
 def _warn(failures: list[tuple[str, CheckpointError]], used: str) -> None:

@@ -103,19 +103,21 @@ class PartStore:
     """The committed parts, staging directories and free slots of one node-local directory.
 
     Args:
-        root: The directory (created when needed).
+        root: The directory (created now unless ``create`` is false).
         sync: Commit durably (a disk): the markers and directories are fsynced before and after the rename.
+        create: Create ``root`` now.
     """
 
-    def __init__(self, root: str, *, sync: bool = False) -> None:
+    def __init__(self, root: str, *, sync: bool = False, create: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.sync = sync
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
 
     def parts(self) -> list[Part]:
         """Every committed part here (a part whose files or markers are unreadable is skipped)."""
         found = []
-        for entry in sorted(os.listdir(self.root)):
+        for entry in sorted(os.listdir(self.root) if os.path.isdir(self.root) else []):
             if entry.startswith(".") or "@" not in entry:
                 continue
             part = self.read(entry)

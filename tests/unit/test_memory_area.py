@@ -73,7 +73,9 @@ def test_a_data_file_is_as_long_as_its_records(tmp_path):
     memory_io.bind(checkpointer, Location(str(tmp_path / "durable")))
     for step, size in ((1, 1000), (2, 3000), (3, 500)):  # grows, then shrinks, through the reused slot
         with checkpointer.into_memory():
-            checkpointer.save({"state_dict": {"a": torch.ones(size)}}, str(tmp_path / "durable" / f"s{step}"), objects={})
+            checkpointer.save(
+                {"state_dict": {"a": torch.ones(size)}}, str(tmp_path / "durable" / f"s{step}"), objects={}
+            )
         checkpointer.wait()
         (part,) = checkpointer.memory.store.parts()
         recorded = part.marker["files"]["__0_0.distcp"]["size"]

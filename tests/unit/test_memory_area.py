@@ -83,3 +83,33 @@ def test_a_data_file_is_as_long_as_its_records(tmp_path):
         assert st.st_size == recorded and recorded < 4 * size + 4096  # no room to spare on disk (ls shows it)
         assert st.st_blocks * 512 <= -(-recorded // 4096) * 4096 + 4096  # du: the pages the records take
     checkpointer.close()
+
+
+def _fit(tmp_path, *, free_at_end: bool, replicas: int = 0):
+    memory = MemoryCheckpoint(
+        tmp_path / "shm", dirpath=tmp_path / "ckpts", every_n_train_steps=2, replicas=replicas, free_at_end=free_at_end
+    )
+    trainer = make_trainer(1, strategy="dcp_single_device", callbacks=[memory], max_steps=4)
+    trainer.fit(TinyModel(), datamodule=RandomDataModule())
+    return memory
+
+
+def test_free_at_end_persists_the_newest_then_frees_the_area(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        _fit(tmp_path, free_at_end=True)
+    assert Location(str(tmp_path / "ckpts" / "memory-step=4.ckpt")).is_committed()  # durable first
+    assert sorted(os.listdir(tmp_path / "shm")) == ["last"]  # then every part and free slot gone
+    assert any("freed" in r.getMessage() and str(tmp_path / "shm") in r.getMessage() for r in caplog.records)
+
+
+def test_by_default_the_area_is_kept_and_the_end_of_fit_says_so(tmp_path, caplog):
+    with caplog.at_level("INFO"):
+        memory = _fit(tmp_path, free_at_end=False)
+    assert [p.name for p in memory.tier.store.parts()] == ["memory-step=4.ckpt"]
+    said = [r.getMessage() for r in caplog.records if "keeps" in r.getMessage()]
+    assert said and "free_at_end=True" in said[0] and "MiB" in said[0], said
+
+
+def test_replicas_on_one_node_warn_that_nothing_is_replicated(tmp_path):
+    with pytest.warns(UserWarning, match=r"`replicas=1` but every rank shares one memory area"):
+        _fit(tmp_path, free_at_end=False, replicas=1)

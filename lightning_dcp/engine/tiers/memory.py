@@ -31,6 +31,7 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ from lightning_dcp.engine.tiers.saves import Captured, InFlight, Saved
 from lightning_dcp.engine.tiers.shm_writer import Mappings, ShmWriter
 from lightning_dcp.errors import CheckpointError, StorageAccessError, checkpoint_failure
 
-__all__ = ["LAST_ENTRY", "MemoryTier", "Saved"]
+__all__ = ["LAST_ENTRY", "MemoryTier", "Saved", "area_error"]
 
 LAST_ENTRY = "last"
 """A file in every memory area that designates "the newest checkpoint across the tiers" (``ckpt_path="last"``)."""
@@ -143,13 +144,17 @@ class MemoryTier:
         answers = self.gather((error, own))  # one exchange: whether every area opened, and the newest counters
         failed = list(dict.fromkeys(e for e, _ in answers if e is not None))
         if failed:
-            raise StorageAccessError(
-                f"The memory area cannot be written: {'; '.join(failed)}. Give `memory_dir` a directory on a tmpfs that"
-                " every rank of the node can create and write (e.g. `/dev/shm/<user>-<run>`)."
-            )
+            raise area_error(failed)
         if self.topology.leader:
             self.store.remove_stale()
         self.highest = max(o for _, o in answers)
+        if self.replicas > 0 and self.topology.nodes == 1 and self.topology.rank == 0:
+            warnings.warn(
+                f"lightning_dcp: `replicas={self.replicas}` but every rank shares one memory area ({self.memory_dir}):"
+                " one node, so no copy is made on another node, and losing this machine loses the memory"
+                " checkpoints (the persisted ones stay). Pass `replicas=0` to say so, or run on several nodes.",
+                stacklevel=3,
+            )
         return self.topology
 
     def open_area(self) -> str | None:
@@ -424,6 +429,14 @@ class MemoryTier:
             self.mappings.close()
             group, self.group, self.topology = self.group, None, None
             leave(group)
+
+
+def area_error(failed: list[str]) -> StorageAccessError:
+    """The error for memory areas that cannot be created or written (``failed``: what :meth:`open_area` said)."""
+    return StorageAccessError(
+        f"The memory area cannot be written: {'; '.join(failed)}. Give `memory_dir` a directory on a tmpfs that every"
+        " rank of the node can create and write (e.g. `/dev/shm/<user>-<run>`)."
+    )
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

@@ -214,6 +214,6 @@ def shared_path(tier: MemoryTier, directory: str) -> str:
         raise CheckpointError(
             f"Loading from the memory tier by one path needs the same `memory_dir` on every machine; the ranks have"
             f" {sorted({os.path.dirname(path) for _, path in seen})}. Give every node the same path (e.g."
-            " `/dev/shm/run1`)."
+            " `/dev/shm/<user>-<run>`)."
         )
     return directory

@@ -113,3 +113,19 @@ def test_by_default_the_area_is_kept_and_the_end_of_fit_says_so(tmp_path, caplog
 def test_replicas_on_one_node_warn_that_nothing_is_replicated(tmp_path):
     with pytest.warns(UserWarning, match=r"`replicas=1` but every rank shares one memory area"):
         _fit(tmp_path, free_at_end=False, replicas=1)
+
+
+def test_a_memory_resume_says_it_came_from_the_memory_tier_not_a_durable_path(tmp_path, caplog):
+    def fit(max_steps: int, **kwargs) -> None:
+        memory = MemoryCheckpoint(tmp_path / "shm", dirpath=tmp_path / "ckpts", every_n_train_steps=2, replicas=0)
+        memory.tier.persist_every = 0  # never persisted: the checkpoint exists in memory only
+        trainer = make_trainer(1, strategy="dcp_single_device", callbacks=[memory], max_steps=max_steps)
+        trainer.fit(TinyModel(), datamodule=RandomDataModule(), **kwargs)
+
+    fit(4)
+    with caplog.at_level("INFO"):
+        fit(6, ckpt_path="last")
+    said = [r.getMessage() for r in caplog.records if "designates" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "'memory-step=4.ckpt' from the memory tier (not persisted)" in said[0], said
+    assert f"this node's own part in {tmp_path / 'shm'}" in said[0] and str(tmp_path / "ckpts") not in said[0], said

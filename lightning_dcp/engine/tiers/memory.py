@@ -113,9 +113,8 @@ class MemoryTier:
         self.run: str | None = None
         """The token of the run whose parts this tier saves and restores (:mod:`~lightning_dcp.engine.tiers.runs`;
         set by the checkpointer from the durable directory, ``None`` while it holds none)."""
-        self.run_known = False
-        """Whether :attr:`run` was resolved from the durable directory (once per tier)."""
-        self.warned_foreign = False
+        self.run_known = False  # whether :attr:`run` was resolved from the durable directory (once per tier)
+        self.warned_foreign, self.origin = False, ""  # origin: where the last restore's copy came from, in words
         self.persister: Persister | None = None
         """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over :attr:`group`."""
         self.saved: list[Saved] = []

@@ -127,6 +127,8 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
         if not failures_seen:
             loaded.url = directory.child(name).url if directory is not None else name
             loaded.tier = "memory"
+            persisted = " (not persisted)" if durable is None or key > durable else ""
+            loaded.source = f"{name!r} from the memory tier{persisted}: {memory.origin}"
             _warn(failures, loaded.url)
             return loaded
         failures.append((name, failures_seen[0]))

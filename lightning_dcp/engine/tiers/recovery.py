@@ -126,6 +126,7 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
             payload = (f.read(), g.read(), new_token())
     metadata, marker, token = tier.broadcast(payload, src=source)
     files = {f: e["size"] for f, e in parse_commit(marker)["files"].items()}
+    tier.origin = _origin(tier, held, files)
     into = os.path.join(_assembly_root(tier, held), f"{LOAD_PREFIX}{token}")
     transfers = []
     for node in range(topology.nodes):
@@ -165,6 +166,23 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
             remove_path(into)
         raise
     return into
+
+
+def _origin(tier: MemoryTier, held: dict[str, str], files: dict[str, int]) -> str:
+    """Where this node's copy comes from, in words: its area (own part, replicas), its disk, peers' areas."""
+    topology, bits = tier.topology, []
+    own = [f for f, path in held.items() if f in files and path.startswith(tier.store.root + os.sep)]
+    mine = [f for f in own if any(f.startswith(f"__{r}_") for r in topology.ranks[topology.node])]
+    if mine:
+        bits.append(f"this node's own part in {tier.store.root}")
+    if len(own) > len(mine):
+        bits.append(f"a replica of a peer node's part in {tier.store.root}")
+    if len(own) < len([f for f in held if f in files]):
+        bits.append("this node's disk")
+    fetched = len([f for f in files if f not in held])
+    if fetched:
+        bits.append(f"{fetched} file(s) fetched from peer nodes' areas or disks")
+    return ", ".join(bits) or "nothing held here"
 
 
 def _assembly_root(tier: MemoryTier, held: dict[str, str]) -> str:

@@ -61,6 +61,7 @@ def _load(rank: int, world_size: int, base: str, ranks_per_node: int) -> None:
 @pytest.fixture
 def base():
     path = f"/dev/shm/lightning_dcp-test-{uuid.uuid4().hex[:8]}"
+    os.makedirs(path)  # the areas below it are made when the tier is set up
     yield path
     shutil.rmtree(path, ignore_errors=True)
 

@@ -129,3 +129,16 @@ def test_a_memory_resume_says_it_came_from_the_memory_tier_not_a_durable_path(tm
     assert len(said) == 1, said
     assert "'memory-step=4.ckpt' from the memory tier (not persisted)" in said[0], said
     assert f"this node's own part in {tmp_path / 'shm'}" in said[0] and str(tmp_path / "ckpts") not in said[0], said
+
+
+def test_a_durable_resume_names_its_tier_and_a_location_that_exists(tmp_path):
+    from lightning_dcp.engine.lookup import source_of
+    from lightning_dcp.engine.restore import Loaded
+
+    local_dir = Location(str(tmp_path / "local"))
+    remote = Loaded(url="s3://bucket/run1/epoch=1-step=20.ckpt", kind="dcp", tree={}, objects={})
+    local = Loaded(url=str(tmp_path / "local" / "epoch=1-step=20.ckpt"), kind="dcp", tree={}, objects={})
+    plain = Loaded(url=str(tmp_path / "run1" / "epoch=1-step=20.ckpt"), kind="dcp", tree={}, objects={})
+    assert source_of(remote, local_dir=local_dir) == "'s3://bucket/run1/epoch=1-step=20.ckpt' (the remote store)"
+    assert source_of(local, local_dir=local_dir) == f"{local.url!r} (local_dir, the local tier)"
+    assert source_of(plain, local_dir=local_dir) == repr(plain.url)

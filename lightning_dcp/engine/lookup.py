@@ -22,7 +22,7 @@ from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import POINTER_HEADER, Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
-__all__ = ["LIGHTNING_META_FILE", "candidates", "designated", "designates_last", "verify_checkpoint"]
+__all__ = ["LIGHTNING_META_FILE", "candidates", "designated", "designates_last", "source_of", "verify_checkpoint"]
 
 LIGHTNING_META_FILE = "meta.pt"
 """The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
@@ -186,3 +186,21 @@ def verify_checkpoint(
     if not_one is not None:
         raise not_one
     check_checkpoint(location, full=full)
+
+
+def source_of(loaded: Any, *, local_dir: Location | None = None) -> str:
+    """Where a load really read ``loaded`` from, in words for a log line: the tier and a location that exists.
+
+    A memory-tier load (``loaded.source`` set by the tier: its areas, and whether a peer's replica served) is named
+    as such, never by the durable path it would be persisted to; a copy in ``local_dir`` (the plugin's local tier)
+    as the local tier; any other local path as the directory it is in; a URL as the remote store's.
+    """
+    source = getattr(loaded, "source", None)
+    if source is not None:
+        return source
+    where = Location(loaded.url)
+    if not where.local:
+        return f"{loaded.url!r} (the remote store)"
+    if local_dir is not None and os.path.abspath(where.path).startswith(local_dir.path.rstrip("/") + "/"):
+        return f"{where.path!r} (local_dir, the local tier)"
+    return repr(where.path)

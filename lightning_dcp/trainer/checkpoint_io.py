@@ -14,7 +14,10 @@ from typing_extensions import override
 
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.lookup import source_of
+from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.save_log import RestoreRecord
+from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.engine.tiers import Tiers
 
@@ -255,7 +258,10 @@ class DCPCheckpointIO(CheckpointIO):
             restored = RestoreRecord(url=loaded.url, tier=tier, restore_s=time.perf_counter() - started)
             self.checkpointer.saves.restore = restored
         if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
-            rank_zero_info(f"lightning_dcp: {os.fspath(path)!r} designates the checkpoint {loaded.url!r}; loaded it.")
+            local_dir = self.checkpointer.tiers.local if self.checkpointer.tiers is not None else None
+            asked = Location(os.fspath(path))
+            shown = f"{asked.parent().url!r} (its `.commit`)" if asked.name == COMMIT_FILE else repr(os.fspath(path))
+            rank_zero_info(f"lightning_dcp: {shown} designates {source_of(loaded, local_dir=local_dir)}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects
         if not only_model:

@@ -2,7 +2,7 @@
 
 One callback turns the memory tier on for a Trainer run (``strategy="dcp_*"``, any ``DCPCheckpointIO``)::
 
-    Trainer(strategy="dcp_ddp", callbacks=[MemoryCheckpoint("/dev/shm/run1", every_n_train_steps=10)])
+    Trainer(strategy="dcp_ddp", callbacks=[MemoryCheckpoint(f"/dev/shm/{user}-{run}", every_n_train_steps=10)])
 
 Every ``every_n_train_steps`` it saves the Trainer's whole checkpoint (what ``trainer.save_checkpoint`` writes) into
 the node's memory area (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`), replicates each node's part to
@@ -23,9 +23,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp import _compat
+from lightning_dcp.engine.dist import distributed
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.tiers import memory_io
-from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier
+from lightning_dcp.engine.tiers import housekeeping, memory_io
+from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier, area_error
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.model_checkpoint import DCPModelCheckpoint
@@ -56,11 +57,17 @@ class MemoryCheckpoint(DCPModelCheckpoint):
             run's first other ``DCPModelCheckpoint``, else Lightning's default.
         filename: Name of each checkpoint, formatted like ``ModelCheckpoint``'s (``"memory-{step}"``: a distinct
             name, so persisted checkpoints never collide with those of another ``ModelCheckpoint``).
+        free_at_end: At a clean end of ``fit``, persist the newest memory checkpoint into ``dirpath`` (unless it
+            was) and then free this run's part of every node's memory area
+            (:func:`~lightning_dcp.engine.tiers.housekeeping.free`). By default the area keeps its checkpoints after
+            the run (a crashed or killed run resumes from them) until it is removed or the machine reboots; the end
+            of ``fit`` logs how much it holds.
 
     Raises:
         ValueError: A count out of range.
         CheckpointError: At ``setup``: the strategy is not one of the ``dcp_*`` strategies (every rank must write
-            its part), or the plugin is not a ``DCPCheckpointIO``.
+            its part), or the plugin is not a ``DCPCheckpointIO`` (nothing is created then).
+        StorageAccessError: At ``setup``: the memory area cannot be created or written (on every rank).
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         async_save: bool = True,
         dirpath: str | os.PathLike | None = None,
         filename: str = "memory-{step}",
+        free_at_end: bool = False,
     ) -> None:
         if not isinstance(every_n_train_steps, int) or every_n_train_steps < 1:
             raise ValueError(f"`every_n_train_steps` must be a positive integer, got {every_n_train_steps!r}.")
@@ -91,6 +99,7 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         """The engine's memory tier (its ``timings`` describe the last save)."""
         self.memory_every = every_n_train_steps
         self.persist_keep = persist_keep
+        self.free_at_end = free_at_end
         self._explicit_dirpath = dirpath is not None
         self._last_memory_step = -1
 
@@ -125,10 +134,11 @@ class MemoryCheckpoint(DCPModelCheckpoint):
             others = [c for c in trainer.callbacks if isinstance(c, DCPModelCheckpoint) and c is not self]
             if others and others[0].dirpath is not None:
                 self.dirpath = others[0].dirpath
+        io = self._io(trainer)  # refused before anything is created (no `dirpath`, no memory area)
         super().setup(trainer, pl_module, stage)
-        io = self._io(trainer)
         io.checkpointer.memory = self.tier
         memory_io.bind(io.checkpointer, self._directory(trainer), persist_keep=self.persist_keep)
+        self.tier.setup(distributed=distributed(True))  # the area and its `last` entry; every rank alike if refused
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
@@ -152,14 +162,42 @@ class MemoryCheckpoint(DCPModelCheckpoint):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """Let the memory save in flight finish (its replicas and persistence). Collective."""
+        """Let the memory save in flight finish (its replicas and persistence); free the area if asked. Collective.
+
+        Logs (rank 0) what its node's area holds after the run, or what was freed.
+        """
         self.tier.wait()
+        if self.tier.topology is None:
+            return
+        if self.free_at_end:
+            freed = housekeeping.free(self.tier)
+            if freed is not None:
+                rank_zero_info(
+                    f"lightning_dcp: freed {freed / 2**20:.1f} MiB of the memory area {self.tier.memory_dir} (each"
+                    f" node its own); the newest memory checkpoint is persisted in {self.dirpath}."
+                )
+                return
+        held = housekeeping.held_bytes(self.tier.memory_dir) if self.tier.topology.leader else 0
+        rank_zero_info(
+            f"lightning_dcp: the memory area {self.tier.memory_dir} keeps {held / 2**20:.1f} MiB of checkpoints after"
+            " this run (a restarted job resumes from them); it is freed only when removed or at a reboot."
+            " `MemoryCheckpoint(..., free_at_end=True)` frees it at a clean end, once the newest is persisted."
+        )
 
     def _find_last(self, trainer: pl.Trainer) -> set[str]:
         """``ckpt_path="last"``: the memory area's ``last`` entry, which every load reads as "newest of every tier".
 
-        Lightning picks the candidate with the newest modification time: the entry is touched now.
+        Lightning picks the candidate with the newest modification time: the entry is touched now (and made, with the
+        area, before ``setup``: Lightning resolves ``ckpt_path`` first).
+
+        Raises:
+            CheckpointError: As at ``setup``, before anything is created.
+            StorageAccessError: The area cannot be created or written (on this rank).
         """
+        self._io(trainer)
+        error = self.tier.open_area()
+        if error is not None:
+            raise area_error([error])
         os.utime(self.sentinel)
         return {self.sentinel}
 

@@ -10,7 +10,8 @@ with ``ckpt_path="last"`` and checks, from the resumed run's own record:
   restart does): the lost node's part can only come from the peers' replicas;
 - ``resize``: a node loss as above, then the resume runs on one node fewer (another world size, from a replica).
 
-In every kind the durable directory is moved away before the resume, so it can only come from the memory areas.
+In every kind the durable directory's checkpoints are moved away before the resume (the run's token stays:
+:mod:`lightning_dcp.engine.tiers.runs`), so it can only come from the memory areas.
 Kills land anywhere: during saves, replication and persistence, which run every few steps. The oracle is the areas
 themselves: the newest checkpoint whose every part is committed on some surviving area
 (:func:`lightning_dcp.engine.tiers.parts.complete`).
@@ -32,6 +33,7 @@ import sys
 import time
 
 from lightning_dcp.engine.tiers.parts import PartStore, complete
+from lightning_dcp.engine.tiers.runs import RUN_FILE
 from tests._spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -132,8 +134,11 @@ def _trial(workdir, kind, rng, areas, started, *, nodes, hidden, timeout) -> dic
     expected = newest_complete(surviving)
     saved = {r["step"]: r["hash"] for r in records(workdir) if r["event"] == "saved"}
     durable = os.path.join(workdir, "durable")
-    if os.path.isdir(durable):
-        os.rename(durable, durable + ".hidden")  # the resume may only read the memory areas
+    if os.path.isdir(durable):  # the resume may only read the memory areas: every persisted checkpoint moved away,
+        os.rename(durable, durable + ".hidden")  # the run's token kept (without it the areas are another run's)
+        os.makedirs(durable)
+        if os.path.exists(os.path.join(durable + ".hidden", RUN_FILE)):
+            shutil.copyfile(os.path.join(durable + ".hidden", RUN_FILE), os.path.join(durable, RUN_FILE))
     before = line_counts(workdir)  # the resumed launch's records come after these, in each rank's file
     resume_nodes = nodes - 1 if kind == "resize" else nodes
     resume_areas = surviving if kind == "resize" else areas

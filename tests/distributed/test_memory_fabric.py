@@ -15,6 +15,7 @@ import signal
 from lightning_dcp import MemoryTier
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers.parts import PartStore
+from lightning_dcp.engine.tiers.runs import RUN_FILE
 from lightning_dcp.fabric import DCPDDPStrategy
 from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, save_result
@@ -51,11 +52,12 @@ def test_fabric_saves_to_memory_and_restores_from_a_replica(base):  # noqa: F811
             ("step-6", 0),
             ("step-6", 1),
         ]
-    assert sorted(os.listdir(f"{base}/durable")) == ["step-4"]  # persist_every=2: the second save
+    assert sorted(set(os.listdir(f"{base}/durable")) - {RUN_FILE}) == ["step-4"]  # persist_every=2: the second save
     assert Location(f"{base}/durable/step-4").is_committed()
 
     shutil.rmtree(f"{base}/shm1")  # node 1 lost with its memory, and no durable copy of step 6 anywhere
-    shutil.rmtree(f"{base}/durable")
+    for entry in set(os.listdir(f"{base}/durable")) - {RUN_FILE}:  # every durable checkpoint (the run stays)
+        shutil.rmtree(f"{base}/durable/{entry}")
     spawn(_load_worker, 4, base)  # node 1 (an empty area) gets its part from node 0's replica
     assert not any(name.startswith(".load") for name in os.listdir(f"{base}/shm0"))  # assembled copies removed
     assert_same(load_result(base, "saved", 3), load_result(base, "saved"), "the ranks' saved states")  # DDP: alike
@@ -99,7 +101,9 @@ def _durable_worker(rank: int, world_size: int, root: str) -> None:
 def test_fabric_persists_the_newest_memory_checkpoint_at_sigterm_then_stops_every_rank(base):  # noqa: F811
     spawn(_preempted_worker, 2, base)
     assert [load_result(base, "stopped", r)["after"] for r in (0, 1)] == [3, 3]  # every rank, at the same save
-    assert sorted(os.listdir(f"{base}/durable")) == ["step-3"]  # the newest memory checkpoint, and only it
+    assert sorted(set(os.listdir(f"{base}/durable")) - {RUN_FILE}) == [
+        "step-3"
+    ]  # the newest memory checkpoint, and only it
     assert Location(f"{base}/durable/step-3").is_committed()
     shutil.rmtree(f"{base}/shm0")
     shutil.rmtree(f"{base}/shm1")  # the machines are gone: the durable copy is all there is

@@ -35,6 +35,7 @@ from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.node_disks import PARTS_DIR
 from lightning_dcp.engine.tiers.parts import PartStore, complete
+from lightning_dcp.engine.tiers.runs import RUN_FILE
 from tests._faults import FaultProxy
 from tests._spawn import port_env, spawn
 from tests.distributed.test_memory_tier import base  # noqa: F401  (the fixture: a fresh directory under /dev/shm)
@@ -176,7 +177,9 @@ def test_persisted_on_node_local_disks_and_restored_after_a_cluster_restart(base
     spawn(_save, 4, base, disks, None, None)
     markers = set()
     for node in range(2):
-        assert os.listdir(f"{disks}/disk{node}") == [PARTS_DIR]  # nothing a shared-directory listing would take
+        assert sorted(set(os.listdir(f"{disks}/disk{node}")) - {RUN_FILE}) == [
+            PARTS_DIR
+        ]  # nothing a shared-directory listing would take
         assert committed_checkpoints(Location(f"{disks}/disk{node}")) == []
         parts = _disk(f"{disks}/disk{node}").parts()  # its own part and the peer's replica, of the newest 2
         assert sorted((p.name, p.node) for p in parts) == [("step=4", 0), ("step=4", 1), ("step=6", 0), ("step=6", 1)]

@@ -21,6 +21,7 @@ from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete
+from lightning_dcp.engine.tiers.runs import RUN_FILE
 from tests._spawn import spawn
 
 
@@ -60,6 +61,7 @@ def _load(rank: int, world_size: int, base: str, ranks_per_node: int) -> None:
 @pytest.fixture
 def base():
     path = f"/dev/shm/lightning_dcp-test-{uuid.uuid4().hex[:8]}"
+    os.makedirs(path)  # the areas below it are made when the tier is set up
     yield path
     shutil.rmtree(path, ignore_errors=True)
 
@@ -70,10 +72,11 @@ def test_memory_tier_replicates_and_restores_from_any_node(base):
     for area in areas:  # each node: its own part and its peer's replica of the newest checkpoint only
         assert sorted((p.name, p.node) for p in area.parts()) == [("step=3", 0), ("step=3", 1)]
     assert complete([(0, p) for p in areas[0].parts()])[0][1] == "step=3"
-    assert sorted(os.listdir(f"{base}/durable")) == ["step=2"]  # persist_every=2: the second save
+    assert sorted(set(os.listdir(f"{base}/durable")) - {RUN_FILE}) == ["step=2"]  # persist_every=2: the second save
     assert Location(f"{base}/durable/step=2").is_committed()
 
     shutil.rmtree(f"{base}/shm1")  # node 1 lost with its memory, and no durable tier to fall back on
-    shutil.rmtree(f"{base}/durable")
+    for entry in set(os.listdir(f"{base}/durable")) - {RUN_FILE}:  # every durable checkpoint (the run stays)
+        shutil.rmtree(f"{base}/durable/{entry}")
     spawn(_load, 4, base, 2)  # node 1 (an empty area) gets its part from node 0's replica
     spawn(_load, 2, base, 2)  # world size 2: one node, from its own part and the replica

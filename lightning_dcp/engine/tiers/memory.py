@@ -31,28 +31,25 @@ import logging
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.planner import WriteItemType
 
-from lightning_dcp._compat import tensor_version
 from lightning_dcp.engine import saving
 from lightning_dcp.engine.dcp_io import save_planner
 from lightning_dcp.engine.localfs import new_token, remove_path
-from lightning_dcp.engine.marker import parse_commit
-from lightning_dcp.engine.staging import StagingRaceError
 from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.engine.tiers.nodes import Topology, discover, leave, single_process
-from lightning_dcp.engine.tiers.parts import Part, PartStore, identity
+from lightning_dcp.engine.tiers.parts import Part, PartStore
 from lightning_dcp.engine.tiers.replication import replicate
+from lightning_dcp.engine.tiers.saves import Captured, InFlight, Saved
 from lightning_dcp.engine.tiers.shm_writer import Mappings, ShmWriter
-from lightning_dcp.errors import CheckpointError, checkpoint_failure
+from lightning_dcp.errors import CheckpointError, StorageAccessError, checkpoint_failure
 
-__all__ = ["LAST_ENTRY", "MemoryTier", "Saved"]
+__all__ = ["LAST_ENTRY", "MemoryTier", "Saved", "area_error"]
 
 LAST_ENTRY = "last"
 """A file in every memory area that designates "the newest checkpoint across the tiers" (``ckpt_path="last"``)."""
@@ -60,69 +57,6 @@ LAST_ENTRY = "last"
 log = logging.getLogger(__name__)
 
 Persister = Callable[["Saved", Part], None]
-
-
-DEFER_FROM = 1 << 20
-"""CPU tensors from this size on are copied behind an async save's call (parameters and optimizer state, in practice;
-optimizer steps wait for the copies); smaller ones are copied at the call."""
-
-
-class Saved:
-    """A checkpoint committed in memory by this run: what replication and persistence need to know of it."""
-
-    def __init__(self, name: str, metadata: bytes, marker: bytes, topology: Topology) -> None:
-        self.name, self.metadata, self.marker = name, metadata, marker
-        self.parsed = parse_commit(marker)
-        self.identity = identity(self.parsed)
-        self.files = {f: e["size"] for f, e in self.parsed["files"].items()}
-        self.node_files = {
-            j: sorted(f for f in self.files if any(f.startswith(f"__{r}_") for r in ranks))
-            for j, ranks in enumerate(topology.ranks)
-        }
-        self.persisted = False
-
-
-class _InFlight:
-    def __init__(self, name: str) -> None:
-        self.name = name
-        self.copied = threading.Event()
-        self.finished = threading.Event()
-        self.error: BaseException | None = None
-        self.versions: list[tuple[str, torch.Tensor, int]] = []
-        self.thread: threading.Thread | None = None
-
-    def on_copied(self) -> None:
-        """Called once this rank's tensors are copied: check that none changed meanwhile, then let steps go on."""
-        try:
-            for fqn, source, version in self.versions:
-                if tensor_version(source) != version:
-                    raise StagingRaceError(
-                        f"{fqn!r} was modified in place while a memory-tier save was copying it, outside an"
-                        " optimizer step (which waits for the copies); the save was dropped rather than written torn."
-                    )
-        finally:
-            self.copied.set()
-            STEP_GATE.release(self.copied)
-
-
-class _Captured:
-    """The planner's data as the save call saw it: objects and small tensors copied, large tensors referenced."""
-
-    def __init__(self, planner: Any, items: list, inflight: _InFlight) -> None:
-        self.data: dict[Any, Any] = {}
-        for item in items:
-            data = planner.resolve_data(item)
-            if item.type != WriteItemType.BYTE_IO:
-                source = data.detach()
-                if source.device.type == "cpu" and source.nbytes >= DEFER_FROM:
-                    inflight.versions.append((item.index.fqn, source, tensor_version(source)))
-                    data = source
-                else:
-                    data = source.to("cpu", copy=True)
-            self.data[item.index] = data
-
-    def resolve_data(self, item: Any) -> Any:
-        return self.data[item.index]
 
 
 class MemoryTier:
@@ -168,11 +102,7 @@ class MemoryTier:
         self.memory_dir = os.path.abspath(os.fspath(memory_dir))
         self.replicas, self.keep, self.async_save = replicas, keep, async_save
         self.persist_every, self.persist_every_seconds = persist_every, persist_every_seconds
-        self.store = PartStore(self.memory_dir)
-        sentinel = os.path.join(self.memory_dir, LAST_ENTRY)
-        if not os.path.exists(sentinel):
-            with open(sentinel, "w") as f:
-                f.write("lightning_dcp memory tier: loading this path loads the newest checkpoint of every tier.\n")
+        self.store = PartStore(self.memory_dir, create=False)  # the area is made at :meth:`setup`
         self.mappings = Mappings()
         self.topology: Topology | None = None
         self.group: dist.ProcessGroup | None = None
@@ -180,6 +110,11 @@ class MemoryTier:
         self.highest = 0
         """The largest save counter of any checkpoint in the areas when the tier was set up, raised to the largest on
         node-local disks by :func:`~lightning_dcp.engine.tiers.recovery.restorable`."""
+        self.run: str | None = None
+        """The token of the run whose parts this tier saves and restores (:mod:`~lightning_dcp.engine.tiers.runs`;
+        set by the checkpointer from the durable directory, ``None`` while it holds none)."""
+        self.run_known = False  # whether :attr:`run` was resolved from the durable directory (once per tier)
+        self.warned_foreign, self.origin = False, ""  # origin: where the last restore's copy came from, in words
         self.persister: Persister | None = None
         """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over :attr:`group`."""
         self.saved: list[Saved] = []
@@ -187,7 +122,7 @@ class MemoryTier:
         self.timings: dict[str, float] = {}
         """Seconds of each step of the last save: ``stage`` (a synchronous save's planning and copy, in the call),
         ``write`` (from the call's planning to the commit), ``replicate``, ``persist``."""
-        self._inflight: _InFlight | None = None
+        self._inflight: InFlight | None = None
         self._saves = 0
         self._persisted_at = time.monotonic()
 
@@ -196,6 +131,7 @@ class MemoryTier:
         """Join the tier's gloo group and find the nodes, once. Collective when ``distributed``."""
         if self.topology is not None:
             return self.topology
+        error = self.open_area()
         self.distributed = distributed
         if distributed:
             self.group = dist.new_group(backend="gloo")
@@ -203,11 +139,38 @@ class MemoryTier:
         else:
             self.topology = single_process()
         atexit.register(_close_at_exit, weakref.ref(self))
+        own = max((part.key[0] for part in self.store.parts()), default=0) if error is None else 0
+        answers = self.gather((error, own))  # one exchange: whether every area opened, and the newest counters
+        failed = list(dict.fromkeys(e for e, _ in answers if e is not None))
+        if failed:
+            raise area_error(failed)
         if self.topology.leader:
             self.store.remove_stale()
-        own = max((part.key[0] for part in self.store.parts()), default=0)
-        self.highest = max(self.gather(own))
+        self.highest = max(o for _, o in answers)
+        if self.replicas > 0 and self.topology.nodes == 1 and self.topology.rank == 0:
+            warnings.warn(
+                f"lightning_dcp: `replicas={self.replicas}` but every rank shares one memory area ({self.memory_dir}):"
+                " one node, so no copy is made on another node, and losing this machine loses the memory"
+                " checkpoints (the persisted ones stay). Pass `replicas=0` to say so, or run on several nodes.",
+                stacklevel=3,
+            )
         return self.topology
+
+    def open_area(self) -> str | None:
+        """Create the memory area and its ``last`` entry (this rank); what failed, or ``None``. Any rank, no I/O else.
+
+        Nothing is created before a front end sets the tier up, so a tier refused at set-up leaves no trace.
+        """
+        sentinel = os.path.join(self.memory_dir, LAST_ENTRY)
+        try:
+            os.makedirs(self.memory_dir, exist_ok=True)
+            with open(sentinel, "a") as f:  # opened for writing even when it exists: a read-only area fails here
+                if not f.tell():
+                    f.write("lightning_dcp memory tier: loading this path loads the newest checkpoint of every tier.\n")
+        except OSError as err:
+            where = getattr(err, "filename", None) or self.memory_dir
+            return f"{where!r} ({type(err).__name__}: {err.strerror or err})"
+        return None
 
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (rank order). Collective over the tier's group."""
@@ -248,18 +211,19 @@ class MemoryTier:
         token, persist = self.broadcast((new_token(), self._persist_due()) if topology.rank == 0 else None)
         staging = self.store.staging(name, topology.node, token)
         self.mappings.prune()
-        if topology.leader:
-            self.store.take_slot(staging)
-        inflight = _InFlight(name)
+        inflight = InFlight(name)
         writer = ShmWriter(staging, mappings=self.mappings, on_copied=inflight.on_copied)
         writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
+        if topology.leader:
+            writer.on_setup = lambda: self.store.take_slot(staging)
         planner = save_planner(writers=topology.world_size)
         started = time.perf_counter()
         self.timings = {}
         try:
             prepared = saving.prepare(state, writer=writer, planner=planner, group=self.group, distributed=distributed)
         except saving.RankFailure as err:
-            raise checkpoint_failure(err, f"Saving {name!r} to the memory tier failed") from err
+            self._drop(staging)
+            raise checkpoint_failure(err, f"Saving {name!r} to the memory tier {self.memory_dir!r} failed") from err
         failed = None
         if not self.async_save:
             try:
@@ -268,7 +232,7 @@ class MemoryTier:
                 failed = err
             self.timings["stage"] = time.perf_counter() - started
         else:
-            prepared.planner = _Captured(planner, prepared.plan.items, inflight)
+            prepared.planner = Captured(planner, prepared.plan.items, inflight)
             if inflight.versions:
                 STEP_GATE.hold(inflight.copied)
         self._inflight = inflight
@@ -307,6 +271,7 @@ class MemoryTier:
                     files=saved.node_files[self.topology.node],
                     metadata=metadata,
                     marker=marker,
+                    run=self.run,
                 )
             except Exception as err:
                 error = err
@@ -316,7 +281,7 @@ class MemoryTier:
 
     def _background(
         self,
-        inflight: _InFlight,
+        inflight: InFlight,
         prepared: Any,
         name: str,
         staging: str,
@@ -325,7 +290,11 @@ class MemoryTier:
         started: float,
     ) -> None:
         try:
-            saved = self._write(prepared, name, staging, failed=failed)
+            try:
+                saved = self._write(prepared, name, staging, failed=failed)
+            except BaseException:
+                self._drop(staging)  # every rank of the node is done with it (the write's exchange)
+                raise
             self.timings["write"] = time.perf_counter() - started
             self._after_commit(saved, persist=persist)
         except BaseException as err:
@@ -340,19 +309,21 @@ class MemoryTier:
         topology = self.topology
         if topology.nodes > 1 and self.replicas > 0:
             began = time.perf_counter()
-            replicate(
-                self.store,
-                topology,
-                name=saved.name,
-                files=saved.files,
-                node_files=saved.node_files,
-                replicas=self.replicas,
-                own_dir=os.path.join(self.store.root, f"{saved.name}@{topology.node}"),
-                metadata=saved.metadata,
-                marker=saved.marker,
-                token=self.broadcast(new_token() if topology.rank == 0 else None),
-                group=self.group,
-            )
+            try:
+                self._replicate(saved)
+            except saving.RankFailure as err:  # on every rank: the save is dropped, the older ones stay
+                self.saved = [s for s in self.saved if s is not saved]
+                if topology.leader:
+                    for part in self.store.parts():
+                        if (part.name, part.identity) == (saved.name, saved.identity):
+                            self.store.uncommit(part.path)
+                            remove_path(part.path)
+                raise checkpoint_failure(
+                    err,
+                    f"Replicating {saved.name!r} to {self.replicas} other node(s) failed; it was dropped from the"
+                    " memory tier (the older checkpoints stay). Give every memory area room for"
+                    " `(keep + 1) x (1 + replicas)` parts, or lower `replicas` or `keep`",
+                ) from err
             self.timings["replicate"] = time.perf_counter() - began
         self.gather(None)  # every node holds its replicas before anything older goes
         if topology.leader:
@@ -360,11 +331,33 @@ class MemoryTier:
         if persist:
             self.persist(saved)
 
+    def _replicate(self, saved: Saved) -> None:
+        topology = self.topology
+        replicate(
+            self.store,
+            topology,
+            name=saved.name,
+            files=saved.files,
+            node_files=saved.node_files,
+            replicas=self.replicas,
+            own_dir=os.path.join(self.store.root, f"{saved.name}@{topology.node}"),
+            metadata=saved.metadata,
+            marker=saved.marker,
+            token=self.broadcast(new_token() if topology.rank == 0 else None),
+            group=self.group,
+            run=self.run,
+        )
+
+    def _drop(self, staging: str) -> None:
+        """Remove the staging directory of a save that failed (its node's leader; nothing writes there any more)."""
+        if self.topology.leader:
+            remove_path(staging)
+
     def evict(self) -> None:
         """Remove this node's parts of every checkpoint but the newest ``keep`` this run committed (leader)."""
         keep = {(s.name, s.identity) for s in self.saved}
         for part in self.store.parts():
-            if (part.name, part.identity) in keep:
+            if (part.name, part.identity) in keep or part.run != self.run:  # another run's: never ours to remove
                 continue
             if part.node == self.topology.node:
                 self.store.free(part, slots=1)
@@ -435,6 +428,14 @@ class MemoryTier:
             self.mappings.close()
             group, self.group, self.topology = self.group, None, None
             leave(group)
+
+
+def area_error(failed: list[str]) -> StorageAccessError:
+    """The error for memory areas that cannot be created or written (``failed``: what :meth:`open_area` said)."""
+    return StorageAccessError(
+        f"The memory area cannot be written: {'; '.join(failed)}. Give `memory_dir` a directory on a tmpfs that every"
+        " rank of the node can create and write (e.g. `/dev/shm/<user>-<run>`)."
+    )
 
 
 def _close_at_exit(ref: weakref.ref) -> None:

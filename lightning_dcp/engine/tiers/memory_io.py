@@ -22,7 +22,7 @@ from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.lookup import designates_last
 from lightning_dcp.engine.restore import Loaded, load_one
 from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.tiers import recovery
+from lightning_dcp.engine.tiers import recovery, runs
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY
 from lightning_dcp.engine.tiers.persist import Persistence
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, checkpoint_failure
@@ -75,7 +75,12 @@ def save_to_memory(
         memory.wait()  # the tier's group carries one collective at a time
         recovery.restorable(memory)  # counters go on above the parts on node-local disks (hidden from listings)
     rank, world_size = rank_and_world(collective)
-    counter = on_rank0(collective, lambda: checkpointer.next_counter(location))
+    directory, claim = checkpointer.memory_directory, memory.run is None
+    counter, memory.run = on_rank0(
+        collective,
+        lambda: (checkpointer.next_counter(location), runs.claim(directory) if claim else memory.run),
+    )
+    memory.run_known = True
     state = layout.build_state(
         tree,
         objects=objects if rank == 0 else None,
@@ -98,7 +103,8 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
     memory.wait()
     memory.setup(distributed=distributed(collective))
     directory = checkpointer.memory_directory
-    durable = on_rank0(collective, lambda: _newest_durable(checkpointer, directory))
+    durable = on_rank0(collective, lambda: (_newest_durable(checkpointer, directory), _run(checkpointer)))
+    durable = _known_run(checkpointer, durable)
     failures = []
     for key, name, ident in recovery.restorable(memory):
         if durable is not None and key < durable:
@@ -111,16 +117,18 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
         loaded, failure = None, None
         try:
             loaded = load_one(Location(into), collective=collective, node_local=True, **options)
-        except StateDictMismatchError:
+        except StateDictMismatchError as err:
             recovery.release(memory, into)
-            raise
+            raise _named(err, into, f"{name!r} in the memory tier ({memory.memory_dir})") from None
         except Exception as err:
-            failure = checkpoint_failure(err, f"Loading {name!r} from the memory tier failed")
+            failure = _named(checkpoint_failure(err, f"Loading {name!r} from the memory tier failed"), into, name)
         failures_seen = [f for f in memory.gather(failure) if f is not None]
         recovery.release(memory, into)
         if not failures_seen:
             loaded.url = directory.child(name).url if directory is not None else name
             loaded.tier = "memory"
+            persisted = " (not persisted)" if durable is None or key > durable else ""
+            loaded.source = f"{name!r} from the memory tier{persisted}: {memory.origin}"
             _warn(failures, loaded.url)
             return loaded
         failures.append((name, failures_seen[0]))
@@ -136,9 +144,26 @@ def anything(checkpointer: Checkpointer, *, collective: bool) -> bool:
     memory = checkpointer.memory
     memory.wait()
     memory.setup(distributed=distributed(collective))
-    if recovery.restorable(memory):
-        return True
-    return on_rank0(collective, lambda: _newest_durable(checkpointer, checkpointer.memory_directory)) is not None
+    directory = checkpointer.memory_directory
+    durable = on_rank0(collective, lambda: (_newest_durable(checkpointer, directory), _run(checkpointer)))
+    return _known_run(checkpointer, durable) is not None or bool(recovery.restorable(memory))
+
+
+def _run(checkpointer: Checkpointer) -> str | None:
+    """The run token of the tier's durable directory (rank 0; see :mod:`~lightning_dcp.engine.tiers.runs`)."""
+    memory, directory = checkpointer.memory, checkpointer.memory_directory
+    if memory.run_known or directory is None:
+        return memory.run
+    return runs.read(directory)
+
+
+def _known_run(checkpointer: Checkpointer, answer: tuple) -> tuple | None:
+    """Record rank 0's run token on this rank's tier (once a directory is bound); return the durable order key."""
+    durable, run = answer
+    memory = checkpointer.memory
+    if checkpointer.memory_directory is not None:
+        memory.run, memory.run_known = run, True
+    return durable
 
 
 def _newest_durable(checkpointer: Checkpointer, directory: Location | None) -> tuple | None:
@@ -155,6 +180,14 @@ def _newest_durable(checkpointer: Checkpointer, directory: Location | None) -> t
         rank_zero_warn(f"lightning_dcp: the durable tiers of {directory.url!r} cannot be listed ({err}).")
         return None
     return found[0][0] if found else None
+
+
+def _named(err: Exception, into: str, shown: str) -> Exception:
+    """``err`` naming the checkpoint as the user knows it, not the temporary copy assembled to load it."""
+    if isinstance(err, StateDictMismatchError):
+        err.path = shown
+    err.args = (str(err).replace(repr(into), shown).replace(into, shown),)
+    return err
 
 
 def _warn(failures: list[tuple[str, CheckpointError]], used: str) -> None:

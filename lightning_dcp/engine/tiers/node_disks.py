@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_dcp.engine.localfs import STAGING_INFIX, new_token, remove_path
 from lightning_dcp.engine.marker import METADATA_FILE, parse_commit
+from lightning_dcp.engine.saving import RankFailure
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.tiers.parts import PartStore, identity, part_name
 from lightning_dcp.engine.tiers.upload import abandon, begin, finish, remove_committed
@@ -117,9 +118,11 @@ def everywhere(tier: MemoryTier, fn: Callable[[], Any], *, failure: str) -> None
     error = None
     try:
         fn()
+    except RankFailure as err:  # already agreed by every rank (the same on each): said once
+        error = str(err)
     except Exception as err:
         error = f"node {tier.topology.node} (rank {tier.topology.rank}): {type(err).__name__}: {err}"
-    failed = [e for e in tier.gather(error) if e is not None]
+    failed = list(dict.fromkeys(e for e in tier.gather(error) if e is not None))
     if failed:
         raise CheckpointError(f"{failure}: {'; '.join(failed)}")
 

@@ -29,7 +29,7 @@ from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, MarkerError,
 __all__ = ["FREE_PREFIX", "LOAD_PREFIX", "PART_FILE", "Part", "PartStore", "complete", "identity", "part_name"]
 
 PART_FILE = ".part"
-"""In a part directory: ``{"node": j, "nodes": N, "files": [names]}``, written before ``.commit``."""
+"""In a part directory: ``{"node": j, "nodes": N, "files": [names], "run": token}``, written before ``.commit``."""
 FREE_PREFIX = ".free-"
 """A free slot: an evicted part of this node whose files the next save overwrites."""
 LOAD_PREFIX = ".load-"
@@ -58,6 +58,7 @@ class Part:
         files: The data files of this part.
         marker: The checkpoint's parsed ``.commit`` (the same in every part).
         path: The part directory.
+        run: The token of the run that saved it (:mod:`~lightning_dcp.engine.tiers.runs`); ``None``: unknown.
     """
 
     name: str
@@ -66,6 +67,7 @@ class Part:
     files: list[str]
     marker: dict[str, Any]
     path: str
+    run: str | None = None
 
     @property
     def key(self) -> tuple:
@@ -101,19 +103,21 @@ class PartStore:
     """The committed parts, staging directories and free slots of one node-local directory.
 
     Args:
-        root: The directory (created when needed).
+        root: The directory (created now unless ``create`` is false).
         sync: Commit durably (a disk): the markers and directories are fsynced before and after the rename.
+        create: Create ``root`` now.
     """
 
-    def __init__(self, root: str, *, sync: bool = False) -> None:
+    def __init__(self, root: str, *, sync: bool = False, create: bool = True) -> None:
         self.root = os.path.abspath(root)
         self.sync = sync
-        os.makedirs(self.root, exist_ok=True)
+        if create:
+            os.makedirs(self.root, exist_ok=True)
 
     def parts(self) -> list[Part]:
         """Every committed part here (a part whose files or markers are unreadable is skipped)."""
         found = []
-        for entry in sorted(os.listdir(self.root)):
+        for entry in sorted(os.listdir(self.root) if os.path.isdir(self.root) else []):
             if entry.startswith(".") or "@" not in entry:
                 continue
             part = self.read(entry)
@@ -133,7 +137,9 @@ class PartStore:
                 return None
         except (OSError, ValueError, KeyError, TypeError, MarkerError):
             return None
-        return Part(name=name, node=int(node), nodes=nodes, files=files, marker=marker, path=path)
+        run = part.get("run")
+        run = run if isinstance(run, str) else None
+        return Part(name=name, node=int(node), nodes=nodes, files=files, marker=marker, path=path, run=run)
 
     def staging(self, name: str, node: int, token: str) -> str:
         """The hidden staging directory of a part being written or received (not created)."""
@@ -149,13 +155,17 @@ class PartStore:
         files: list[str],
         metadata: bytes,
         marker: bytes,
+        run: str | None = None,
     ) -> str:
         """Make the staging directory the committed part ``{name}@{node}``: markers in, then one rename.
 
-        An existing part of that name (a checkpoint saved again under its name) is replaced once the new one is in
-        place. Returns the part's path.
+        ``run`` (the saving run's token) is recorded in ``.part``. An existing part of that name (a checkpoint saved
+        again under its name) is replaced once the new one is in place. Returns the part's path.
         """
-        part = json.dumps({"node": node, "nodes": nodes, "files": files}).encode()
+        fields: dict[str, Any] = {"node": node, "nodes": nodes, "files": files}
+        if run is not None:
+            fields["run"] = run
+        part = json.dumps(fields).encode()
         for entry, data in ((METADATA_FILE, metadata), (PART_FILE, part), (COMMIT_FILE, marker)):
             _write(os.path.join(staging, entry), data, sync=self.sync)
         if self.sync:

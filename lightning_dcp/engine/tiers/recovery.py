@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -49,7 +50,7 @@ def restorable(tier: MemoryTier) -> list[tuple[tuple, str, tuple]]:
     own = []
     if tier.topology.leader:
         for store in _stores(tier):
-            for part in store.parts():
+            for part in _ours(tier, store):
                 slim = {k: part.marker[k] for k in _SLIM if k in part.marker}
                 own.append((part.name, part.node, part.nodes, part.files, slim))
     parts = [
@@ -59,6 +60,28 @@ def restorable(tier: MemoryTier) -> list[tuple[tuple, str, tuple]]:
     ]
     tier.highest = max([tier.highest, *(part.key[0] for _, part in parts)])
     return complete(parts)
+
+
+def _ours(tier: MemoryTier, store: PartStore) -> list[Part]:
+    """The parts of ``store`` that this run may restore; another run's, in the memory area, are ignored with a warning.
+
+    Parts on a node's disk lie in this run's durable directory and are always its own.
+    """
+    parts = store.parts()
+    if store is not tier.store or not tier.run_known:
+        return parts  # no durable directory bound: the area's parts are taken as they are
+    ours = [p for p in parts if tier.run is not None and p.run == tier.run]
+    others = sorted({p.name for p in parts if p not in ours})
+    if others and not tier.warned_foreign:
+        tier.warned_foreign = True
+        warnings.warn(
+            f"lightning_dcp: the memory area {tier.store.root!r} holds checkpoints of another run ({others}): they"
+            " are not this run's (its durable directory holds another run token, or none yet), so they are ignored,"
+            " not resumed, and left in place. Give every run its own `memory_dir` (e.g. `/dev/shm/<user>-<run>`), and"
+            " remove an old run's area once it is done with it.",
+            stacklevel=4,
+        )
+    return ours
 
 
 def _stores(tier: MemoryTier) -> list[PartStore]:
@@ -75,7 +98,7 @@ def _held(tier: MemoryTier, name: str, identity: tuple) -> dict[str, str]:
     """The files of checkpoint ``name`` this node holds (own part and replicas), with their paths, memory first."""
     held = {}
     for store in _stores(tier):
-        for part in store.parts():
+        for part in _ours(tier, store):
             if part.name == name and part.identity == identity:
                 for f in [*part.files, METADATA_FILE, COMMIT_FILE]:
                     held.setdefault(f, os.path.join(part.path, f))
@@ -103,6 +126,7 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
             payload = (f.read(), g.read(), new_token())
     metadata, marker, token = tier.broadcast(payload, src=source)
     files = {f: e["size"] for f, e in parse_commit(marker)["files"].items()}
+    tier.origin = _origin(tier, held, files)
     into = os.path.join(_assembly_root(tier, held), f"{LOAD_PREFIX}{token}")
     transfers = []
     for node in range(topology.nodes):
@@ -142,6 +166,23 @@ def assemble(tier: MemoryTier, name: str, identity: tuple) -> str:
             remove_path(into)
         raise
     return into
+
+
+def _origin(tier: MemoryTier, held: dict[str, str], files: dict[str, int]) -> str:
+    """Where this node's copy comes from, in words: its area (own part, replicas), its disk, peers' areas."""
+    topology, bits = tier.topology, []
+    own = [f for f, path in held.items() if f in files and path.startswith(tier.store.root + os.sep)]
+    mine = [f for f in own if any(f.startswith(f"__{r}_") for r in topology.ranks[topology.node])]
+    if mine:
+        bits.append(f"this node's own part in {tier.store.root}")
+    if len(own) > len(mine):
+        bits.append(f"a replica of a peer node's part in {tier.store.root}")
+    if len(own) < len([f for f in held if f in files]):
+        bits.append("this node's disk")
+    fetched = len([f for f in files if f not in held])
+    if fetched:
+        bits.append(f"{fetched} file(s) fetched from peer nodes' areas or disks")
+    return ", ".join(bits) or "nothing held here"
 
 
 def _assembly_root(tier: MemoryTier, held: dict[str, str]) -> str:
@@ -191,6 +232,6 @@ def shared_path(tier: MemoryTier, directory: str) -> str:
         raise CheckpointError(
             f"Loading from the memory tier by one path needs the same `memory_dir` on every machine; the ranks have"
             f" {sorted({os.path.dirname(path) for _, path in seen})}. Give every node the same path (e.g."
-            " `/dev/shm/run1`)."
+            " `/dev/shm/<user>-<run>`)."
         )
     return directory

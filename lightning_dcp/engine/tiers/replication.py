@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import os
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+from lightning_dcp.engine.localfs import remove_path
+from lightning_dcp.engine.saving import RankFailure, agree
 from lightning_dcp.engine.tiers.nodes import Topology
 from lightning_dcp.engine.tiers.parts import PartStore
 
@@ -61,49 +64,93 @@ def replica_transfers(topology: Topology, files: dict[str, int], replicas: int) 
 
 
 def run_transfers(
-    transfers: list[Transfer], *, rank: int, sources: dict[str, str], into: str, group: dist.ProcessGroup
+    transfers: list[Transfer],
+    *,
+    rank: int,
+    sources: dict[str, str],
+    into: str | Callable[[Transfer], str],
+    group: dist.ProcessGroup | None,
+    failed: BaseException | None = None,
 ) -> list[str]:
-    """Post this rank's sends and receives of ``transfers`` (in that order), then wait for all of them.
+    """Map this rank's files of ``transfers``, agree that every rank could, then send and receive them all.
+
+    Each rank first maps the files it sends and creates the files it receives with their memory reserved
+    (``posix_fallocate``: a full area fails here with ``ENOSPC``, never with SIGBUS mid-transfer); one exchange
+    then tells every rank whether any rank failed, before any message is posted, so a rank that cannot take part
+    never leaves a peer waiting for its messages. Sends and receives are then posted in the list's order (gloo
+    matches a pair's messages in order) and waited for.
 
     Args:
         transfers: The whole list, the same on every rank.
         rank: This process's global rank.
         sources: Local paths of the files this rank sends, by name.
-        into: The directory where received files are written (created when needed).
-        group: The gloo group (every rank of it calls this).
+        into: The directory where received files are written (created when needed), or a function giving it for
+            each transfer.
+        group: The gloo group (``None``: a single process, which has nothing to send).
+        failed: This rank's failure before the transfers (e.g. a directory it could not create): it fails them
+            on every rank, in the same exchange.
+
+    Collective: call on all ranks of ``group``, with the same ``transfers``, whether a rank takes part or not.
 
     Returns:
         The names of the files received.
+
+    Raises:
+        RankFailure: Some rank could not map or create its files (or came with ``failed``); on every rank, with
+            the lowest such rank's error. Files this rank created for the transfers are removed.
     """
-    pending, keep, received = [], [], []
-    for transfer in transfers:
-        if transfer.src == rank and transfer.dst == rank:
-            continue
-        if transfer.src == rank:
-            buffer, mapped = _map(sources[transfer.file], transfer.size, create=False)
-        elif transfer.dst == rank:
-            os.makedirs(into, exist_ok=True)
-            buffer, mapped = _map(os.path.join(into, transfer.file), transfer.size, create=True)
-            received.append(transfer.file)
-        else:
-            continue
-        keep.append((buffer, mapped))
-        for begin in range(0, transfer.size, _PIECE):
-            piece = buffer[begin : begin + _PIECE]
-            if transfer.src == rank:
-                pending.append(dist.isend(piece, transfer.dst, group=group))
-            else:
-                pending.append(dist.irecv(piece, transfer.src, group=group))
+    keep: list[tuple[Transfer, torch.Tensor, mmap.mmap | None]] = []
+    created: list[str] = []
+    error = failed
+    if error is None:
+        try:
+            for transfer in transfers:
+                if transfer.src == transfer.dst or rank not in (transfer.src, transfer.dst):
+                    continue
+                if transfer.src == rank:
+                    buffer, mapped = _map(sources[transfer.file], transfer.size, create=False)
+                else:
+                    directory = into if isinstance(into, str) else into(transfer)
+                    os.makedirs(directory, exist_ok=True)
+                    created.append(os.path.join(directory, transfer.file))
+                    buffer, mapped = _map(created[-1], transfer.size, create=True)
+                keep.append((transfer, buffer, mapped))
+        except Exception as err:
+            error = err
     try:
+        agree(error, group=group, distributed=group is not None)  # no group: one process, nothing to exchange
+        pending = []
+        for transfer, buffer, _ in keep:
+            for begin in range(0, transfer.size, _PIECE):
+                piece = buffer[begin : begin + _PIECE]
+                if transfer.src == rank:
+                    pending.append(dist.isend(piece, transfer.dst, group=group))
+                else:
+                    pending.append(dist.irecv(piece, transfer.src, group=group))
         for request in pending:
             request.wait()
-    finally:
-        for buffer, mapped in keep:
-            del buffer
-            if mapped is not None:
-                mapped.close()
-        keep.clear()
-    return received
+    except BaseException:
+        _unmap(keep)
+        for path in created:
+            _remove(path)
+        raise
+    _unmap(keep)
+    return [os.path.basename(path) for path in created]
+
+
+def _unmap(keep: list[tuple[Transfer, torch.Tensor, mmap.mmap | None]]) -> None:
+    while keep:
+        _, buffer, mapped = keep.pop()
+        del buffer
+        if mapped is not None:
+            mapped.close()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 def replicate(
@@ -119,6 +166,7 @@ def replicate(
     marker: bytes,
     token: str,
     group: dist.ProcessGroup,
+    run: str | None = None,
 ) -> None:
     """Copy each node's part of the checkpoint ``name`` to ``replicas`` other nodes and commit the replicas there.
 
@@ -126,41 +174,45 @@ def replicate(
     node never holds a torn replica. Collective over ``group``.
 
     Raises:
-        RuntimeError: A rank failed to send or receive (every rank raises); no replica was committed by then on a
-            node whose receptions failed.
+        RankFailure: A rank failed to make room for, send, receive or commit a replica (every rank raises, with the
+            lowest such rank's error); the staging directories are removed, and a replica of ``name`` committed on
+            another node by then is left for the caller to drop.
     """
     transfers = replica_transfers(topology, files, replicas)
     staging = {j: store.staging(name, j, token) for j in range(topology.nodes)}
     sources = {f: os.path.join(own_dir, f) for f in files if os.path.exists(os.path.join(own_dir, f))}
+    incoming = [j for j in range(topology.nodes) if topology.node in topology.replica_nodes(j, replicas)]
     error = None
     try:
-        for j in range(topology.nodes):  # the staging directory of each incoming part (even one this rank gets
-            if topology.node in topology.replica_nodes(j, replicas):  # nothing of: its leader commits it), then
-                os.makedirs(staging[j], exist_ok=True)  # the transfers
-        mine = [t for t in transfers if topology.rank in (t.src, t.dst)]
-        for source_node in range(topology.nodes):
-            part = [t for t in mine if topology.node_of(t.src) == source_node]
-            if part:
-                run_transfers(part, rank=topology.rank, sources=sources, into=staging[source_node], group=group)
+        for j in incoming:  # the staging directory of each incoming part (even one this rank gets nothing of: its
+            os.makedirs(staging[j], exist_ok=True)  # leader commits it), then the transfers
     except Exception as err:
-        error = f"rank {topology.rank}: {type(err).__name__}: {err}"
-    errors: list = [None] * topology.world_size
-    dist.all_gather_object(errors, error, group=group)
-    failed = [e for e in errors if e is not None]
-    if not failed and topology.leader:
-        for j in range(topology.nodes):
-            if topology.node in topology.replica_nodes(j, replicas):
-                store.commit(
-                    staging[j],
-                    name=name,
-                    node=j,
-                    nodes=topology.nodes,
-                    files=node_files[j],
-                    metadata=metadata,
-                    marker=marker,
-                )
-    if failed:
-        raise RuntimeError(f"Replicating {name!r} failed: {'; '.join(failed)}")
+        error = err
+    try:
+        into = lambda t: staging[topology.node_of(t.src)]  # noqa: E731
+        run_transfers(transfers, rank=topology.rank, sources=sources, into=into, group=group, failed=error)
+        error = None
+        if topology.leader:
+            try:
+                for j in incoming:
+                    store.commit(
+                        staging[j],
+                        name=name,
+                        node=j,
+                        nodes=topology.nodes,
+                        files=node_files[j],
+                        metadata=metadata,
+                        marker=marker,
+                        run=run,
+                    )
+            except Exception as err:
+                error = err
+        agree(error, group=group, distributed=True)
+    except RankFailure:
+        if topology.leader:
+            for j in incoming:
+                remove_path(staging[j])
+        raise
 
 
 def _map(path: str, size: int, *, create: bool) -> tuple[torch.Tensor, mmap.mmap | None]:
@@ -172,6 +224,7 @@ def _map(path: str, size: int, *, create: bool) -> tuple[torch.Tensor, mmap.mmap
     try:
         if create:
             os.ftruncate(fd, size)
+            os.posix_fallocate(fd, 0, size)  # a full area: ENOSPC now, not SIGBUS when the bytes arrive
         mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED)
     finally:
         os.close(fd)

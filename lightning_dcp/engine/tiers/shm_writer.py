@@ -8,11 +8,11 @@ records in ``.commit``), which costs a second read of the bytes but none of the 
 pieces in one pass took 1.27x a plain copy here, a copy then a background hash 1.0x in the call.
 
 Tensors come first, in a stable order, then the serialized objects (their size changes from save to save), so a
-file's tensor records keep their offsets from one save to the next. The file is allocated with some room to spare
-and reused: a save overwrites the file of an evicted part (:class:`~lightning_dcp.engine.tiers.parts.PartStore`
-free slots) through the mapping this process already holds (:class:`Mappings`), at the speed of a memory copy, with
-no page to allocate or fault in. The file may be longer than its records (``.commit`` records the size they span;
-readers accept longer files, and copies to other tiers take the recorded size).
+file's tensor records keep their offsets from one save to the next. The file is exactly as long as its records, its
+memory reserved before anything is copied (a full area fails the save with ``ENOSPC``, never with SIGBUS), and
+reused: a save overwrites the file of an evicted part (:class:`~lightning_dcp.engine.tiers.parts.PartStore` free
+slots) through the mapping this process already holds (:class:`Mappings`, which maps some room beyond the file's end
+so the file can grow in place), at the speed of a memory copy, with no page to allocate or fault in.
 
 The coordinator's :meth:`ShmWriter.finish` writes ``.metadata`` and keeps the ``.commit`` marker in
 :attr:`ShmWriter.marker` instead of writing it: the memory tier commits each node's part itself.
@@ -64,21 +64,30 @@ class Mappings:
         self._maps: dict[tuple[int, int], tuple[mmap.mmap, int]] = {}
 
     def open(self, path: str, size: int) -> mmap.mmap:
-        """A writable mapping of ``path`` of at least ``size`` bytes (the file is created or grown as needed)."""
+        """A writable mapping of ``path`` whose first ``size`` bytes are backed by memory reserved in the area.
+
+        The file is given exactly ``size`` bytes, reserved up front (``posix_fallocate``): a full area fails here
+        with ``ENOSPC`` (an ``OSError``), never later with SIGBUS on a write into the mapping, and ``ls``/``du``
+        show what the records take. The mapping itself spans some room beyond (virtual only), so a file whose
+        objects grow from one save to the next is grown in place, without a new mapping.
+
+        Raises:
+            OSError: The area is full (``ENOSPC``) or cannot be written.
+        """
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         st = os.fstat(fd)
         key = (st.st_dev, st.st_ino)
         cached = self._maps.get(key)
-        if cached is not None and len(cached[0]) >= size and st.st_size == len(cached[0]):
+        if cached is not None and len(cached[0]) >= size:
             os.close(fd)
+            _fit(cached[1], size, st.st_size, reserved=min(st.st_size, size))
             return cached[0]
         try:
             capacity = -(-(size + _ROOM) // _GRANULE) * _GRANULE
             if st.st_size < capacity:
-                os.ftruncate(fd, capacity)
-            else:
-                capacity = st.st_size
-            mapped = mmap.mmap(fd, capacity, flags=mmap.MAP_SHARED)
+                os.ftruncate(fd, capacity)  # Python maps no further than the file's end
+            mapped = mmap.mmap(fd, max(capacity, st.st_size), flags=mmap.MAP_SHARED)
+            _fit(fd, size, max(capacity, st.st_size), reserved=0)
         except BaseException:
             os.close(fd)
             raise
@@ -107,6 +116,18 @@ class Mappings:
             self._drop(key)
 
 
+def _fit(fd: int, size: int, length: int, *, reserved: int) -> None:
+    """Give the file ``fd`` (now ``length`` bytes, the first ``reserved`` reserved) exactly ``size`` bytes, reserved.
+
+    A file reused through its mapping had every byte of its last size reserved by the save that wrote it; only what
+    it grows by is reserved anew.
+    """
+    if length != size:
+        os.ftruncate(fd, size)
+    if size > reserved:
+        os.posix_fallocate(fd, reserved, size - reserved)  # ENOSPC here, not SIGBUS on a write into the mapping
+
+
 @dataclasses.dataclass
 class _Slot:
     item: WriteItem
@@ -128,6 +149,8 @@ class ShmWriter(FileSystemWriter):
 
     Attributes:
         order: ``{"counter", "step"}`` recorded in ``.commit`` (set before the save).
+        on_setup: Called in DCP's set-up of the writer (the staging directory is made there: a failure is every
+            rank's failure at planning, in planning's own exchange).
         metadata_bytes: The coordinator's ``.metadata`` after :meth:`finish`.
         marker: The coordinator's ``.commit`` bytes after :meth:`finish` (not written to disk).
         written: This rank's data file name and the bytes its records span, after :meth:`write_data`.
@@ -138,10 +161,17 @@ class ShmWriter(FileSystemWriter):
         self.mappings = mappings
         self.on_copied = on_copied
         self.order: dict[str, Any] | None = None
+        self.on_setup: Callable[[], None] | None = None
         self.metadata_bytes: bytes | None = None
         self.marker: bytes | None = None
         self.written: tuple[str, int] | None = None
         self._staged: tuple[str, list[_Slot], int, mmap.mmap] | None = None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """DCP's set-up, then :attr:`on_setup` (a failure there fails the save on every rank at planning)."""
+        super().set_up_storage_writer(is_coordinator, *args, **kwargs)
+        if self.on_setup is not None:
+            self.on_setup()
 
     def stage(self, plan: SavePlan, planner: SavePlanner) -> None:
         """Copy this rank's items into its data file, then call ``on_copied``: the part a save's stall waits for.

@@ -20,6 +20,7 @@ EXAMPLES = {
     "blob": 20,
     "record": 15,
     "codec": 15,
+    "index": 15,
 }  # ~1 min in all on 2 cores; nox -s chaos: 2000 each
 
 

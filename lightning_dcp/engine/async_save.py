@@ -64,6 +64,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItem
 
 from lightning_dcp.engine import saving
+from lightning_dcp.engine.dist import own_group
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.live_write import LiveWrite
 from lightning_dcp.engine.planning import BalancedSavePlanner, flatten
@@ -314,7 +315,7 @@ class AsyncSaves:
         group = None
         if distributed:
             if self._group is None:
-                self._group = dist.new_group(backend="gloo")
+                self._group = own_group(backend="gloo")  # destroyed at exit (engine.dist)
             group = self._group
         inflight = _InFlight(location, rank, commit, abandon)
         inflight.learn = self._at_call.update

@@ -151,12 +151,16 @@ class ElasticResume(Callback):
             return f"it is a {type(state).__name__}, not a dict"
         positive, optional = ("world_size", "accumulate_grad_batches"), ("batch_size", "global_batch_size")
         for name in (*positive, *optional, "epoch", "epoch_samples", "samples_in_epoch", "samples_total"):
-            value = state.get(name)
+            if name not in state:
+                return f"{name!r} is missing"
+            value = state[name]
             least = 1 if name in positive or name in optional else 0
             if not ((name in optional and value is None) or (type(value) is int and value >= least)):
                 kind = "a positive integer" if least else "a non-negative integer"
                 return f"{name!r} is {value!r}, not {kind}{' or None' if name in optional else ''}"
-        if type(state.get("version")) is not int or state["version"] != STATE_VERSION:
+        if "version" not in state:
+            return "'version' is missing"
+        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
             return f"'version' is {state.get('version')!r}, not {STATE_VERSION}"
         if state["samples_in_epoch"] > state["epoch_samples"]:
             return f"'samples_in_epoch' is {state['samples_in_epoch']}, more than its epoch's {state['epoch_samples']}"
@@ -165,7 +169,9 @@ class ElasticResume(Callback):
         batch, size = state["batch_size"], state["global_batch_size"]
         if size is not None and size != state["world_size"] * (batch or 0) * state["accumulate_grad_batches"]:
             return f"'global_batch_size' {size} is not world_size x batch_size x accumulate_grad_batches"
-        order = state.get("order")
+        if "order" not in state:
+            return "'order' is missing"
+        order = state["order"]
         if order is not None and not (
             isinstance(order, dict)
             and type(order.get("dataset_size")) is int

@@ -94,8 +94,14 @@ def test_more_samples_than_the_epoch_has_is_refused(state, extra):
 
 
 def test_missing_fields_and_a_non_dict_are_refused():
-    with pytest.raises(NotACheckpointError, match="'world_size' is None"):
+    with pytest.raises(NotACheckpointError, match="'world_size' is missing"):
         ElasticResume().load_state_dict({})
+    for field in _FIELDS:
+        state = {**ElasticResume().state_dict(), "batch_size": 2, "world_size": 1}
+        state["global_batch_size"] = 2
+        del state[field]
+        with pytest.raises(NotACheckpointError, match=f"'{field}' is missing"):
+            ElasticResume().load_state_dict(state)
     with pytest.raises(NotACheckpointError, match="a list, not a dict"):
         ElasticResume().load_state_dict([])
 

@@ -21,6 +21,7 @@ EXAMPLES = {
     "record": 15,
     "codec": 15,
     "index": 15,
+    "elastic": 40,
 }  # ~1 min in all on 2 cores; nox -s chaos: 2000 each
 
 

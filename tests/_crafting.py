@@ -19,7 +19,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_dcp.engine.dcp_io import storage_writer
 from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit
+from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, SEAL_KEY, checksum, encode_commit, seal
 from lightning_dcp.engine.storage import Location
 
 
@@ -59,11 +59,26 @@ def recommit(path: str) -> None:
 
 
 def edit_commit(path: str, edit) -> None:
-    """Apply ``edit(marker_dict)`` to ``path/.commit`` (whatever it returns is written back as JSON)."""
+    """Apply ``edit(marker_dict)`` to ``path/.commit`` (whatever it returns is written back, sealed: :func:`sealed`)."""
     with open(os.path.join(path, COMMIT_FILE)) as f:
         marker = json.load(f)
-    with open(os.path.join(path, COMMIT_FILE), "w") as f:
-        json.dump(edit(marker), f)
+    write_commit(path, edit(marker))
+
+
+def sealed(marker: Any) -> bytes:
+    """``marker`` as ``.commit`` bytes whose own checksum matches them, as the writer seals a marker.
+
+    Anything but a non-empty JSON object is written as plain JSON (there is nothing to seal).
+    """
+    if not isinstance(marker, dict) or not marker:
+        return json.dumps(marker).encode()
+    return seal(json.dumps({k: v for k, v in marker.items() if k != SEAL_KEY}, sort_keys=True).encode())
+
+
+def write_commit(path: str, marker: Any) -> None:
+    """Write ``marker`` to ``path/.commit``, sealed (:func:`sealed`): only the readers' checks can refuse it."""
+    with open(os.path.join(path, COMMIT_FILE), "wb") as f:
+        f.write(sealed(marker))
 
 
 def torch_bytes(obj: Any) -> bytes:

@@ -51,7 +51,7 @@ The loop is blocked for the call plus whatever the next optimizer step waits (:a
 **Process groups** (which group each collective uses; nothing runs a collective at world size 1 or when a single
 process saves alone, and no side group is made then):
 
-- *The save's own group*: ``dist.new_group(backend="gloo")``, made once per :class:`AsyncSaves` at its first
+- *The save's own group*: ``dist.new_group(backend="gloo")`` (through :func:`~lightning_dcp.engine.dist.own_group`, destroyed at exit), made once per :class:`AsyncSaves` at its first
   distributed save (``new_group`` is itself a collective of the default group, in the caller's thread). Gloo whatever
   the training backend is (``nccl``, ``cpu:gloo,cuda:nccl``, ``cpu:gloo``). Everything a background thread runs
   uses it and nothing else: planning (:func:`~lightning_dcp.engine.saving.prepare`), the write's gather of results
@@ -81,6 +81,7 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItem
 
 from lightning_dcp.engine import saving
+from lightning_dcp.engine.dist import own_group
 from lightning_dcp.engine.inflight import InFlight, Stage
 from lightning_dcp.engine.live_write import LiveWrite
 from lightning_dcp.engine.planning import BalancedSavePlanner, flatten
@@ -181,7 +182,7 @@ class AsyncSaves:
         group = None
         if distributed:
             if self._group is None:
-                self._group = dist.new_group(backend="gloo")
+                self._group = own_group(backend="gloo")  # destroyed at exit (engine.dist)
             group = self._group
         inflight = InFlight(location, rank, commit, abandon)
         inflight.learn = self._at_call.update

@@ -94,10 +94,11 @@ def decode_extra(blob: bytes, *, path: str, entry: str, weights_only: bool = Tru
         state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
     except Exception as err:  # a crafted or damaged archive: zip, pickle or tensor errors of many types
         if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
-            raise CheckpointError(
+            raise _refused(
                 f"The non-tensor state of the checkpoint at {path!r} names a class that `weights_only=True` loading"
                 f" refuses ({describe_load_error(err)}). If you trust this checkpoint, allow it with"
-                " `torch.serialization.add_safe_globals([...])` before loading."
+                " `torch.serialization.add_safe_globals([...])` before loading.",
+                file=entry,
             ) from None
         raise CorruptCheckpointError(
             f"The non-tensor state of the checkpoint at {path!r} is not readable ({describe_load_error(err)}).",
@@ -116,10 +117,11 @@ def _decoded(state: Any, *, path: str, entry: str | None) -> Any:
     try:
         return codec.decode(state)
     except codec.DisallowedName as err:
-        raise CheckpointError(
+        raise _refused(
             f"The non-tensor state of the checkpoint at {path!r} names the {err.kind} {err.name!r}, which is not in"
             f" lightning_dcp's allow-list, so it was not loaded. If you trust this checkpoint and the {err.kind},"
-            f" register it with `lightning_dcp.add_safe_globals([{err.name}])` before loading."
+            f" register it with `lightning_dcp.add_safe_globals([{err.name}])` before loading.",
+            file=path if entry is None else entry,
         ) from None
     except (codec.MalformedTag, RecursionError) as err:
         reason = "it is nested too deeply" if isinstance(err, RecursionError) else str(err)
@@ -156,25 +158,34 @@ def load_stock_file(load: Callable[[], Any], *, path: str) -> Any:
                 raise CheckpointError(
                     f"The checkpoint file {path!r} cannot be read with weights-only unpickling ({reason})."
                 ) from None
-            raise CheckpointError(
+            raise _refused(
                 f"The checkpoint file {path!r} names a class or function outside lightning_dcp's allow-list and"
                 f" torch's safe globals ({reason}), so it was not loaded. If you trust this file, allow it with"
                 " `lightning_dcp.add_safe_globals([...])` (dataclasses, named tuples, enums, callables of"
                 " functools.partial) or `torch.serialization.add_safe_globals([...])`, or load with"
-                " `weights_only=False`."
+                " `weights_only=False`.",
+                file=path,
             ) from None
     try:
         stored = codec.encode(loaded)
     except codec.UnstorableValue as err:
-        raise CheckpointError(
+        raise _refused(
             f"The checkpoint file {path!r} holds {err.culprit} at {err.path or 'the top level'}, outside"
-            f" lightning_dcp's allow-list, so it was not loaded. {err.hint}"
+            f" lightning_dcp's allow-list, so it was not loaded. {err.hint}",
+            file=path,
         ) from None
     except Exception as err:  # objects the unpickler built from crafted state may fail in any way when walked
         raise CheckpointError(
             f"The checkpoint file {path!r} holds a value that cannot be checked ({err!s:.160})."
         ) from None
     return _decoded(stored, path=path, entry=None)
+
+
+def _refused(message: str, *, file: str) -> CheckpointError:
+    """The ``CheckpointError`` for state naming what loading refuses; ``err.file``: the entry or file naming it."""
+    err = CheckpointError(message)
+    err.file = file
+    return err
 
 
 def _unpickling_reason(err: Exception) -> str:

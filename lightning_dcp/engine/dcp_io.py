@@ -43,6 +43,7 @@ from lightning_dcp.engine.datafiles import (
     write_stream,
 )
 from lightning_dcp.engine.gc_pause import gc_paused
+from lightning_dcp.engine.localfs import CANNOT_RENAME
 from lightning_dcp.engine.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,
@@ -190,7 +191,13 @@ class _ChecksummingWriter:
                 f.flush()
                 os.fsync(f.fileno())
         if atomic:
-            self.fs.rename(path, final)
+            try:
+                self.fs.rename(path, final)
+            except OSError as err:  # a mount that cannot rename (FUSE of an object store): written in place
+                if err.errno not in CANNOT_RENAME:
+                    raise
+                self._put(name, data, atomic=False)  # inside the staging directory: no reader sees it half written
+                self.fs.rm_file(path)
 
 
 def compact_result(result: WriteResult) -> tuple:

@@ -8,7 +8,9 @@ is decided by rank 0 and broadcast.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import threading
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -16,7 +18,15 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_true", "distributed", "on_rank0", "rank_and_world", "single_process_ok"]
+__all__ = [
+    "all_true",
+    "destroy_own_groups",
+    "distributed",
+    "on_rank0",
+    "own_group",
+    "rank_and_world",
+    "single_process_ok",
+]
 
 _T = TypeVar("_T")
 
@@ -80,3 +90,35 @@ def single_process_ok() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
+
+
+_OWN: list[dist.ProcessGroup] = []
+_OWN_LOCK = threading.Lock()
+
+
+def own_group(*, backend: str = "gloo") -> dist.ProcessGroup:
+    """A new process group of every rank (``dist.new_group``) that this package created, destroyed at exit.
+
+    Process groups left to the interpreter's teardown are destroyed in whatever order its C++ statics go, with
+    their worker threads still joinable: one way a process ends in "terminate called without an active exception"
+    (exit 134) after a successful run. :func:`destroy_own_groups` runs at exit (after Python joined its non-daemon
+    threads, so no background save still uses them), before the default group is torn down.
+
+    Collective: call on all ranks (``new_group`` is).
+    """
+    group = dist.new_group(backend=backend)
+    with _OWN_LOCK:
+        if not _OWN:
+            atexit.register(destroy_own_groups)  # after init_process_group: runs before its own exit handlers
+        _OWN.append(group)
+    return group
+
+
+def destroy_own_groups() -> None:
+    """Destroy the groups :func:`own_group` created that still exist (each rank alone: no collective runs)."""
+    with _OWN_LOCK:
+        groups, _OWN[:] = list(_OWN), []
+    for group in groups:
+        with contextlib.suppress(Exception):  # already destroyed with the default group (Lightning's NCCL exit)
+            if dist.is_initialized():
+                dist.destroy_process_group(group)

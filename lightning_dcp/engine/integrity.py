@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.localfs import is_internal_name
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
 from lightning_dcp.engine.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.record_index import IndexEntry, parse_index
+from lightning_dcp.engine.record_index import IndexEntry, disagreement, parse_index
 from lightning_dcp.engine.storage import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
@@ -45,7 +45,8 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     Raises:
         NotACheckpointError: No ``.commit`` marker: the save did not finish, or lightning_dcp did not write it.
         CorruptCheckpointError: The marker is invalid, or a file is missing, truncated or altered (the error names
-            it), or the metadata points at records the marker does not list.
+            it), or the metadata points at records the marker does not list, or the marker's record index
+            disagrees with ``.metadata``.
     """
     marker, metadata_bytes = _marker_and_metadata(location)
     try:
@@ -53,6 +54,7 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     except NotACheckpointError as err:  # checksum-consistent yet invalid: a crafted or buggy writer
         raise CorruptCheckpointError(str(err), file=METADATA_FILE) from None
     _check_records(location, marker, metadata)
+    _check_index(location, marker, metadata)
     _check_sizes(location, marker)
     if full:
         for name, entry in marker["files"].items():
@@ -133,6 +135,20 @@ def _check_records(location: Location, marker: dict[str, Any], metadata: Metadat
                 " files and its commit marker disagree.",
                 file=COMMIT_FILE,
             )
+
+
+def _check_index(location: Location, marker: dict[str, Any], metadata: Metadata) -> None:
+    """The record index, where a restore would use it, names what ``.metadata`` holds at every record."""
+    records = parse_index(marker)
+    found = None if records is None else disagreement(records, metadata)
+    if found is not None:
+        raise CorruptCheckpointError(
+            f"{location.url!r}: the record index in {COMMIT_FILE} disagrees with {METADATA_FILE} ({found}): a restore"
+            " through it would load tensors into the wrong entries. Resume from another checkpoint, or read this one"
+            f' the general way after removing the "index" key of {COMMIT_FILE} (`torch.distributed.checkpoint.load`'
+            " reads it by .metadata alone).",
+            file=COMMIT_FILE,
+        )
 
 
 def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:

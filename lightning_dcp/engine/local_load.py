@@ -66,6 +66,13 @@ class FastLoadPlanner(SafeLoadPlanner):
         """
         flat, mappings = flatten(state_dict)
         if not (self.flatten_state_dict and self.flatten_sharded_tensors) or any(map(_special, flat.values())):
+            meta = next((k for k, v in flat.items() if isinstance(v, torch.Tensor) and v.is_meta), None)
+            if meta is not None and not dist.is_initialized():  # DCP materialises meta tensors on the group's device
+                raise ValueError(
+                    f"the target's {meta!r} is on the meta device, and with no process group DCP has no device to"
+                    " load it on. Materialise the model first (`module.to_empty(device='cpu')`), or load inside an"
+                    " initialised process group (DCP then allocates meta tensors on its device)."
+                )
             super().set_up_planner(state_dict, metadata, is_coordinator)
             return
         self.original_state_dict = state_dict

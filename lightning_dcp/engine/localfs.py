@@ -3,7 +3,9 @@
 A save writes into a hidden sibling (``.{name}.tmp-{token}``) of its target and renames it into place once every rank
 finished. Replacing an existing checkpoint swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where
 Linux offers it, so the old checkpoint stays readable until the new one is in place. Renames that cross filesystems
-(``EXDEV``) fall back to a copy under a hidden name, then a rename (:func:`replace_directory`).
+(``EXDEV``) fall back to a copy under a hidden name, then a rename (:func:`replace_directory`); on a mount that cannot
+rename at all (FUSE mounts of object stores) the copy is made under the checkpoint's own name, every file synced
+before ``.commit`` is written last: until then the directory is no checkpoint, and no reader takes it.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from typing import BinaryIO
 from lightning_dcp.engine.marker import COMMIT_FILE
 
 __all__ = [
+    "CANNOT_RENAME",
     "SNAPSHOT_PREFIX",
     "STAGING_INFIX",
     "NotARegularFile",
@@ -32,6 +35,8 @@ __all__ = [
 
 STAGING_INFIX = ".tmp-"
 """Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
+CANNOT_RENAME = frozenset({errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
+"""``errno`` of a rename refused by the filesystem itself (across filesystems, or a mount without renames)."""
 SNAPSHOT_PREFIX = ".upload-"
 """In a local tier, ``.upload-{name}-{token}``: the hard-link snapshot of a checkpoint being uploaded."""
 
@@ -166,7 +171,7 @@ def _move(src: str, dst: str) -> None:
         os.rename(src, dst)
         return
     except OSError as err:
-        if err.errno != errno.EXDEV:
+        if err.errno not in CANNOT_RENAME:
             raise
     parent, name = os.path.split(os.path.abspath(dst))
     tmp = os.path.join(parent, f".{name}{STAGING_INFIX}copy-{new_token()}")
@@ -174,10 +179,44 @@ def _move(src: str, dst: str) -> None:
         _copy_tree(src, tmp)
         _fsync_tree(tmp)
         os.rename(tmp, dst)
+    except OSError as err:
+        remove_path(tmp)
+        if err.errno not in CANNOT_RENAME:
+            raise
+        _copy_in_place(src, dst)  # the mount renames nothing: the marker written last makes it a checkpoint
     except BaseException:
         remove_path(tmp)
         raise
     remove_path(src)
+
+
+def _copy_in_place(src: str, dst: str) -> None:
+    """Copy the checkpoint ``src`` to the free name ``dst`` with its ``.commit`` last, each file synced first.
+
+    A crash leaves ``dst`` without a marker (no checkpoint: never taken by a resume, removed by the next save to that
+    name) and ``src`` whole.
+    """
+    os.makedirs(dst)
+    marker = os.path.join(src, COMMIT_FILE)
+    for entry in os.scandir(src):
+        if entry.name == COMMIT_FILE:
+            continue
+        target = os.path.join(dst, entry.name)
+        if entry.is_symlink():
+            os.symlink(os.readlink(entry.path), target)
+        elif entry.is_dir():
+            _copy_tree(entry.path, target)
+        else:
+            shutil.copyfile(entry.path, target)
+    _fsync_tree(dst)
+    if os.path.exists(marker):
+        shutil.copyfile(marker, os.path.join(dst, COMMIT_FILE))
+        fd = os.open(os.path.join(dst, COMMIT_FILE), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        fsync_dir(dst)
 
 
 def _copy_tree(src: str, dst: str) -> None:

@@ -4,6 +4,10 @@ A lightning_dcp checkpoint is a DCP directory (``.metadata`` plus ``__{rank}_{n}
 file, ``.commit``, written last by the coordinator once every rank finished: a JSON object with the checksum of
 ``.metadata`` and of every record of every data file. A directory without it is never treated as a checkpoint.
 
+The marker carries a checksum of its own (:data:`SEAL_KEY`, the first key of the object: the checksum of the rest of
+the bytes), so an edit of the marker after commit (two names of the record index swapped, two records' places
+swapped) is refused rather than trusted: the record index is what a restore reads tensors by, without ``.metadata``.
+
 This module holds the format only (no I/O): :mod:`lightning_dcp.engine.storage` reads markers, the writer in
 :mod:`lightning_dcp.engine.dcp_io` encodes them.
 """
@@ -21,12 +25,14 @@ __all__ = [
     "COMMIT_FILE",
     "DATA_SUFFIX",
     "METADATA_FILE",
+    "SEAL_KEY",
     "MarkerError",
     "checksum",
     "encode_commit",
     "is_plain_name",
     "order_key",
     "parse_commit",
+    "seal",
 ]
 
 METADATA_FILE = ".metadata"
@@ -39,6 +45,10 @@ CHECKSUM = "xxh3_64"
 """Checksum of every record and of ``.metadata``: 64-bit xxHash3 (~26 GB/s here, vs ~2 GB/s for zlib's CRC32)."""
 FORMAT = "lightning_dcp"
 VERSION = 1
+SEAL_KEY = "marker_checksum"
+"""The marker's own checksum: written first, ``{"marker_checksum": N, ...}``, ``N`` the :data:`CHECKSUM` of the
+marker's bytes without it (``{`` followed by everything after ``N, ``)."""
+_SEAL_PREFIX = b'{"' + SEAL_KEY.encode() + b'": '
 
 
 def checksum(data: Any) -> int:
@@ -75,7 +85,31 @@ def encode_commit(
         marker["order"] = {"counter": int(order["counter"]), "step": order.get("step")}
     if index is not None:
         marker["index"] = index
-    return json.dumps(marker, sort_keys=True).encode()
+    return seal(json.dumps(marker, sort_keys=True).encode())
+
+
+def seal(body: bytes) -> bytes:
+    """``body`` (a JSON object's bytes) with its checksum inserted as the first key, :data:`SEAL_KEY`."""
+    if not body.startswith(b"{") or body.startswith(b"{}"):
+        raise ValueError("a marker is a non-empty JSON object")
+    return _SEAL_PREFIX + str(checksum(body)).encode() + b", " + body[1:]
+
+
+def _check_seal(data: bytes, marker: dict[str, Any]) -> None:
+    """A marker that carries :data:`SEAL_KEY` matches it (one hash of its bytes, ~10 us per MB)."""
+    if SEAL_KEY not in marker:
+        return  # written before markers were sealed: readable, but its record index is not used
+    if not data.startswith(_SEAL_PREFIX):
+        raise MarkerError(f"its own checksum ({SEAL_KEY!r}) is not its first key: it was rewritten after commit")
+    end = data.find(b", ", len(_SEAL_PREFIX))
+    digits = data[len(_SEAL_PREFIX) : end]
+    hasher = xxhash.xxh3_64(b"{")
+    hasher.update(memoryview(data)[end + 2 :])
+    if end < 0 or not digits.isdigit() or int(digits) != marker[SEAL_KEY] or hasher.intdigest() != int(digits):
+        raise MarkerError(
+            f"it does not match its own checksum ({SEAL_KEY!r}): it was edited or damaged after commit (its record"
+            " index could name the wrong tensors)"
+        )
 
 
 def order_key(marker: dict[str, Any]) -> tuple[int, int, float]:
@@ -112,8 +146,12 @@ def parse_commit(data: bytes) -> dict[str, Any]:
         where every file name is a plain name inside the checkpoint directory and every record
         ``[offset, length, checksum]`` lies within its file's size.
 
+    A marker that carries its own checksum (:data:`SEAL_KEY`, as :func:`encode_commit` writes) must match it; one
+    written before markers were sealed is accepted (without it, :func:`~lightning_dcp.engine.record_index.parse_index`
+    does not use its record index).
+
     Raises:
-        MarkerError: Not valid JSON, or any field missing, mistyped or out of range.
+        MarkerError: Not valid JSON, its own checksum does not match, or any field missing, mistyped or out of range.
     """
     if len(data) > MAX_MARKER_BYTES:
         raise MarkerError(f"it is {len(data)} bytes, more than the {MAX_MARKER_BYTES} a marker can be")
@@ -123,6 +161,7 @@ def parse_commit(data: bytes) -> dict[str, Any]:
         raise MarkerError(f"it is not valid JSON ({err})") from None
     if not isinstance(marker, dict):
         raise MarkerError(f"it holds a JSON {type(marker).__name__}, not an object")
+    _check_seal(data, marker)
     if marker.get("format") != FORMAT or marker.get("version") != VERSION or marker.get("algorithm") != CHECKSUM:
         raise MarkerError(
             f"format {marker.get('format')!r} version {marker.get('version')!r} algorithm"

@@ -26,7 +26,18 @@ from typing import Any, NamedTuple
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["INDEX_VERSION", "IndexEntry", "IndexedRecord", "encode_index", "parse_index", "record_ends", "records_of"]
+from lightning_dcp.engine.marker import SEAL_KEY
+
+__all__ = [
+    "INDEX_VERSION",
+    "IndexEntry",
+    "IndexedRecord",
+    "disagreement",
+    "encode_index",
+    "parse_index",
+    "record_ends",
+    "records_of",
+]
 
 INDEX_VERSION = 1
 
@@ -127,14 +138,17 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexEntry] | None:
 
     A tensor saved whole or a bytes entry maps to its :class:`IndexedRecord`; a tensor saved in chunks maps to the
     tuple of its chunks' records (whether they tile the tensor is for the restore to check against its target).
-    ``None`` when the marker has no index (written before it existed, or by the memory tier), when the index is of
+    ``None`` when the marker has no index (written before it existed, or by the memory tier), when the marker carries
+    no checksum of its own (:data:`~lightning_dcp.engine.marker.SEAL_KEY`: nothing vouches that the index is the one
+    written at save, so ``.metadata`` is read instead; a sealed marker was checked against it by
+    :func:`~lightning_dcp.engine.marker.parse_commit`), when the index is of
     another version or malformed, or when an FQN has a whole record beside another record: the caller then restores
     the general way (``.metadata`` and DCP's planning), which checks everything itself. Every record listed here lies
     inside its file as ``.commit`` records it (:func:`~lightning_dcp.engine.marker.parse_commit` checked the
     records; the index only names them).
     """
     index = marker.get("index")
-    if not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
+    if SEAL_KEY not in marker or not isinstance(index, dict) or index.get("version") != INDEX_VERSION:
         return None
     files = index.get("files")
     if not isinstance(files, dict) or set(files) != set(marker["files"]):
@@ -200,3 +214,50 @@ def record_ends(records: dict[str, IndexEntry]) -> dict[str, int]:
             if end > ends.get(record.file, 0):
                 ends[record.file] = end
     return ends
+
+
+def disagreement(records: dict[str, IndexEntry], metadata: Metadata) -> str | None:
+    """Where the record index disagrees with ``.metadata``: the first difference in words, ``None`` when none.
+
+    Every record of the index must be the one ``.metadata`` places there: the same FQN, kind (bytes or tensor),
+    dtype, shape or chunk (sizes and offsets), data file, offset and length; and every record of ``.metadata`` must
+    be in the index once. A restore through the index reads tensors by it alone, so this is what ``verify`` (and
+    every check that parses ``.metadata`` anyway) runs; the restore's own guard is the marker's checksum.
+    """
+    entries = metadata.state_dict_metadata
+    placed = {
+        (index.fqn, None if index.offset is None else tuple(index.offset)): info
+        for index, info in metadata.storage_data.items()
+    }
+    matched: set[tuple] = set()
+    for fqn, entry in records.items():
+        meta = entries.get(fqn)
+        if meta is None:
+            return f"the index names {fqn!r}, which .metadata does not hold"
+        for record in records_of(entry):
+            if record.dtype is None:
+                if isinstance(meta, TensorStorageMetadata):
+                    return f"the index holds {fqn!r} as bytes, .metadata as a tensor"
+                key: tuple = (fqn, None)
+            else:
+                if not isinstance(meta, TensorStorageMetadata):
+                    return f"the index holds {fqn!r} as a tensor, .metadata as bytes"
+                if meta.properties.dtype != record.dtype:
+                    return f"the index gives {fqn!r} dtype {record.dtype}, .metadata {meta.properties.dtype}"
+                offsets = record.chunk if record.chunk is not None else (0,) * len(record.shape or ())
+                sizes = _chunk_sizes(meta, offsets)
+                if sizes is None or tuple(sizes) != record.shape:
+                    return f"the index gives {fqn!r} a chunk {record.shape} at {offsets} that .metadata does not hold"
+                key = (fqn, offsets)
+            info = placed.get(key)
+            if info is None or key in matched:
+                return f"the index lists the record of {fqn!r} at {key[1]} that .metadata places nowhere (or twice)"
+            if (info.relative_path, info.offset, info.length) != (record.file, record.offset, record.length):
+                return (
+                    f"the index places {fqn!r} at {record.file} bytes {record.offset}..{record.offset + record.length},"
+                    f" .metadata at {info.relative_path} bytes {info.offset}..{info.offset + info.length}"
+                )
+            matched.add(key)
+    if len(matched) != len(placed):
+        return f"{len(placed) - len(matched)} record(s) of .metadata are not in the index"
+    return None

@@ -52,6 +52,7 @@ from lightning_dcp.engine.stores import (
     is_refusal,
     is_unreachable,
     unreachable_message,
+    with_timeouts,
 )
 from lightning_dcp.errors import (
     BucketNotFoundError,
@@ -153,7 +154,9 @@ class Location:
         path: Local path or fsspec URL (``s3://bucket/run/step=10.ckpt``). ``os.PathLike`` is accepted and turned
             into ``str``; URLs are never passed through ``pathlib``. Put in canonical form first
             (:func:`~lightning_dcp.engine.paths.canonical_url`: ``s3://b/exp//run`` is ``s3://b/exp/run``).
-        storage_options: Keyword arguments for the fsspec filesystem (credentials, endpoint, region).
+        storage_options: Keyword arguments for the fsspec filesystem (credentials, endpoint, region). On S3 a
+            timeout for every request is filled in where not given
+            (:data:`~lightning_dcp.engine.stores.S3_TIMEOUTS`): a stalled server fails a call in bounded time.
 
     Raises:
         InvalidPathError: ``path`` cannot round-trip through its store (``..`` segments, ``?`` in an S3 key, ...).
@@ -162,7 +165,7 @@ class Location:
     def __init__(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
         check_storage_options(storage_options)
         self.url = canonical_url(path)
-        self.storage_options = dict(storage_options or {})
+        self.storage_options = with_timeouts(self.url, dict(storage_options or {}))
         self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
         self.local = isinstance(self.fs, LocalFileSystem)
 

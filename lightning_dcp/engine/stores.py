@@ -40,6 +40,7 @@ from collections.abc import Mapping
 from typing import Any
 
 __all__ = [
+    "S3_TIMEOUTS",
     "access_hint",
     "access_message",
     "bucket_message",
@@ -48,6 +49,7 @@ __all__ = [
     "forget_listings",
     "is_missing_credentials",
     "is_refusal",
+    "with_timeouts",
     "is_unreachable",
     "unreachable_message",
 ]
@@ -190,9 +192,54 @@ def is_unreachable(err: BaseException) -> bool:
 
 
 def unreachable_message(url: str, protocol: str, err: BaseException) -> str:
-    """The message of a ``StorageUnavailableError``: what could not be reached, and what to check."""
+    """The message of a ``StorageUnavailableError``: what could not be reached, and what to check.
+
+    A server that accepted the connection and then did not answer (stopped, hung) is named as such, with the
+    setting that bounds the wait (:data:`S3_TIMEOUTS`).
+    """
+    if _timed_out(err) and protocol in _S3:
+        return (
+            f"The storage server of {url!r} did not answer ({type(err).__name__}: {err}): it accepts connections but"
+            " stalls (a stopped or overloaded server). Each request waits"
+            f" `storage_options['config_kwargs']['read_timeout']` seconds ({S3_TIMEOUTS['read_timeout']} unless set)"
+            " and is retried; raise it for a slow store, lower it to fail sooner. Check the server; with"
+            f" `local_dir` set, saves go on in the local tier and are uploaded once the {protocol} store answers again."
+        )
     return (
         f"The storage server of {url!r} cannot be reached ({type(err).__name__}: {err}). Check the endpoint in"
         f" `storage_options` and the network; with `local_dir` set, saves go on in the local tier and are uploaded"
         f" once the {protocol} store answers again."
     )
+
+
+_S3 = ("s3", "s3a")
+S3_TIMEOUTS: dict[str, Any] = {
+    "connect_timeout": 5,
+    "read_timeout": 5,
+    "retries": {"mode": "standard", "total_max_attempts": 2},
+}
+"""botocore ``Config`` defaults for ``s3://`` (seconds; ``storage_options['config_kwargs']`` overrides each).
+
+botocore's own (60 s per read, 5 attempts) under s3fs' 5 tries let a stalled server hold a resume for half an hour;
+with these a call gives up after ~5 x 2 x 5 s = 50 s (s3fs 2026.9 retries read timeouts 5 times, with back-off)."""
+
+
+def with_timeouts(url: str, storage_options: dict[str, Any]) -> dict[str, Any]:
+    """``storage_options`` with :data:`S3_TIMEOUTS` filled in where ``url`` is on S3 and the caller set none."""
+    if "://" not in url or url.split("://", 1)[0] not in _S3:
+        return storage_options
+    given = storage_options.get("config_kwargs")
+    config = dict(given) if isinstance(given, Mapping) else {}
+    for key, value in S3_TIMEOUTS.items():
+        config.setdefault(key, value)
+    return {**storage_options, "config_kwargs": config}
+
+
+def _timed_out(err: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(err, TimeoutError) or type(err).__name__ in ("ReadTimeoutError", "ConnectTimeoutError"):
+            return True
+        err = err.__cause__ or err.__context__
+    return False

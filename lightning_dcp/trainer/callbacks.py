@@ -26,6 +26,7 @@ from typing_extensions import override
 from lightning_dcp._compat import restart_train_iterator, shift_epoch_batches
 from lightning_dcp.engine.layout import INFO_KEY
 from lightning_dcp.engine.loaders import refuse, reshards_itself
+from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.global_order import (
     GlobalOrderSampler,
     accumulation_for,
@@ -119,11 +120,67 @@ class ElasticResume(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Keep the saved state until ``on_train_start`` applies it (the loops are restored by then)."""
+        """Keep the saved state until ``on_train_start`` applies it (the loops are restored by then).
+
+        Raises:
+            NotACheckpointError: The saved state is not what :meth:`state_dict` writes (a field missing, of another
+                type, or out of range: e.g. more samples consumed than its epoch has); the message names the
+                checkpoint, the field and the fix.
+        """
+        self._check_saved(state_dict)
         self._restored = dict(state_dict)
         self._epoch = state_dict["epoch"]
         self._in_epoch = state_dict["samples_in_epoch"]
         self._before_epoch = state_dict["samples_total"] - state_dict["samples_in_epoch"]
+
+    def _check_saved(self, state: Any) -> None:
+        """``state`` is a state this callback wrote: every field of its type and in range, the counts consistent."""
+        where = getattr(self._trainer, "ckpt_path", None) or "the checkpoint"
+        problem = self._problem(state)
+        if problem is not None:
+            raise NotACheckpointError(
+                f"{where!s}: ElasticResume's saved state is invalid: {problem}. The checkpoint was edited or written"
+                " by another tool: resume from another checkpoint, or drop the 'ElasticResume' entry of its"
+                " 'callbacks' to resume without restoring the position in the epoch."
+            )
+
+    @staticmethod
+    def _problem(state: Any) -> str | None:
+        """What is wrong with a saved state, in words; ``None`` when it is one :meth:`state_dict` could write."""
+        if not isinstance(state, dict):
+            return f"it is a {type(state).__name__}, not a dict"
+        positive, optional = ("world_size", "accumulate_grad_batches"), ("batch_size", "global_batch_size")
+        for name in (*positive, *optional, "epoch", "epoch_samples", "samples_in_epoch", "samples_total"):
+            if name not in state:
+                return f"{name!r} is missing"
+            value = state[name]
+            least = 1 if name in positive or name in optional else 0
+            if not ((name in optional and value is None) or (type(value) is int and value >= least)):
+                kind = "a positive integer" if least else "a non-negative integer"
+                return f"{name!r} is {value!r}, not {kind}{' or None' if name in optional else ''}"
+        if "version" not in state:
+            return "'version' is missing"
+        if type(state["version"]) is not int or state["version"] != STATE_VERSION:
+            return f"'version' is {state.get('version')!r}, not {STATE_VERSION}"
+        if state["samples_in_epoch"] > state["epoch_samples"]:
+            return f"'samples_in_epoch' is {state['samples_in_epoch']}, more than its epoch's {state['epoch_samples']}"
+        if state["samples_total"] < state["samples_in_epoch"]:
+            return f"'samples_total' ({state['samples_total']}) is less than 'samples_in_epoch'"
+        batch, size = state["batch_size"], state["global_batch_size"]
+        if size is not None and size != state["world_size"] * (batch or 0) * state["accumulate_grad_batches"]:
+            return f"'global_batch_size' {size} is not world_size x batch_size x accumulate_grad_batches"
+        if "order" not in state:
+            return "'order' is missing"
+        order = state["order"]
+        if order is not None and not (
+            isinstance(order, dict)
+            and type(order.get("dataset_size")) is int
+            and order["dataset_size"] >= 0
+            and type(order.get("shuffle")) is bool
+            and type(order.get("seed")) is int
+        ):
+            return f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}}"
+        return None
 
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:

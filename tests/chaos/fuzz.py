@@ -1,5 +1,5 @@
 """Fuzzing every reader of a checkpoint with hypothesis: ``.commit``, ``.metadata``, pointers, the blob, data records,
-the codec's tags inside the blob.
+the codec's tags inside the blob, the record index of ``.commit``, ElasticResume's saved state.
 
 Each reader gets hostile input of its own kind (tests/chaos/_inputs.py), written into a copy of a real committed
 checkpoint with the checksums made consistent where that takes the input deeper (so only validation can catch it).
@@ -24,9 +24,11 @@ from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
 from tests.chaos._checks import Finding, Stats, address_space_headroom, guard
+from tests.chaos.index_reader import IndexReader
 from tests.chaos.readers import READER_CLASSES, Template
+from tests.chaos.state_reader import ElasticStateReader
 
-READERS = ("commit", "metadata", "pointer", "blob", "record", "codec")
+READERS = ("commit", "metadata", "pointer", "blob", "record", "codec", "index", "elastic")
 
 
 def _plain(data: Any) -> Any:
@@ -58,7 +60,8 @@ def fuzz_reader(
     os.makedirs(root, exist_ok=True)
     template = Template(os.path.join(root, name))
     stats = Stats(name)
-    reader = READER_CLASSES[name](template, stats)
+    readers = {**READER_CLASSES, IndexReader.name: IndexReader, ElasticStateReader.name: ElasticStateReader}
+    reader = readers[name](template, stats)
     phases = [Phase.explicit, Phase.generate] if keep_going else [Phase.explicit, Phase.generate, Phase.shrink]
 
     @settings(

@@ -39,6 +39,7 @@ from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
 from lightning_dcp.engine.metadata import load_metadata
 from lightning_dcp.engine.storage import POINTER_HEADER, Location, read_commit
+from tests._crafting import sealed
 from tests._models import Payload
 from tests.chaos import _inputs as inputs
 from tests.chaos._checks import Finding, Stats, call, same, tensors
@@ -195,6 +196,7 @@ class CommitReader(Reader):
             st.binary(max_size=200),
             inputs.mutated(self.t.commit_bytes),
             inputs.edited_json(marker).map(lambda doc: json.dumps(doc).encode()),
+            inputs.edited_json(marker).map(sealed),  # its own checksum recomputed: deeper into the checks
         )
 
     def check(self, data: bytes) -> str:

@@ -6,6 +6,8 @@ Each trial is one training process (``tests/chaos/_outage_train.py``: top-k prun
 the other, with a few seconds of service between them:
 
 - ``stop``: SeaweedFS itself is stopped (SIGTERM, SIGKILL after 1 s) and started again on the same ports and data;
+- ``freeze``: SeaweedFS stopped with SIGSTOP (the kernel still accepts connections, nothing answers), then SIGCONT:
+  every request must give up within its timeout (``S3_TIMEOUTS``, issue 40) and be retried once the store is back;
 - ``refuse``, ``reset``, ``error`` (HTTP 500 or 503 to every request), ``hang`` (accepted, never answered): the proxy's;
 - besides the outages, one ``latency`` episode per trial (every answer 0.2-1 s late: a slow store, still serving).
 
@@ -28,12 +30,13 @@ import json
 import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-OUTAGES = ("stop", "refuse", "reset", "error", "hang")
+OUTAGES = ("stop", "freeze", "refuse", "reset", "error", "hang")
 FAILURES = ("crashed", "lost", "extra", "stale_pointers", "last_wrong")
 _OBSERVER = {"retries": {"max_attempts": 1}, "connect_timeout": 1, "read_timeout": 10}
 
@@ -158,6 +161,8 @@ def _trial(trial_dir: str, remote_url: str, server, proxy, planned, rng, *, hidd
 def _fault_on(kind: str, server, proxy, rng) -> None:
     if kind == "stop":
         server.stop()
+    elif kind == "freeze":
+        os.killpg(server.proc.pid, signal.SIGSTOP)
     elif kind == "error":
         proxy.set("error", status=rng.choice((500, 503)))
     elif kind == "latency":
@@ -169,6 +174,8 @@ def _fault_on(kind: str, server, proxy, rng) -> None:
 def _fault_off(kind: str, server, proxy) -> None:
     if kind == "stop":
         server.start()  # same ports and data; waits until it stores objects
+    elif kind == "freeze":
+        os.killpg(server.proc.pid, signal.SIGCONT)
     proxy.set("pass")
 
 

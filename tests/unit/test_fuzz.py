@@ -20,6 +20,8 @@ EXAMPLES = {
     "blob": 20,
     "record": 15,
     "codec": 15,
+    "index": 15,
+    "elastic": 40,
 }  # ~1 min in all on 2 cores; nox -s chaos: 2000 each
 
 

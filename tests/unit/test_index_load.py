@@ -14,13 +14,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMismatchError
+from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMismatchError, verify_checkpoint
 from lightning_dcp.engine import index_load, local_load, planning
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.reading import SMALL_RECORD
 from lightning_dcp.engine.record_index import parse_index
 from lightning_dcp.engine.storage import Location
+from tests._crafting import write_commit
 
 
 def _tree() -> dict:
@@ -144,7 +145,11 @@ def test_a_tensor_saved_in_row_chunks_restores_through_the_index_in_place(
 
 
 @pytest.mark.parametrize("edit", ["gap", "overlap", "column", "short", "whole beside"])
-def test_chunks_that_do_not_tile_their_tensor_take_the_general_way(tmp_path, monkeypatch, general_calls, edit):
+def test_chunks_that_do_not_tile_their_tensor_are_refused_by_the_general_way(
+    tmp_path, monkeypatch, general_calls, edit
+):
+    """The index path sees the chunks do not tile and leaves them to the general way, which checks the (resealed)
+    index against ``.metadata`` and refuses the checkpoint: its index was not the one written at save."""
     monkeypatch.setattr(planning, "CHUNK_BYTES", 1 << 12)
     tree = _tree()
     tree["state_dict"]["big"] = torch.randn(64, 64)
@@ -164,11 +169,14 @@ def test_chunks_that_do_not_tile_their_tensor_take_the_general_way(tmp_path, mon
         chunks[-1][2][0] -= 1
     else:
         chunks[0][1:] = [chunks[0][1], [64, 64]]
-    with open(os.path.join(path, ".commit"), "w") as f:
-        json.dump(commit, f)
-    loaded = Checkpointer().load(path, target=_blank(tree))
-    assert general_calls == [1]  # the general way reads .metadata, which the edit left as saved
-    _assert_equal(loaded.tree, tree)
+    write_commit(path, commit)
+    if edit == "whole beside":  # an index the restore cannot use at all (parse_index): .metadata alone is read
+        loaded = Checkpointer().load(path, target=_blank(tree))
+        assert general_calls == [1]
+        _assert_equal(loaded.tree, tree)
+        return
+    with pytest.raises(CorruptCheckpointError, match="record index in .commit disagrees with .metadata"):
+        Checkpointer().load(path, target=_blank(tree))
 
 
 def test_a_matching_target_restores_through_the_index_bit_equal(tmp_path, general_calls):
@@ -225,8 +233,7 @@ def test_a_checkpoint_without_an_index_restores_the_general_way(tmp_path, genera
     path = _saved(tmp_path, tree)
     commit = json.loads(open(os.path.join(path, ".commit")).read())
     del commit["index"]
-    with open(os.path.join(path, ".commit"), "w") as f:
-        json.dump(commit, f)
+    write_commit(path, commit)
     loaded = Checkpointer().load(path, target=_blank(tree))
     assert general_calls == [1]
     _assert_equal(loaded.tree, tree)
@@ -289,10 +296,15 @@ _MUTATIONS = st.lists(
 )
 
 
+@pytest.mark.parametrize("resealed", [False, True])
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(mutations=_MUTATIONS)
-def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_path_factory, mutations):
-    """Edits of the index (as JSON values) either leave the restore exact, or it fails with a CheckpointError."""
+def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_path_factory, mutations, resealed):
+    """Edits of the index (as JSON values) either leave the restore exact, or it fails with a CheckpointError.
+
+    An edit that leaves the marker's own checksum stale is refused whatever it changed; one whose checksum was
+    recomputed too (a crafted marker) and that loads other values (two same-shaped records swapped) fails ``verify``.
+    """
     tmp = tmp_path_factory.mktemp("hostile")
     tree = _tree()
     tree["state_dict"]["big"] = torch.randn(64, 64)
@@ -329,19 +341,28 @@ def test_a_hostile_index_never_loads_other_values_or_raises_other_errors(tmp_pat
             entries[i] = [None, {}, "x", 5][pick % 4]
         elif kind == "offsets" and len(entry) == 4 and isinstance(entry[3], list):
             entry[3] = [[d + 1 for d in entry[3]], [0] * len(entry[3]), entry[3][:1], "x"][pick % 4]
-    with open(os.path.join(path, ".commit"), "w") as f:
-        json.dump(commit, f)
+    before = open(os.path.join(path, ".commit"), "rb").read()
+    if resealed:
+        write_commit(path, commit)
+    else:
+        with open(os.path.join(path, ".commit"), "w") as f:
+            json.dump(commit, f)  # a stale checksum of its own
+    edited = json.loads(before) != commit
     target = _blank(tree)
     try:
         loaded = Checkpointer().load(path, target=target)
     except CheckpointError:
         return
+    assert resealed or not edited, "a marker edited after commit was trusted"
     flat, _ = planning.flatten(loaded.tree)
     for key, value in planning.flatten(tree)[0].items():
         if isinstance(value, torch.Tensor) and flat[key].dtype == value.dtype and flat[key].shape == value.shape:
-            # a swap of two records of one dtype and shape is the one edit the record framing cannot see
-            swapped = any(kind == "swap" for _, kind in mutations)
-            assert swapped or torch.equal(flat[key].detach(), value.detach()), key
+            if not torch.equal(flat[key].detach(), value.detach()):
+                # a swap of two records of one dtype and shape: the framing cannot see it; the check against
+                # .metadata that verify runs does
+                with pytest.raises(CorruptCheckpointError, match="record index .* disagrees with .metadata"):
+                    verify_checkpoint(path)
+                return
 
 
 @pytest.mark.parametrize("index", [True, False])
@@ -351,8 +372,7 @@ def test_objects_only_reads_the_blobs_and_no_tensor(tmp_path, general_calls, ind
     if not index:
         commit = json.loads(open(os.path.join(path, ".commit")).read())
         del commit["index"]
-        with open(os.path.join(path, ".commit"), "w") as f:
-            json.dump(commit, f)
+        write_commit(path, commit)
     head = Checkpointer().load(path, target={}, strict=False, objects_only=True)
     assert head.tree == {} and head.objects["epoch"] == 4 and head.objects["hparams"] == {"lr": 0.1}
     assert general_calls == ([] if index else [1])

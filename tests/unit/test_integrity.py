@@ -17,6 +17,7 @@ from lightning_dcp import (
 )
 from lightning_dcp.engine.marker import checksum
 from lightning_dcp.verify import main as verify_main
+from tests._crafting import write_commit
 from tests._models import Payload
 
 
@@ -103,7 +104,7 @@ def test_crafted_metadata_runs_nothing(tmp_path):
         f.write(crafted)
     commit = json.loads((tmp_path / "a.ckpt" / ".commit").read_text())
     commit["metadata"] = {"size": len(crafted), "checksum": checksum(crafted)}
-    (tmp_path / "a.ckpt" / ".commit").write_text(json.dumps(commit))
+    write_commit(str(tmp_path / "a.ckpt"), commit)
     with pytest.raises(NotACheckpointError, match="not part of DCP's metadata format"):
         DCPCheckpointIO().load_checkpoint(path)
     assert not os.path.exists(marker_file)

@@ -15,6 +15,7 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.dcp_reader import storage_reader
 from lightning_dcp.engine.local_load import FastLoadPlanner, load
 from lightning_dcp.engine.storage import Location
+from tests._crafting import write_commit
 
 
 def _items(plan) -> set:
@@ -156,7 +157,7 @@ def test_a_record_in_another_writers_framing_loads_through_torch_load(tmp_path):
         changed += 1
     assert changed >= 2
     (path / name).write_bytes(bytes(data))
-    (path / ".commit").write_text(json.dumps(commit))
+    write_commit(str(path), commit)
     target = {"state_dict": {k: torch.zeros_like(v) for k, v in tree["state_dict"].items()}}
     planner = FastLoadPlanner()
     load(target, reader=storage_reader(Location(str(path))), planner=planner, distributed=False)
@@ -176,7 +177,7 @@ def test_a_record_framed_as_another_dtype_is_refused_naming_the_file(tmp_path):
     data[record_entry[0] : record_entry[0] + len(other)] = other
     record_entry[2] = checksum(other)
     (path / name).write_bytes(bytes(data))
-    (path / ".commit").write_text(json.dumps(commit))
+    write_commit(str(path), commit)
     target = {"state_dict": {k: torch.zeros_like(v) for k, v in tree["state_dict"].items()}}
     with pytest.raises(CorruptCheckpointError, match=f"{name}.*holds torch.int32"):
         Checkpointer().load(str(path), target=target, only=["state_dict"])

@@ -12,7 +12,7 @@ from lightning_dcp.engine.integrity import committed_checkpoints
 from lightning_dcp.engine.marker import MarkerError, encode_commit, order_key, parse_commit
 from lightning_dcp.engine.storage import Location
 from lightning_dcp.fabric import latest_checkpoint
-from tests._crafting import edit_commit
+from tests._crafting import edit_commit, sealed
 
 
 def _save(io: DCPCheckpointIO, path: str, step: int) -> None:
@@ -89,7 +89,7 @@ def test_malformed_order_is_refused(order):
     marker = json.loads(encode_commit(metadata_bytes=b"x", files={}))
     marker["order"] = order
     with pytest.raises(MarkerError, match="'order'"):
-        parse_commit(json.dumps(marker).encode())
+        parse_commit(sealed(marker))
 
 
 def test_order_key_compares_counter_then_step():

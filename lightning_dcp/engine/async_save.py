@@ -51,13 +51,13 @@ The loop is blocked for the call plus whatever the next optimizer step waits (:a
 **Process groups** (which group each collective uses; nothing runs a collective at world size 1 or when a single
 process saves alone, and no side group is made then):
 
-- *The save's own group*: ``dist.new_group(backend="gloo")`` (through :func:`~lightning_dcp.engine.dist.own_group`, destroyed at exit), made once per :class:`AsyncSaves` at its first
-  distributed save (``new_group`` is itself a collective of the default group, in the caller's thread). Gloo whatever
-  the training backend is (``nccl``, ``cpu:gloo,cuda:nccl``, ``cpu:gloo``). Everything a background thread runs
-  uses it and nothing else: planning (:func:`~lightning_dcp.engine.saving.prepare`), the write's gather of results
-  and the broadcast of the outcome (:func:`~lightning_dcp.engine.saving.write`). Planning in the caller's thread
-  (saves without deferred staging) and the staging agreement (:func:`~lightning_dcp.engine.saving.agree`) use it
-  too, before the background thread starts: one thread at a time issues its collectives.
+- *The save's own group*: a gloo group from :func:`~lightning_dcp.engine.dist.own_group` (destroyed at exit), made once
+  per :class:`AsyncSaves` at its first distributed save (a collective of the default group, in the caller's thread).
+  Gloo whatever the training backend is (``nccl``, ``cpu:gloo,cuda:nccl``, ``cpu:gloo``). Everything a background thread
+  runs uses it and nothing else: planning (:func:`~lightning_dcp.engine.saving.prepare`), the write's gather of results
+  and the broadcast of the outcome (:func:`~lightning_dcp.engine.saving.write`). Planning in the caller's thread (saves
+  without deferred staging) and the staging agreement (:func:`~lightning_dcp.engine.saving.agree`) use it too, before
+  the background thread starts: one thread at a time issues its collectives.
 - *The default (training) group*, only in the caller's thread, in the order every rank makes its calls: rank 0's
   decisions (``on_rank0``: where to write), gathering the previous save's errors (``Checkpointer.wait``), the
   ``when_busy="skip"`` vote (:mod:`lightning_dcp.engine.when_busy`). A background thread never issues a collective

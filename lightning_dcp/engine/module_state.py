@@ -6,8 +6,9 @@ them (about 100 ms for 4,800 tensors here). For a model without sharded paramete
 result is ``module.state_dict()`` and ``optimizer.state_dict()`` with parameter ids replaced by FQNs. The first
 call for a model (and optimizer) runs DCP's function and checks that the plain state dict gives exactly the same
 keys and tensors; while the model's keys and the optimizer's parameters stay the same, later calls build the result
-from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch, an optimizer without
-state yet) always goes through DCP.
+from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch) always goes through
+DCP. An optimizer without state yet is never stepped by DCP here (:mod:`~lightning_dcp.engine.optimizer_target`):
+its state is empty, as ``optimizer.state_dict()`` gives, and a restore allocates what the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
+from lightning_dcp.engine.optimizer_target import PendingState, no_init_step
 
 __all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
 
@@ -58,8 +60,16 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``get_optimizer_state_dict(module, optimizer)`` (default options): state and param_groups keyed by FQN.
 
-    Collective where DCP's is (FSDP, lazy state initialisation); call on all ranks.
+    For an optimizer without state yet the ``state`` is empty (a :class:`PendingState`), as in
+    ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on zero gradients to create
+    it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a whole step. A restore into
+    this target allocates the state the checkpoint holds (:func:`~lightning_dcp.engine.optimizer_target.fill_pending`).
+    Under FSDP1 DCP's behaviour is kept.
+
+    Collective where DCP's is (FSDP); call on all ranks.
     """
+    if not optimizer.state and not _has_fsdp1(module):
+        return _stateless(module, optimizer)
     cached = _OPTIMIZERS.get(optimizer)
     if cached is not None and cached[0]() is module and optimizer.state:
         ids = _param_ids(optimizer)
@@ -74,6 +84,20 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
         built = _by_fqn(optimizer.state_dict(), fqns)
         if built is not None and _equal_optimizer_states(built, state):
             _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    return state
+
+
+def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state."""
+    with no_init_step(optimizer):
+        state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if state.get("state") or len(fqns) != len(params) or len(set(fqns)) != len(fqns):
+        return state  # shared parameters (DCP lists them by group): no pending target, DCP's empty state
+    state["state"] = PendingState(dict(zip(fqns, params, strict=True)))
+    if module in _MODELS:  # a plain model: the FQNs of this optimizer's parameters, as DCP maps them
+        _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
     return state
 
 
@@ -106,7 +130,8 @@ def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Op
     """
     split = _split_by_fqn(module, optimizer, state)
     if split is None:
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
+        with no_init_step(optimizer):  # DCP would step an optimizer without state before loading into it
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
     elif _holds_optimizer_tensors(optimizer, split):
         _set_param_groups(optimizer, split["param_groups"])
     else:
@@ -182,7 +207,7 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
 def _split_by_fqn(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> dict[str, Any] | None:
     """DCP's per-optimizer split of an FQN-keyed ``state`` for ``optimizer``; ``None`` where DCP must do it."""
     cached = _OPTIMIZERS.get(optimizer)
-    if cached is None or cached[0]() is not module or not optimizer.state or _param_ids(optimizer) != cached[1]:
+    if cached is None or cached[0]() is not module or _param_ids(optimizer) != cached[1]:
         return None
     if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
         return None

@@ -26,6 +26,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
 from lightning_dcp.engine.optimizer_target import PendingState, no_init_step
@@ -36,6 +37,11 @@ _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.W
 _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
     weakref.WeakKeyDictionary()
 )
+_MAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Optimizers without state yet, of a plain model: their FQNs as DCP mapped them (no state to check a save's
+shortcut against: :func:`optimizer_state_dict` checks it at its first call with state, as for any optimizer)."""
 
 
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
@@ -49,6 +55,11 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
         if tuple(state) == keys and _plain(state.values()):
             return state
         _MODELS.pop(module, None)
+    if _plain_tree(module):  # DCP's result is module.state_dict(): its FQN mapping maps nothing
+        state = module.state_dict()
+        if _plain(state.values()):
+            _MODELS[module] = tuple(state)
+            return state
     state = get_model_state_dict(module, options=StateDictOptions())
     if _plain(state.values()) and not _has_fsdp1(module):
         plain = module.state_dict()
@@ -88,17 +99,58 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
 
 
 def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state."""
-    with no_init_step(optimizer):
-        state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state.
+
+    For a plain model (:func:`model_state_dict` found its FQNs are its own names) the mapping is DCP's without DCP:
+    each parameter's first name in ``named_parameters()``, in the groups of ``optimizer.state_dict()``.
+    """
+    state = _plain_optimizer_state(module, optimizer) if module in _MODELS else None
+    if state is None:
+        with no_init_step(optimizer):
+            state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
     fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if state.get("state") or len(fqns) != len(params) or len(set(fqns)) != len(fqns):
         return state  # shared parameters (DCP lists them by group): no pending target, DCP's empty state
     state["state"] = PendingState(dict(zip(fqns, params, strict=True)))
-    if module in _MODELS:  # a plain model: the FQNs of this optimizer's parameters, as DCP maps them
-        _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    if module in _MODELS:  # a plain model: the FQNs of its parameters, as DCP maps them, for applying a restore
+        _MAPPED[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
     return state
+
+
+def _plain_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """DCP's ``get_optimizer_state_dict`` of an optimizer without state over a plain model; ``None``: ask DCP."""
+    names: dict[torch.Tensor, str] = {}
+    for name, param in module.named_parameters():  # DCP's loop: a shared parameter under its first name
+        names.setdefault(param, name)
+    fqns = [names.get(p) for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    if any(fqn is None for fqn in fqns) or saved["state"]:
+        return None  # a parameter the model does not hold: DCP raises for it
+    groups, start = [], 0
+    for group in saved["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": fqns[start : start + count]})
+        start += count
+    return {"state": {}, "param_groups": groups}
+
+
+_WRAPPERS = ("FullyShardedDataParallel", "OptimizedModule")
+
+
+def _plain_tree(module: torch.nn.Module) -> bool:
+    """Whether DCP's ``_get_fqns`` maps each of ``module``'s state_dict keys to itself.
+
+    So it does without DDP, FSDP1 or ``torch.compile`` wrappers, activation-checkpoint wrappers, or modules that
+    declare ``_fqn_modifiers`` anywhere in the tree (DCP's function asks each module on a key's path for these).
+    """
+    for name, sub in module.named_modules(remove_duplicate=False):  # torch.compile: OptimizedModule (not imported)
+        kind = type(sub)
+        if issubclass(kind, DistributedDataParallel) or kind.__name__ in _WRAPPERS:
+            return False
+        if hasattr(kind, "_fqn_modifiers") or "_checkpoint_wrapped_module" in name:
+            return False
+    return True
 
 
 def load_model_state_dict(module: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
@@ -206,7 +258,7 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
 
 def _split_by_fqn(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> dict[str, Any] | None:
     """DCP's per-optimizer split of an FQN-keyed ``state`` for ``optimizer``; ``None`` where DCP must do it."""
-    cached = _OPTIMIZERS.get(optimizer)
+    cached = _OPTIMIZERS.get(optimizer) or _MAPPED.get(optimizer)
     if cached is None or cached[0]() is not module or _param_ids(optimizer) != cached[1]:
         return None
     if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:

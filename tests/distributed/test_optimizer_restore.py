@@ -176,3 +176,36 @@ def _fsdp2_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_fsdp2_resume_restores_dtensor_optimizer_state_without_a_step(tmp_path):
     spawn(_fsdp2_worker, 2, str(tmp_path))
+
+
+def test_fabric_load_restores_fresh_optimizers_as_saved_without_a_step(tmp_path):
+    """``fabric.load`` into fresh AdamW and SGD-with-momentum optimizers, saved before and after their first step."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=1, strategy="dcp_single_device")
+
+    def setup(seed_value: int):
+        fabric.seed_everything(seed_value, verbose=False)
+        net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+        adamw = torch.optim.AdamW(net[0].parameters(), lr=0.01)
+        sgd = torch.optim.SGD(net[2].parameters(), lr=0.1, momentum=0.9)
+        return fabric.setup_module(net), *fabric.setup_optimizers(adamw, sgd)
+
+    model, adamw, sgd = setup(7)
+    steps_run: list[int] = []
+    for name, steps in (("fresh", 0), ("trained", STEPS)):
+        for _ in range(steps):
+            fabric.backward(model(torch.randn(4, 6)).square().mean())
+            adamw.step(), sgd.step(), adamw.zero_grad(), sgd.zero_grad()
+        saved = [copy.deepcopy(opt.state_dict()) for opt in (adamw, sgd)]
+        fabric.save(str(tmp_path / name), {"model": model, "adamw": adamw, "sgd": sgd})
+        assert_same([opt.state_dict() for opt in (adamw, sgd)], saved, f"{name}: the save changed the optimizers")
+
+        steps_run.clear()
+        hook = register_optimizer_step_pre_hook(lambda *args: steps_run.append(1))
+        new_model, new_adamw, new_sgd = setup(99)
+        fabric.load(str(tmp_path / name), {"model": new_model, "adamw": new_adamw, "sgd": new_sgd})
+        hook.remove()
+        assert steps_run == [], name
+        assert_same([opt.state_dict() for opt in (new_adamw, new_sgd)], saved, name)
+        assert all(_next_step_matches(o.optimizer, s) for o, s in zip((new_adamw, new_sgd), saved, strict=True))

@@ -341,11 +341,8 @@ def task_fit(
 
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
     """Write the checkpoints the ``load`` task resumes from (saved at this world size): ours and stock DDP's."""
-    import torch.distributed.checkpoint as dcp
-
     trainer, _ = _fitted(world_size, mix, scale)
     trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
-    dcp.save(_dcp_state(trainer), checkpoint_id=os.path.join(workdir, f"dcp-ws{world_size}.ckpt"))
     del trainer
     stock, _ = _fitted(world_size, mix, scale, strategy="ddp")
     stock.save_checkpoint(os.path.join(workdir, f"stock-ws{world_size}.ckpt"))

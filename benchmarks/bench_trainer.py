@@ -19,16 +19,12 @@ every round (A B C A B C ...) so that they see the same machine:
   Reports the fit's wall time and, per save, ``stall`` (the time ``trainer.save_checkpoint`` blocked inside
   ``ModelCheckpoint``) and ``blocked`` (the stall plus the time the next optimizer step waited for the save's
   background staging copies). Async fits include the wait for the last save at teardown.
-- ``load``: a resume's restore of a checkpoint saved at world size ``save_world_size``: ``strategy.load_checkpoint``
-  into the model and AdamW state, then ``load_model_state_dict`` and ``load_optimizer_state_dict``, with the
-  checkpoint's files evicted from the page cache first (``cold`` says whether that worked); ``stock``: the same
-  restore of stock Lightning DDP's single ``.ckpt`` of the same state (``torch.load`` on every rank, then
-  ``DDPStrategy``'s own ``load_model_state_dict`` / ``load_optimizer_state_dict``), evicted the same way; ``dcp``: raw
-  ``dcp.load`` of a raw ``dcp.save`` of the same state into ``get_state_dict``'s targets, then ``set_state_dict``; and
-  ``read``: rank 0 reading our checkpoint's files sequentially, evicted the same way (the disk's limit), right after
-  ``load`` in each round. ``paired``: each round's ``read`` over its ``load`` (the restore against the cold read),
-  which a disk whose speed changes from one minute to the next (this project's VM: the cold read of one file took
-  0.58-1.49 s within one run) skews less than the ratio of the medians.
+- ``load``: resumes as users see them (:mod:`benchmarks.bench_resume`): per round, ``Trainer.fit(model,
+  ckpt_path=...)`` in fresh processes for our checkpoint (``load``) and for stock Lightning DDP's single ``.ckpt`` of
+  the same state (``stock``), each timed from the ``setup`` hook to ``on_train_start`` with the checkpoint's files
+  dropped from the page cache, and a cold sequential read of our checkpoint's bytes (``read``); ``paired``: each
+  round's ``read`` over its ``load``, ``stock_paired``: each round's ``stock`` over its ``load``; ``phases``: the
+  parts of our restore (target, probe, plan, read, apply), medians over the rounds.
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -53,9 +49,11 @@ import torch
 import torch.distributed as dist
 
 try:
+    from benchmarks.bench_resume import run_rounds
     from benchmarks.bench_save import disk_write
     from benchmarks.mixes import MIXES, make_module
 except ImportError:  # run as a script
+    from bench_resume import run_rounds
     from bench_save import disk_write
     from mixes import MIXES, make_module
 
@@ -341,72 +339,10 @@ def task_fit(
     return {"runs": runs, "fit_steps": fit_steps, "every": every, "ema": ema}
 
 
-def task_load(
-    rank: int, world_size: int, workdir: str, mix: str, scale: float, repeats: int, save_world_size: int
-) -> dict:
-    import torch.distributed.checkpoint as dcp
-    from lightning.pytorch.plugins.io import TorchCheckpointIO
-    from lightning.pytorch.strategies import DDPStrategy
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    from lightning_dcp.engine.metadata import _PARSED
-
-    path = os.path.join(workdir, f"resume-ws{save_world_size}.ckpt")
-    stock_path = os.path.join(workdir, f"stock-ws{save_world_size}.ckpt")
-    dcp_path = os.path.join(workdir, f"dcp-ws{save_world_size}.ckpt")
-    trainer, _ = _fitted(world_size, mix, scale)
-    strategy = trainer.strategy
-    methods = ("load", "read", "stock", "dcp")
-    runs: dict[str, list[float]] = {m: [] for m in methods}
-    cold = True
-
-    def ours() -> None:  # what a resume does: read into the model and optimizer, then apply
-        checkpoint = strategy.load_checkpoint(path)
-        strategy.load_model_state_dict(checkpoint)
-        strategy.load_optimizer_state_dict(checkpoint)
-
-    def stock() -> None:  # stock Lightning DDP: torch.load of the one file on every rank, then apply
-        checkpoint = TorchCheckpointIO().load_checkpoint(stock_path)
-        DDPStrategy.load_model_state_dict(strategy, checkpoint)
-        DDPStrategy.load_optimizer_state_dict(strategy, checkpoint)
-
-    def raw_dcp() -> None:  # a peer: raw dcp.load into get_state_dict's targets, then set_state_dict
-        state = _dcp_state(trainer)
-        dcp.load(state, checkpoint_id=dcp_path)
-        set_state_dict(
-            trainer.lightning_module,
-            trainer.optimizers[0],
-            model_state_dict=state["model"],
-            optim_state_dict=state["optimizer"],
-        )
-
-    for round_ in range(repeats + 1):
-        for method in methods:
-            _barrier()
-            if rank == 0:
-                cold = evict({"stock": stock_path, "dcp": dcp_path}.get(method, path)) and cold
-            _barrier()
-            if method == "load":
-                _PARSED.clear()  # as in a fresh process: parse .metadata again
-                _, seconds = _timed(ours)
-            elif method == "stock":
-                _, seconds = _timed(stock)
-            elif method == "dcp":
-                _, seconds = _timed(raw_dcp)
-            else:
-                _, seconds = _timed(lambda: read_files(path) if rank == 0 else None)
-            if round_ > 0:
-                runs[method].append(seconds)
-    return {"bytes": dir_bytes(path), "stock_bytes": dir_bytes(stock_path), "runs": runs, "cold": cold}
-
-
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
     """Write the checkpoints the ``load`` task resumes from (saved at this world size): ours and stock DDP's."""
-    import torch.distributed.checkpoint as dcp
-
     trainer, _ = _fitted(world_size, mix, scale)
     trainer.save_checkpoint(os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
-    dcp.save(_dcp_state(trainer), checkpoint_id=os.path.join(workdir, f"dcp-ws{world_size}.ckpt"))
     del trainer
     stock, _ = _fitted(world_size, mix, scale, strategy="ddp")
     stock.save_checkpoint(os.path.join(workdir, f"stock-ws{world_size}.ckpt"))
@@ -417,7 +353,9 @@ def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale:
 def _entry(rank: int, world_size: int, task: str, workdir: str, kwargs: dict) -> None:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    fn = {"save": task_save, "stock": task_stock, "fit": task_fit, "load": task_load, "prepare": task_prepare_load}
+    from benchmarks.bench_resume import task_resume
+
+    fn = {"save": task_save, "stock": task_stock, "fit": task_fit, "resume": task_resume, "prepare": task_prepare_load}
     result = fn[task](rank, world_size, workdir, **kwargs)
     if rank == 0:
         with open(os.path.join(workdir, f"{task}.json"), "w") as f:
@@ -504,13 +442,18 @@ def run(
         for saved in sorted(set(load_world_sizes)):
             spawn("prepare", saved, loaddir, **common)
         for saved in load_world_sizes:
-            res = spawn("load", world_size, loaddir, repeats=repeats, save_world_size=saved, **common)
+            res = run_rounds(world_size, loaddir, saved=saved, repeats=repeats, **common)
+            runs = res["runs"]
+            phases = runs.pop("phases")
             out["load"][f"saved_ws{saved}"] = {
                 "bytes": res["bytes"],
                 "stock_bytes": res["stock_bytes"],
                 "cold": res["cold"],
-                **{m: summary(v) for m, v in res["runs"].items()},
-                "paired": summary([r / t for t, r in zip(res["runs"]["load"], res["runs"]["read"], strict=True)]),
+                **{m: summary(v) for m, v in runs.items()},
+                "paired": summary([r / t for t, r in zip(runs["load"], runs["read"], strict=True)]),
+                "stock_paired": summary([s / t for t, s in zip(runs["load"], runs["stock"], strict=True)]),
+                "phases": {p: summary([ph[p] for ph in phases]) for p in phases[0]} if phases else {},
+                "rounds": runs,
             }
     return out
 

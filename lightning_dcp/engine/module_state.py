@@ -6,8 +6,9 @@ them (about 100 ms for 4,800 tensors here). For a model without sharded paramete
 result is ``module.state_dict()`` and ``optimizer.state_dict()`` with parameter ids replaced by FQNs. The first
 call for a model (and optimizer) runs DCP's function and checks that the plain state dict gives exactly the same
 keys and tensors; while the model's keys and the optimizer's parameters stay the same, later calls build the result
-from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch, an optimizer without
-state yet) always goes through DCP.
+from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch) always goes through
+DCP. An optimizer without state yet is never stepped by DCP here (:mod:`~lightning_dcp.engine.optimizer_target`):
+its state is empty, as ``optimizer.state_dict()`` gives, and a restore allocates what the checkpoint holds.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
+from lightning_dcp.engine.optimizer_target import PendingState, no_init_step
 
 __all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
 
@@ -34,6 +37,11 @@ _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.W
 _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
     weakref.WeakKeyDictionary()
 )
+_MAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Optimizers without state yet, of a plain model: their FQNs as DCP mapped them (no state to check a save's
+shortcut against: :func:`optimizer_state_dict` checks it at its first call with state, as for any optimizer)."""
 
 
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
@@ -47,6 +55,11 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
         if tuple(state) == keys and _plain(state.values()):
             return state
         _MODELS.pop(module, None)
+    if _plain_tree(module):  # DCP's result is module.state_dict(): its FQN mapping maps nothing
+        state = module.state_dict()
+        if _plain(state.values()):
+            _MODELS[module] = tuple(state)
+            return state
     state = get_model_state_dict(module, options=StateDictOptions())
     if _plain(state.values()) and not _has_fsdp1(module):
         plain = module.state_dict()
@@ -58,8 +71,16 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``get_optimizer_state_dict(module, optimizer)`` (default options): state and param_groups keyed by FQN.
 
-    Collective where DCP's is (FSDP, lazy state initialisation); call on all ranks.
+    For an optimizer without state yet the ``state`` is empty (a :class:`PendingState`), as in
+    ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on zero gradients to create
+    it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a whole step. A restore into
+    this target allocates the state the checkpoint holds (:func:`~lightning_dcp.engine.optimizer_target.fill_pending`).
+    Under FSDP1 DCP's behaviour is kept.
+
+    Collective where DCP's is (FSDP); call on all ranks.
     """
+    if not optimizer.state and not _has_fsdp1(module):
+        return _stateless(module, optimizer)
     cached = _OPTIMIZERS.get(optimizer)
     if cached is not None and cached[0]() is module and optimizer.state:
         ids = _param_ids(optimizer)
@@ -75,6 +96,61 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
         if built is not None and _equal_optimizer_states(built, state):
             _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
     return state
+
+
+def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state.
+
+    For a plain model (:func:`model_state_dict` found its FQNs are its own names) the mapping is DCP's without DCP:
+    each parameter's first name in ``named_parameters()``, in the groups of ``optimizer.state_dict()``.
+    """
+    state = _plain_optimizer_state(module, optimizer) if module in _MODELS else None
+    if state is None:
+        with no_init_step(optimizer):
+            state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if state.get("state") or len(fqns) != len(params) or len(set(fqns)) != len(fqns):
+        return state  # shared parameters (DCP lists them by group): no pending target, DCP's empty state
+    state["state"] = PendingState(dict(zip(fqns, params, strict=True)))
+    if module in _MODELS:  # a plain model: the FQNs of its parameters, as DCP maps them, for applying a restore
+        _MAPPED[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    return state
+
+
+def _plain_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """DCP's ``get_optimizer_state_dict`` of an optimizer without state over a plain model; ``None``: ask DCP."""
+    names: dict[torch.Tensor, str] = {}
+    for name, param in module.named_parameters():  # DCP's loop: a shared parameter under its first name
+        names.setdefault(param, name)
+    fqns = [names.get(p) for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    if any(fqn is None for fqn in fqns) or saved["state"]:
+        return None  # a parameter the model does not hold: DCP raises for it
+    groups, start = [], 0
+    for group in saved["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": fqns[start : start + count]})
+        start += count
+    return {"state": {}, "param_groups": groups}
+
+
+_WRAPPERS = ("FullyShardedDataParallel", "OptimizedModule")
+
+
+def _plain_tree(module: torch.nn.Module) -> bool:
+    """Whether DCP's ``_get_fqns`` maps each of ``module``'s state_dict keys to itself.
+
+    So it does without DDP, FSDP1 or ``torch.compile`` wrappers, activation-checkpoint wrappers, or modules that
+    declare ``_fqn_modifiers`` anywhere in the tree (DCP's function asks each module on a key's path for these).
+    """
+    for name, sub in module.named_modules(remove_duplicate=False):  # torch.compile: OptimizedModule (not imported)
+        kind = type(sub)
+        if issubclass(kind, DistributedDataParallel) or kind.__name__ in _WRAPPERS:
+            return False
+        if hasattr(kind, "_fqn_modifiers") or "_checkpoint_wrapped_module" in name:
+            return False
+    return True
 
 
 def load_model_state_dict(module: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
@@ -106,7 +182,8 @@ def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Op
     """
     split = _split_by_fqn(module, optimizer, state)
     if split is None:
-        set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
+        with no_init_step(optimizer):  # DCP would step an optimizer without state before loading into it
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
     elif _holds_optimizer_tensors(optimizer, split):
         _set_param_groups(optimizer, split["param_groups"])
     else:
@@ -181,8 +258,8 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
 
 def _split_by_fqn(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> dict[str, Any] | None:
     """DCP's per-optimizer split of an FQN-keyed ``state`` for ``optimizer``; ``None`` where DCP must do it."""
-    cached = _OPTIMIZERS.get(optimizer)
-    if cached is None or cached[0]() is not module or not optimizer.state or _param_ids(optimizer) != cached[1]:
+    cached = _OPTIMIZERS.get(optimizer) or _MAPPED.get(optimizer)
+    if cached is None or cached[0]() is not module or _param_ids(optimizer) != cached[1]:
         return None
     if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
         return None

@@ -32,6 +32,7 @@ from lightning_dcp.engine.loading import (
 )
 from lightning_dcp.engine.local_load import FastLoadPlanner
 from lightning_dcp.engine.metadata import read_metadata
+from lightning_dcp.engine.optimizer_target import fill_pending, saved_entries
 from lightning_dcp.engine.record_index import IndexEntry, parse_index, record_ends
 from lightning_dcp.engine.storage import Location, read_commit
 from lightning_dcp.errors import checkpoint_failure
@@ -139,6 +140,8 @@ def load_one(
             records = probed[0].records if probed else ahead
             loaded = Loaded(url=location.url, kind="dcp", tree={}, objects={}, in_place=True)
             loaded.saved_world_size = layout.saved_world_size(records or {})
+            if records is not None:  # optimizers without state yet: their saved state tensors, as recorded
+                fill_pending(target, saved_entries(records=records))
             state = _with_blobs(dict(target), loaded.saved_world_size, rank, world_size)
             try:
                 done = index_load.load_indexed(
@@ -168,7 +171,8 @@ def load_one(
             state = {k: v for k, v in target.items() if only is None or k in only}
             if lightning_layout:
                 state = _to_lightning_layout(state, model_key)
-            else:
+            fill_pending(state, saved_entries(metadata=metadata))  # optimizers without state yet
+            if not lightning_layout:
                 state = layout.align_optimizer_target(state, metadata)
             state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude

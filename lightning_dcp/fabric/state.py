@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from lightning_dcp._compat import flatten_state_dict
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
+from lightning_dcp.engine.optimizer_target import fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
@@ -237,7 +238,9 @@ def load_targets(
         strict: Module keys must match exactly (otherwise the shared ones load); optimizers always must.
         extra_keys: Further tree keys to read as full CPU tensors (values not in ``state``, for the remainder).
 
-    Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives).
+    Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives). An optimizer without state
+    yet is not stepped: its target holds the state tensors the checkpoint records
+    (:func:`~lightning_dcp.engine.optimizer_target.fill_pending`).
 
     Raises:
         StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; the message names them.
@@ -254,6 +257,7 @@ def load_targets(
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
             live = optimizer_state_dict(owner, obj)
+            fill_pending({key: live}, saved_entries(metadata=metadata))  # no state yet: allocate the saved state
             _check_exact(path, key, live, saved[key])
             targets.tree[key] = live
             targets.optimizers[key] = (owner, obj)

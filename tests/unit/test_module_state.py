@@ -158,3 +158,78 @@ def test_full_state_dicts_still_go_through_dcp():
     full = {k: v.clone() + 2 for k, v in net.state_dict().items()}
     set_model_state_dict(net, full, options=StateDictOptions(full_state_dict=True))
     _assert_same(net.state_dict(), full)
+
+
+def test_an_optimizer_without_state_is_not_stepped_and_its_target_is_built_from_what_was_saved(tmp_path):
+    """A fresh optimizer's target: no step (DCP would run one), then the saved state tensors, as recorded."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_dcp.engine.metadata import read_metadata
+    from lightning_dcp.engine.optimizer_target import PendingState, fill_pending, saved_entries
+    from lightning_dcp.engine.storage import Location
+
+    net = _net()
+    trained = _trained(net)
+    saved = copy.deepcopy(trained.state_dict())
+    model_state_dict(net)
+    dcp.save({"optimizer_states": [optimizer_state_dict(net, trained)]}, checkpoint_id=str(tmp_path), no_dist=True)
+
+    fresh_net = copy.deepcopy(net)
+    fresh = torch.optim.AdamW(
+        [{"params": list(fresh_net[0].parameters())}, {"params": list(fresh_net[1:].parameters()), "lr": 0.5}]
+    )
+    model_state_dict(fresh_net)
+    target = optimizer_state_dict(fresh_net, fresh)
+    assert fresh.state == {} and all(p.grad is None for p in fresh_net.parameters())  # nothing stepped
+    assert isinstance(target["state"], PendingState) and target["state"] == {}
+    assert copy.deepcopy(target["state"]).__class__ is dict  # a save hands it on as optimizer.state_dict()'s {}
+    tree = {"optimizer_states": [target]}
+    fill_pending(tree, saved_entries(metadata=read_metadata(Location(str(tmp_path)))))
+    assert sorted(target["state"]["0.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
+    assert target["state"]["0.weight"]["exp_avg"].shape == net[0].weight.shape
+    dcp.load(tree, checkpoint_id=str(tmp_path), no_dist=True)
+    load_optimizer_state_dict(fresh_net, fresh, target)
+    _assert_same(fresh.state_dict(), saved)  # what stock Lightning's load_state_dict of the saved dict gives
+
+
+def test_pending_state_is_filled_from_ids_and_chunked_records():
+    from lightning_dcp.engine.optimizer_target import PendingState, fill_pending, saved_entries
+    from lightning_dcp.engine.record_index import IndexedRecord
+
+    a, b = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))
+    chunks = tuple(IndexedRecord("f", 0, 1, 0, torch.float32, (2, 2), (row, 0)) for row in (0, 2))
+    records = {
+        "opt.state.0.exp_avg": chunks,  # saved keyed by parameter id, in row chunks
+        "opt.state.0.step": IndexedRecord("f", 0, 1, 0, torch.float32, ()),
+        "opt.state.1.extra": IndexedRecord("f", 0, 1, 0, None, None),  # a bytes entry
+        "opt.state.9.exp_avg": IndexedRecord("f", 0, 1, 0, torch.float32, (3,)),  # no such parameter: left out
+    }
+    tree = {"opt": {"state": PendingState({"w.a": a, "w.b": b}), "param_groups": []}}
+    fill_pending(tree, saved_entries(records=records))
+    state = tree["opt"]["state"]
+    assert state["w.a"]["exp_avg"].shape == (4, 2) and state["w.a"]["step"].shape == ()
+    assert state["w.b"] == {"extra": b""} and len(state) == 2
+
+
+def test_targets_of_a_plain_model_are_dcps_without_dcp():
+    """A plain model's target and a fresh optimizer's FQN groups equal DCP's (a tied weight under its first name)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    from lightning_dcp.engine.optimizer_target import no_init_step
+
+    net = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
+    net[3].weight = net[0].weight  # tied
+    groups = [{"params": [*net[1].parameters(), *net[2].parameters(), net[3].bias]}, {"params": [net[0].weight]}]
+    optimizer = torch.optim.SGD(groups, lr=0.5)
+    assert module_state._plain_tree(net)
+    mine = model_state_dict(net)
+    theirs = get_model_state_dict(net)
+    assert list(mine) == list(theirs) and all(module_state._same(mine[k], v) for k, v in theirs.items())
+    target = optimizer_state_dict(net, optimizer)
+    with no_init_step(optimizer):
+        reference = get_optimizer_state_dict(net, optimizer)
+    assert target["param_groups"] == reference["param_groups"] and target["state"] == reference["state"] == {}
+    assert optimizer.state == {}
+    assert not module_state._plain_tree(
+        nn.parallel.DistributedDataParallel.__new__(nn.parallel.DistributedDataParallel)
+    )

@@ -64,6 +64,10 @@ class DCPStrategyMixin:
             copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
             copies; everything else is copied before it returns (see
             :class:`~lightning_dcp.engine.checkpointer.Checkpointer`). ``False`` copies everything before returning.
+        when_busy: With ``async_save``: what ``fabric.save`` does when called while the previous save is still being
+            written: ``"wait"`` (the default) waits for it; ``"skip"`` skips this save with a warning naming its step
+            (:attr:`Checkpointer.skipped <lightning_dcp.engine.checkpointer.Checkpointer.skipped>` lists them). See
+            :mod:`lightning_dcp.engine.when_busy`.
         memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): every ``fabric.save(path,
             state)`` then saves into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in
             the background; with the tier's ``async_save=False`` the call makes the copies first), and every
@@ -77,7 +81,8 @@ class DCPStrategyMixin:
             :meth:`teardown`, gives SIGTERM back to that handler at once).
 
     Raises:
-        ValueError: ``thread_count`` is not a positive integer.
+        ValueError: ``thread_count`` is not a positive integer, or ``when_busy`` is neither ``"wait"`` nor
+            ``"skip"``.
         TypeError: A ``CheckpointIO`` plugin is given: these strategies write through the engine, not a plugin.
     """
 
@@ -89,6 +94,7 @@ class DCPStrategyMixin:
         sync_files: bool = True,
         async_save: bool = False,
         defer_staging: bool = True,
+        when_busy: str = "wait",
         memory: MemoryTier | None = None,
         **kwargs: Any,
     ) -> None:
@@ -99,6 +105,7 @@ class DCPStrategyMixin:
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
+            when_busy=when_busy,
             memory=memory,
         )
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""

@@ -112,3 +112,27 @@ def test_when_busy_is_checked():
     with pytest.raises(ValueError, match="when_busy"):
         DCPCheckpointIO(async_save=True, when_busy="drop")
     assert DCPCheckpointIO(async_save=True).checkpointer.when_busy == "wait"
+
+
+def test_fabric_strategies_take_when_busy_and_skip_a_save_while_one_is_written(tmp_path):
+    from lightning.fabric import Fabric
+
+    from lightning_dcp.fabric import DCPSingleDeviceStrategy
+
+    with pytest.raises(ValueError, match="when_busy"):
+        DCPSingleDeviceStrategy(async_save=True, when_busy="drop")
+    strategy = DCPSingleDeviceStrategy(device="cpu", async_save=True, when_busy="skip")
+    fabric = Fabric(accelerator="cpu", devices=1, strategy=strategy)
+    big = torch.zeros(16384, 4096)  # 256 MiB: its write (and fsync) outlasts the next call by far
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fabric.save(str(tmp_path / "a"), {"big": big, "step": 1})
+        big.add_(1.0)
+        fabric.save(str(tmp_path / "b"), {"big": big, "step": 2})
+        strategy.wait_for_save()
+    skipped = strategy.checkpointer.skipped
+    messages = [str(w.message) for w in caught if "when_busy" in str(w.message)]
+    committed = sorted(location.name for _, location in committed_checkpoints(Location(str(tmp_path))))
+    assert skipped == [(2, str(tmp_path / "b"))]  # the step read from the saved state's "step"
+    assert committed == ["a"] and len(messages) == 1 and "step 2" in messages[0]
+    assert Checkpointer().load(str(tmp_path / "a")).tree["big"].sum().item() == 0.0

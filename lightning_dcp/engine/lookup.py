@@ -17,6 +17,8 @@ import re
 import warnings
 from typing import Any
 
+from fsspec.core import split_protocol
+
 from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints, not_one_checkpoint
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.storage import POINTER_HEADER, Location
@@ -198,9 +200,10 @@ def source_of(loaded: Any, *, local_dir: Location | None = None) -> str:
     source = getattr(loaded, "source", None)
     if source is not None:
         return source
-    where = Location(loaded.url)
-    if not where.local:
+    protocol, path = split_protocol(loaded.url)  # no Location: some stores (adlfs) connect when one is made
+    if protocol not in (None, "file", "local"):
         return f"{loaded.url!r} (the remote store)"
-    if local_dir is not None and os.path.abspath(where.path).startswith(local_dir.path.rstrip("/") + "/"):
-        return f"{where.path!r} (local_dir, the local tier)"
-    return repr(where.path)
+    path = os.path.abspath(path)
+    if local_dir is not None and path.startswith(local_dir.path.rstrip("/") + "/"):
+        return f"{path!r} (local_dir, the local tier)"
+    return repr(path)

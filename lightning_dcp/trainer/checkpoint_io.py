@@ -17,7 +17,6 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.lookup import source_of
 from lightning_dcp.engine.marker import COMMIT_FILE
 from lightning_dcp.engine.save_log import RestoreRecord
-from lightning_dcp.engine.storage import Location
 from lightning_dcp.engine.stores import check_storage_options
 from lightning_dcp.engine.tiers import Tiers
 
@@ -259,8 +258,9 @@ class DCPCheckpointIO(CheckpointIO):
             self.checkpointer.saves.restore = restored
         if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
             local_dir = self.checkpointer.tiers.local if self.checkpointer.tiers is not None else None
-            asked = Location(os.fspath(path))
-            shown = f"{asked.parent().url!r} (its `.commit`)" if asked.name == COMMIT_FILE else repr(os.fspath(path))
+            asked = os.fspath(path).rstrip("/")  # no Location: some stores (adlfs) connect when one is made
+            folder, _, name = asked.rpartition("/")
+            shown = f"{folder!r} (its `.commit`)" if name == COMMIT_FILE and folder else repr(os.fspath(path))
             rank_zero_info(f"lightning_dcp: {shown} designates {source_of(loaded, local_dir=local_dir)}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects

@@ -33,12 +33,17 @@ class _AttemptRecorder(Recorder):
 
 
 class _Kill(Callback):
-    def __init__(self, step: int, rank: int) -> None:
-        self.step, self.rank = step, rank
+    """SIGKILL at ``step`` once the memory save in flight has committed: the newest memory checkpoint is then known
+    (a save cut short by the kill is a different case, tests/chaos/memory.py's)."""
+
+    def __init__(self, step: int, rank: int, memory: MemoryCheckpoint) -> None:
+        self.step, self.rank, self.memory = step, rank, memory
 
     def on_train_batch_end(self, trainer, pl_module, *args) -> None:
-        if ATTEMPT == 0 and trainer.global_step == self.step and self.rank in (-1, trainer.global_rank):
-            os.kill(os.getpid(), signal.SIGKILL)
+        if ATTEMPT == 0 and trainer.global_step == self.step:
+            self.memory.tier.wait()  # on every rank: the save's transfers need both
+            if self.rank in (-1, trainer.global_rank):
+                os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(argv=None) -> None:
@@ -59,7 +64,7 @@ def main(argv=None) -> None:
         2,
         max_steps=args.max_steps,
         max_epochs=-1,
-        callbacks=[memory, recorder, _Kill(args.kill_at, args.kill_rank)],
+        callbacks=[memory, recorder, _Kill(args.kill_at, args.kill_rank, memory)],
         plugins=[DCPCheckpointIO()],
         limit_val_batches=0,
     )

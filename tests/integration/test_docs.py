@@ -58,7 +58,9 @@ def loopback(s3_server, tmp_path_factory):
     previous = {key: os.environ.get(key) for key in s3_server.env()}
     os.environ.update(s3_server.env())
     fsspec.config.conf.pop("s3", None)
+    s3fs.S3FileSystem.clear_instance_cache()  # a reader's fresh process: no instance made before these variables
     yield s3_server.storage_options()
+    s3fs.S3FileSystem.clear_instance_cache()
     for key, value in previous.items():
         if value is None:
             os.environ.pop(key, None)

@@ -56,6 +56,9 @@ class RestoreRecord:
     url: str
     tier: str | None
     restore_s: float
+    source: str | None = None
+    """Where the bytes really came from, in words (:func:`lightning_dcp.engine.lookup.source_of`): the tier and a
+    location that exists; ``None``: ``url`` says it."""
 
 
 def save_metrics(record: SaveRecord) -> dict[str, float]:

@@ -252,16 +252,18 @@ class DCPCheckpointIO(CheckpointIO):
             exclude=exclude,
             map_location=map_location,
         )
-        if not only_model:  # for the `checkpoint/restore_s` metric (trainer/metrics.py)
-            tier = getattr(loaded, "tier", None)
-            restored = RestoreRecord(url=loaded.url, tier=tier, restore_s=time.perf_counter() - started)
-            self.checkpointer.saves.restore = restored
-        if loaded.url.rstrip("/") != os.fspath(path).rstrip("/") and not only_model:  # "last", a link, a ".commit"
+        if not only_model:  # for the `checkpoint/restore_s` metric and the restore's log line (trainer/metrics.py)
             local_dir = self.checkpointer.tiers.local if self.checkpointer.tiers is not None else None
-            asked = os.fspath(path).rstrip("/")  # no Location: some stores (adlfs) connect when one is made
-            folder, _, name = asked.rpartition("/")
-            shown = f"{folder!r} (its `.commit`)" if name == COMMIT_FILE and folder else repr(os.fspath(path))
-            rank_zero_info(f"lightning_dcp: {shown} designates {source_of(loaded, local_dir=local_dir)}; loaded it.")
+            source = source_of(loaded, local_dir=local_dir)
+            tier = getattr(loaded, "tier", None)
+            restore_s = time.perf_counter() - started
+            restored = RestoreRecord(url=loaded.url, tier=tier, restore_s=restore_s, source=source)
+            self.checkpointer.saves.restore = restored
+            if loaded.url.rstrip("/") != os.fspath(path).rstrip("/"):  # "last", a link, a ".commit"
+                asked = os.fspath(path).rstrip("/")  # no Location: some stores (adlfs) connect when one is made
+                folder, _, name = asked.rpartition("/")
+                shown = f"{folder!r} (its `.commit`)" if name == COMMIT_FILE and folder else repr(os.fspath(path))
+                rank_zero_info(f"lightning_dcp: {shown} designates {source}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects
         if not only_model:

@@ -51,8 +51,8 @@ def log_checkpoint_metrics(trainer: pl.Trainer) -> int:
     if not trainer.is_global_zero:
         return 0
     if restore is not None:
-        where = f" ({restore.tier} tier)" if restore.tier else ""
-        log.info("lightning_dcp: restored %s%s in %.3f s", restore.url, where, restore.restore_s)
+        where = restore.source or repr(restore.url) + (f" ({restore.tier} tier)" if restore.tier else "")
+        log.info("lightning_dcp: restored %s in %.3f s", where, restore.restore_s)
     if not trainer.loggers:
         return 0
     count = 0

@@ -119,6 +119,15 @@ def test_memory_saves_log_their_tier(tmp_path, dcp_logs):
         assert row["checkpoint/tier"] == TIER_CODES["memory"]
         assert 0 < row["checkpoint/save_blocked_s"] <= row["checkpoint/save_s"] < 60
 
+    # The resume's line names the memory tier and its area, never the durable path the save was not persisted to.
+    memory = MemoryCheckpoint(tmp_path / "shm", every_n_train_steps=2, dirpath=str(tmp_path / "ckpt"), replicas=0)
+    memory.tier.persist_every = 0
+    dcp_logs.clear()
+    _, rows = _fit(tmp_path, "memory-resumed", [memory], DCPCheckpointIO(), max_steps=6, ckpt_path="last")
+    restored = [r.getMessage() for r in dcp_logs.records if r.getMessage().startswith("lightning_dcp: restored")]
+    assert len(restored) == 1 and "from the memory tier" in restored[0], restored
+    assert str(tmp_path / "shm") in restored[0] and str(tmp_path / "ckpt") not in restored[0], restored
+
 
 def test_fabric_saves_and_loads_log_through_fabric_log(tmp_path):
     from lightning.fabric import Fabric

@@ -31,11 +31,12 @@ from __future__ import annotations
 import atexit
 import os
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["attempt_prefix", "attempt_store", "init_attempt_process_group"]
+__all__ = ["attempt_prefix", "attempt_store", "init_attempt_process_group", "init_strategy_attempt_group"]
 
 
 def attempt_prefix() -> str | None:
@@ -92,6 +93,29 @@ def init_attempt_process_group(
     if "nccl" in backend:
         atexit.register(_destroy)
     return True
+
+
+def init_strategy_attempt_group(strategy: Any) -> bool:
+    """:func:`init_attempt_process_group` with what a Lightning strategy (Trainer's or Fabric's) knows of the run.
+
+    Reads its ``cluster_environment`` (ranks, main address and port), process-group backend, timeout and root device;
+    the caller has set the strategy's world ranks first (Lightning names that step differently in the Trainer and in
+    Fabric). Returns whether it made the group; ``False`` without a cluster environment or outside an elastic agent.
+
+    Collective: call on all ranks.
+    """
+    environment = strategy.cluster_environment
+    if environment is None:
+        return False
+    return init_attempt_process_group(
+        strategy._get_process_group_backend(),
+        rank=environment.global_rank(),
+        world_size=environment.world_size(),
+        host=environment.main_address,
+        port=environment.main_port,
+        timeout=strategy._timeout,
+        device=strategy.root_device,
+    )
 
 
 def _destroy() -> None:

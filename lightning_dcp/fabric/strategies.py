@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.elastic import init_attempt_process_group
+from lightning_dcp.engine.elastic import init_strategy_attempt_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 from lightning_dcp.fabric.preemption import Preemption
@@ -267,18 +267,9 @@ class _ElasticAttempt:
 
     def _setup_distributed(self) -> None:
         strategy: Any = self
-        environment = strategy.cluster_environment
-        if environment is not None:
+        if strategy.cluster_environment is not None:
             strategy._set_world_ranks()
-            init_attempt_process_group(
-                strategy._get_process_group_backend(),
-                rank=environment.global_rank(),
-                world_size=environment.world_size(),
-                host=environment.main_address,
-                port=environment.main_port,
-                timeout=strategy._timeout,
-                device=strategy.root_device,
-            )
+        init_strategy_attempt_group(strategy)
         super()._setup_distributed()  # type: ignore[misc]
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dcp.engine.elastic import init_attempt_process_group
+from lightning_dcp.engine.elastic import init_strategy_attempt_group
 
 __all__ = ["ElasticAttempt"]
 
@@ -25,16 +25,7 @@ class ElasticAttempt:
         Collective: call on all ranks (Lightning does, in ``setup_environment``).
         """
         strategy: Any = self
-        environment = strategy.cluster_environment
-        if environment is not None:
+        if strategy.cluster_environment is not None:
             strategy.set_world_ranks()
-            init_attempt_process_group(
-                strategy._get_process_group_backend(),
-                rank=environment.global_rank(),
-                world_size=environment.world_size(),
-                host=environment.main_address,
-                port=environment.main_port,
-                timeout=strategy._timeout,
-                device=strategy.root_device,
-            )
+        init_strategy_attempt_group(strategy)
         super().setup_distributed()  # type: ignore[misc]

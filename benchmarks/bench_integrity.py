@@ -18,7 +18,7 @@ import time
 import torch
 
 from lightning_dcp import DCPCheckpointIO
-from lightning_dcp.engine.marker import checksum
+from lightning_dcp.engine.format.marker import checksum
 
 try:
     from benchmarks._cli import bench_main

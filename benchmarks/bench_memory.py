@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from tests._spawn import spawn

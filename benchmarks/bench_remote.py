@@ -5,7 +5,7 @@ A ``world_size``-rank ``dcp_ddp`` run of a mix (:mod:`benchmarks.mixes`) saves o
 
 - ``load``: a resume's restore from the ``s3://`` path (``strategy.load_checkpoint`` into the model and AdamW state,
   then ``load_model_state_dict`` / ``load_optimizer_state_dict``), as it runs by default: each record that every
-  rank needs is read by one rank and broadcast to the others (``engine/shared_reads.py``);
+  rank needs is read by one rank and broadcast to the others (``engine/load/shared_reads.py``);
 - ``alone``: the same with every rank reading every byte itself, one stream per file (the default before shared
   reads: under DDP the state is replicated, so at 2 ranks it moves twice the bytes of one ``get``);
 - ``get``: rank 0 downloads the checkpoint's files with s3fs' parallel ``get`` into a local directory (the network
@@ -54,7 +54,7 @@ def _entry(rank: int, world_size: int, url: str, options: dict, mix: str, scale:
     import s3fs
 
     from lightning_dcp import DCPCheckpointIO
-    from lightning_dcp.engine import dcp_reader
+    from lightning_dcp.engine.load import dcp_reader
 
     trainer, _ = _fitted(world_size, mix, scale, plugins=[DCPCheckpointIO(storage_options=options, sync_files=False)])
     path = f"{url}/resume.ckpt"

@@ -68,7 +68,7 @@ class _Clock:
 
 def _instrument(strategy: Any) -> _Clock:
     """Wrap what ``strategy``'s restore calls (see the module docstring) for this process."""
-    from lightning_dcp.engine import index_load, restore
+    from lightning_dcp.engine.load import index_load, restore
     from lightning_dcp.trainer import strategies
 
     clock = _Clock()

@@ -8,8 +8,8 @@ groups of 64 ranks, replicated across the ``N / 64`` groups). Each row of the ou
 
 - ``local_plan_s``: one rank's local save planning (``BalancedSavePlanner``; ranks plan in parallel);
 - ``coordinator_s`` / ``plans_in_MB`` / ``plans_out_MB``: the coordinator's global planning as
-  :func:`lightning_dcp.engine.saving.prepare` runs it (signatures grouped, one plan per group of equal plans,
-  :func:`~lightning_dcp.engine.global_plan.global_plan`) and the pickled bytes it receives and scatters;
+  :func:`lightning_dcp.engine.save.saving.prepare` runs it (signatures grouped, one plan per group of equal plans,
+  :func:`~lightning_dcp.engine.save.global_plan.global_plan`) and the pickled bytes it receives and scatters;
 - ``dcp_coordinator_s``: for comparison, DCP's own global planning (``create_global_plan`` over all ``N`` local
   plans, each rank's plan received in full), where it fits in this process;
 - ``commit_s`` / ``metadata_MB`` / ``commit_MB``: building ``.metadata`` (pickled) and ``.commit`` from every
@@ -18,7 +18,7 @@ groups of 64 ranks, replicated across the ``N / 64`` groups). Each row of the ou
   ``check_checkpoint`` of the newest: ``.commit`` parsed and validated, ``.metadata`` unpickled and validated,
   every data file's size; the data files are sparse);
 - ``load_plan_s``: one rank's local load planning of the same checkpoint at the same ``N``
-  (:class:`~lightning_dcp.engine.local_load.FastLoadPlanner`; DTensor targets through DCP's resharding);
+  (:class:`~lightning_dcp.engine.load.local_load.FastLoadPlanner`; DTensor targets through DCP's resharding);
 - ``save_plan_commit_s``: ``local_plan_s + coordinator_s + commit_s``, the save-side total the issue's goal bounds.
 
     python -m benchmarks.bench_scale --ranks 64,256,1024,4096,16384 --layouts ddp,hsdp,fsdp2
@@ -43,13 +43,13 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.dcp_io import metadata_pickle
-from lightning_dcp.engine.global_plan import Group, global_plan, split_private
-from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, encode_commit
-from lightning_dcp.engine.planning import BalancedSavePlanner, flatten, plan_signature
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, encode_commit
+from lightning_dcp.engine.save.dcp_io import metadata_pickle
+from lightning_dcp.engine.save.global_plan import Group, global_plan, split_private
+from lightning_dcp.engine.save.planning import BalancedSavePlanner, flatten, plan_signature
+from lightning_dcp.engine.storage.location import Location
 
 HSDP_SHARD = 64
 DCP_LIMIT_ITEMS = 3_000_000
@@ -242,7 +242,7 @@ def simulate(kind: str, ranks: int, workdir: str) -> dict[str, Any]:
             f.write(metadata_bytes)
         with open(os.path.join(directory, COMMIT_FILE), "wb") as f:
             f.write(encode_commit(metadata_bytes=metadata_bytes, files=files))
-    from lightning_dcp.engine.metadata import _PARSED
+    from lightning_dcp.engine.catalog.metadata import _PARSED
 
     _PARSED.clear()
     start = time.perf_counter()
@@ -258,7 +258,7 @@ def _load_plan_seconds(kind: str, metadata, shards: int, ranks: int) -> float:
     """One rank's local load planning (rank 1: a full replica under DDP, shard 1 otherwise)."""
     from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-    from lightning_dcp.engine.local_load import FastLoadPlanner
+    from lightning_dcp.engine.load.local_load import FastLoadPlanner
 
     start = time.perf_counter()
     if kind == "ddp":

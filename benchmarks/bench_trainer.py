@@ -177,7 +177,8 @@ def _timed_checkpoint_class():
 
 def _as_in_a_fresh_process() -> None:
     """Forget what earlier runs in this process planned and parsed: each fit pays its first save's planning."""
-    from lightning_dcp.engine import memo, metadata
+    from lightning_dcp.engine.catalog import metadata
+    from lightning_dcp.engine.save import memo
 
     memo.forget_all()
     metadata._PARSED.clear()

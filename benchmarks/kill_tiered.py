@@ -136,8 +136,8 @@ class _Watch:
 
     def committed(self) -> dict[tuple[str, str], tuple]:
         """``{(tier, name): order key}`` of every committed checkpoint of both tiers."""
-        from lightning_dcp.engine.integrity import committed_checkpoints
-        from lightning_dcp.engine.storage import Location
+        from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+        from lightning_dcp.engine.storage.location import Location
 
         found = {}
         for tier, directory in (("local", Location(self.local_dir)), ("remote", self.remote)):
@@ -165,7 +165,7 @@ def campaign(
     import torch
 
     sys.path.insert(0, REPO)
-    from lightning_dcp.engine.storage import Location
+    from lightning_dcp.engine.storage.location import Location
     from tests._s3 import S3Server
 
     own = server is None

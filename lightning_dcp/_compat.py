@@ -34,7 +34,7 @@ from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 
 # DCP's fsspec adapter inside FsspecWriter/FsspecReader (``.fs``): ``reset(checkpoint_id)`` calls its ``init_path``
-# without the storage options; lightning_dcp.engine.dcp_io subclasses it to keep them.
+# without the storage options; lightning_dcp.engine.save.dcp_io subclasses it to keep them.
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as DCPFsspecFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
@@ -620,7 +620,7 @@ def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[
 
 
 # ------------------------------------------------------------------------------------------ OmegaConf
-# The codec (lightning_dcp.engine.codec) stores a DictConfig / ListConfig as the node tree of its root plus the path
+# The codec (lightning_dcp.engine.format.codec) stores a DictConfig / ListConfig as the node tree of its root plus the path
 # to the node (interpolations resolve against the same root after a load, as with pickle). OmegaConf has no public
 # API for a node's own flags or its place in the tree: these read ``node._metadata.flags`` (the flags set on that
 # node, not inherited), ``_get_parent()``, ``_key()`` and ``_get_node(key)``, and set flags with ``_set_flag``

@@ -17,10 +17,10 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from lightning_dcp.engine.dcp_io import storage_writer
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, SEAL_KEY, checksum, encode_commit, seal
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, SEAL_KEY, checksum, encode_commit, seal
+from lightning_dcp.engine.save.dcp_io import storage_writer
+from lightning_dcp.engine.storage.location import Location
 
 
 def write_committed(path: str, state: dict[str, Any]) -> None:

@@ -1,7 +1,7 @@
 """``Checkpointer``: the engine's verbs. Save, load and remove a DCP checkpoint of a state tree on any storage.
 
 A front end (the Trainer's ``DCPCheckpointIO``, the Fabric strategies) turns its users' state into three parts and
-hands them here (see :mod:`lightning_dcp.engine.layout`):
+hands them here (see :mod:`lightning_dcp.engine.format.layout`):
 
 - the *tree*: top-level keys mapping to nested state dicts of tensors (DTensor shards included) and small leaves,
   written by DCP with every rank writing its part;
@@ -27,23 +27,25 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine import layout, page_cache, saving
-from lightning_dcp.engine.async_save import AsyncSaves
-from lightning_dcp.engine.dcp_io import save_planner, storage_writer
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE, candidates
+from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.dist import all_true, distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.gc_pause import gc_paused
-from lightning_dcp.engine.incremental import Incremental
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
-from lightning_dcp.engine.lookup import LIGHTNING_META_FILE, candidates
-from lightning_dcp.engine.metadata import parsed_meanwhile_forgotten
-from lightning_dcp.engine.restore import Loaded, load_one
+from lightning_dcp.engine.load import page_cache
+from lightning_dcp.engine.load.restore import Loaded, load_one
+from lightning_dcp.engine.save import saving
+from lightning_dcp.engine.save.async_save import AsyncSaves
+from lightning_dcp.engine.save.dcp_io import save_planner, storage_writer
+from lightning_dcp.engine.save.incremental import Incremental
+from lightning_dcp.engine.save.when_busy import WhenBusy
 from lightning_dcp.engine.save_log import SaveLog, SaveRecord
-from lightning_dcp.engine.storage import Location, fsync_dir, new_token
-from lightning_dcp.engine.stores import is_unreachable
+from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
+from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
+from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
-from lightning_dcp.engine.when_busy import WhenBusy
 from lightning_dcp.errors import (
     CheckpointError,
     InvalidPathError,
@@ -76,18 +78,18 @@ class Checkpointer:
             background copy was made drops that save with a warning naming it (never a checkpoint mixing two
             steps). On local disks those tensors may instead be written where they are, with no copy (live writes,
             chosen save by save; a step that comes before the writer is done copies the rest and goes on: see
-            :mod:`lightning_dcp.engine.live_write`). ``False``: copy everything before returning (see
-            :mod:`lightning_dcp.engine.async_save`).
+            :mod:`lightning_dcp.engine.save.live_write`). ``False``: copy everything before returning (see
+            :mod:`lightning_dcp.engine.save.async_save`).
         when_busy: With ``async_save``: what a save does when called while the previous one is still being written
             (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is committed,
             then save. ``"skip"``: return at once without saving, with a warning naming the step and path skipped
             (recorded in :attr:`skipped`); removals requested after it are held until a newer save commits. A save
-            of the same step as the one in flight always waits. See :mod:`lightning_dcp.engine.when_busy`.
+            of the same step as the one in flight always waits. See :mod:`lightning_dcp.engine.save.when_busy`.
         tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
             path is committed in the local tier, then uploaded in the background; loads and removals cover both.
         incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
             committed checkpoint of the same directory when its bytes are unchanged (local disks; see
-            :mod:`lightning_dcp.engine.incremental`). Every checkpoint stays complete on its own.
+            :mod:`lightning_dcp.engine.save.incremental`). Every checkpoint stays complete on its own.
         memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): saves made inside
             :meth:`into_memory` go to host shared memory (replicated, persisted every Mth to the save's directory),
             and a load of ``last`` in that directory takes the newest checkpoint across memory and the durable tiers.
@@ -480,7 +482,7 @@ class Checkpointer:
 
         For a restore that reads every byte of the checkpoint on every rank (DDP, one device): call it before
         building the load's target, so the disk reads while the target is built and the checkpoint is probed
-        (:func:`~lightning_dcp.engine.page_cache.prefetch`). Not for sharded restores (FSDP, tensor parallel),
+        (:func:`~lightning_dcp.engine.load.page_cache.prefetch`). Not for sharded restores (FSDP, tensor parallel),
         where each rank needs a part of the files.
 
         Any rank. Never raises: a path that is not a local checkpoint directory (a store, the memory tier, a file,

@@ -57,7 +57,7 @@ class RestoreRecord:
     tier: str | None
     restore_s: float
     source: str | None = None
-    """Where the bytes really came from, in words (:func:`lightning_dcp.engine.lookup.source_of`): the tier and a
+    """Where the bytes really came from, in words (:func:`lightning_dcp.engine.catalog.lookup.source_of`): the tier and a
     location that exists; ``None``: ``url`` says it."""
 
 

@@ -1,7 +1,7 @@
 """How a Fabric state dict maps onto the engine's tree, objects and info, and how a checkpoint is checked against one.
 
 ``fabric.save(path, state)`` hands the strategy a flat dict of the user's objects. Each top-level key keeps its name
-in the checkpoint (see :mod:`lightning_dcp.engine.layout`):
+in the checkpoint (see :mod:`lightning_dcp.engine.format.layout`):
 
 - a module: its ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded), a DCP entry per tensor;
 - an optimizer: its ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN);
@@ -27,9 +27,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_dcp._compat import flatten_state_dict
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.module_state import model_state_dict, optimizer_state_dict
-from lightning_dcp.engine.optimizer_target import fill_pending, saved_entries
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict
+from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
@@ -240,7 +240,7 @@ def load_targets(
 
     Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives). An optimizer without state
     yet is not stepped: its target holds the state tensors the checkpoint records
-    (:func:`~lightning_dcp.engine.optimizer_target.fill_pending`).
+    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`).
 
     Raises:
         StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; the message names them.

@@ -67,7 +67,7 @@ class DCPStrategyMixin:
         when_busy: With ``async_save``: what ``fabric.save`` does when called while the previous save is still being
             written: ``"wait"`` (the default) waits for it; ``"skip"`` skips this save with a warning naming its step
             (:attr:`Checkpointer.skipped <lightning_dcp.engine.checkpointer.Checkpointer.skipped>` lists them). See
-            :mod:`lightning_dcp.engine.when_busy`.
+            :mod:`lightning_dcp.engine.save.when_busy`.
         memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): every ``fabric.save(path,
             state)`` then saves into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in
             the background; with the tier's ``async_save=False`` the call makes the copies first), and every

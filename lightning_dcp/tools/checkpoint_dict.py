@@ -6,7 +6,7 @@ Trainer state (hyperparameters, epoch, global step, callbacks' and datamodule st
 additions). Optimizer states are not read: they are most of a training checkpoint's bytes and no inference or
 evaluation load needs them (``lightning_dcp.consolidate`` writes a file with everything).
 
-Weights are streamed from the checkpoint a bounded batch at a time (:class:`~lightning_dcp.engine.source.Source`), so
+Weights are streamed from the checkpoint a bounded batch at a time (:class:`~lightning_dcp.engine.load.source.Source`), so
 peak memory is about the weights plus one batch, whatever world size or strategy wrote them (DDP, FSDP2 / DTensor
 shards are read as full tensors).
 """
@@ -21,14 +21,14 @@ from typing import Any
 
 import torch
 
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.loading import probe
-from lightning_dcp.engine.lookup import designates_last
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.source import Source
-from lightning_dcp.engine.storage import Location, read_commit
-from lightning_dcp.engine.stores import check_storage_options
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import designates_last
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.load.loading import probe
+from lightning_dcp.engine.load.source import Source
+from lightning_dcp.engine.storage.location import Location, read_commit
+from lightning_dcp.engine.storage.stores import check_storage_options
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.tools.progress import progress_bar
 
@@ -42,7 +42,7 @@ def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[st
     """Whether ``path`` designates a checkpoint directory (directly, by a symlink or by a ``last`` pointer object).
 
     A ``last*`` name beside committed checkpoints designates the newest of them, also when its link or pointer
-    dangles (see :func:`~lightning_dcp.engine.lookup.designated`).
+    dangles (see :func:`~lightning_dcp.engine.catalog.lookup.designated`).
 
     Anything else (a single file, a path that does not exist) answers ``False``: that is Lightning's to load.
 

@@ -1,6 +1,6 @@
 """Consolidation: stream a sharded checkpoint into one Lightning ``.ckpt`` or safetensors, in bounded memory.
 
-The input is read entry by entry (:mod:`lightning_dcp.engine.source`) and written as it arrives
+The input is read entry by entry (:mod:`lightning_dcp.engine.load.source`) and written as it arrives
 (:mod:`lightning_dcp.tools.writers`), so peak memory is about one read batch plus the largest tensor, whatever the
 checkpoint size. The command line lives in :mod:`lightning_dcp.consolidate`.
 """
@@ -17,10 +17,10 @@ from typing import Any
 import torch
 
 from lightning_dcp._compat import set_element
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.lookup import designated
-from lightning_dcp.engine.source import Source, TensorEntry
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.lookup import designated
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.load.source import Source, TensorEntry
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
 from lightning_dcp.tools.progress import progress_bar

@@ -9,10 +9,10 @@ import os
 import re
 from typing import Any
 
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.lookup import designated
-from lightning_dcp.engine.source import Source
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.lookup import designated
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.load.source import Source
+from lightning_dcp.engine.storage.location import Location
 
 __all__ = ["inspect_checkpoint"]
 

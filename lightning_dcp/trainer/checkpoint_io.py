@@ -12,12 +12,12 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dcp.engine import layout
+from lightning_dcp.engine.catalog.lookup import source_of
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.lookup import source_of
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.save_log import RestoreRecord
-from lightning_dcp.engine.stores import check_storage_options
+from lightning_dcp.engine.storage.stores import check_storage_options
 from lightning_dcp.engine.tiers import Tiers
 
 __all__ = ["DCPCheckpointIO"]
@@ -62,7 +62,7 @@ class DCPCheckpointIO(CheckpointIO):
             warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
             removals requested after a skip are held until a newer save commits, so nothing is removed before a
             newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
-            waits; ``save_last="link"`` avoids that second write. See :mod:`lightning_dcp.engine.when_busy`.
+            waits; ``save_last="link"`` avoids that second write. See :mod:`lightning_dcp.engine.save.when_busy`.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one

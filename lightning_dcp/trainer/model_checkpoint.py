@@ -33,10 +33,10 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.paths import canonical_url
-from lightning_dcp.engine.storage import STAGING_INFIX, Location
+from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.location import STAGING_INFIX, Location
+from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -63,7 +63,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
     Args:
         dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
             URLs are put in canonical form (``s3://b/exp//run`` is ``s3://b/exp/run``; see
-            :mod:`lightning_dcp.engine.paths`).
+            :mod:`lightning_dcp.engine.storage.paths`).
         storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
             Trainer's ``DCPCheckpointIO``, so credentials are configured once.
         **kwargs: Passed to ``ModelCheckpoint``.
@@ -318,7 +318,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
         Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads
         a ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
-        (:func:`lightning_dcp.engine.loading.candidates`). So the candidate is a local ``last*.ckpt`` entry when one
+        (:func:`lightning_dcp.engine.load.loading.candidates`). So the candidate is a local ``last*.ckpt`` entry when one
         resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
         object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
         resumes: a run never starts from scratch while a committed checkpoint exists. With a local tier, the newest

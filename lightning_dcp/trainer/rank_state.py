@@ -1,8 +1,8 @@
 """What each rank of a Trainer run saves for itself, and how it comes back: RNG states and stateful train loaders.
 
-Saved by every rank in its own part of the checkpoint (``rank_states.{rank}``, see :mod:`lightning_dcp.engine.layout`):
+Saved by every rank in its own part of the checkpoint (``rank_states.{rank}``, see :mod:`lightning_dcp.engine.format.layout`):
 
-- ``"rng"``: the torch, CUDA, numpy and python generator states (:mod:`lightning_dcp.engine.rng`);
+- ``"rng"``: the torch, CUDA, numpy and python generator states (:mod:`lightning_dcp.engine.state.rng`);
 - ``"mid_epoch"``: whether the epoch's data iterator was in use at the save;
 - ``"loaders"``: the ``state_dict()`` of this rank's stateful train loaders (torchdata's ``StatefulDataLoader`` with
   its workers' state, LitData's ``StreamingDataLoader``, a user's class), as Lightning lists them in the fit loop's
@@ -34,8 +34,8 @@ from lightning_dcp._compat import (
     set_sampler_epoch,
     train_epoch_in_progress,
 )
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.rng import collect_rng_states, derive_rng_states, restore_rng_states
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.state.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.callbacks import ElasticResume
 

@@ -41,14 +41,14 @@ from lightning_dcp._compat import (
     trainer_run_arguments,
     unwrap_checkpoint_io,
 )
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.module_state import (
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.save.step_gate import STEP_GATE
+from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
     load_optimizer_state_dict,
     model_state_dict,
     optimizer_state_dict,
 )
-from lightning_dcp.engine.step_gate import STEP_GATE
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.elastic import ElasticAttempt
@@ -181,7 +181,7 @@ class DCPStrategyMixin:
         Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, after the optimizer's
         pre-step hooks, where the deferred staging copies of an async save in flight are waited for; here the wait
         comes once the closure has run, so those copies overlap the forward and backward passes
-        (:meth:`~lightning_dcp.engine.step_gate.STEP_GATE.after_closure`).
+        (:meth:`~lightning_dcp.engine.save.step_gate.STEP_GATE.after_closure`).
         """
         with STEP_GATE.after_closure(optimizer, closure) as closure_then_wait:
             return super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)

@@ -299,7 +299,7 @@ def torch_bytes(obj: Any) -> bytes:
 
 
 NUMPY_TAG = "\x00lightning_dcp.numpy"
-"""The blob's stand-in for numpy values (lightning_dcp.engine.layout): crafted ones must be refused cleanly."""
+"""The blob's stand-in for numpy values (lightning_dcp.engine.format.layout): crafted ones must be refused cleanly."""
 
 
 def _numpy_tags() -> st.SearchStrategy[Any]:
@@ -372,7 +372,7 @@ def _slots(doc: Any):
 
 # ------------------------------------------------------------------------------------------------ codec tags
 CODEC_TAG = "\x00lightning_dcp.object"
-"""The codec's tag key (lightning_dcp.engine.codec): crafted tags must be refused cleanly or decode to allowed types."""
+"""The codec's tag key (lightning_dcp.engine.format.codec): crafted tags must be refused cleanly or decode to allowed types."""
 CODEC_KINDS = [
     "omegaconf", "partial", "namespace", "path", "datetime", "date", "time", "timedelta", "timezone", "frozenset",
     "namedtuple", "dataclass", "enum", "type",

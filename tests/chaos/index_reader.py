@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from lightning_dcp import verify_checkpoint
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.format.marker import COMMIT_FILE
 from tests._crafting import sealed
 from tests.chaos._checks import Finding, call, same
 from tests.chaos.readers import Reader

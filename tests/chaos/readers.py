@@ -33,12 +33,12 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp import DCPCheckpointIO, _compat, add_safe_globals, consolidate, inspect_checkpoint, verify_checkpoint
-from lightning_dcp.engine import allowlist, codec
-from lightning_dcp.engine.blob import decode_extra
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
-from lightning_dcp.engine.metadata import load_metadata
-from lightning_dcp.engine.storage import POINTER_HEADER, Location, read_commit
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.metadata import load_metadata
+from lightning_dcp.engine.format import allowlist, codec
+from lightning_dcp.engine.format.blob import decode_extra
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, checksum, encode_commit, is_plain_name
+from lightning_dcp.engine.storage.location import POINTER_HEADER, Location, read_commit
 from tests._crafting import sealed
 from tests._models import Payload
 from tests.chaos import _inputs as inputs
@@ -347,7 +347,7 @@ class FuzzPoint(typing.NamedTuple):
 
 
 class CodecReader(Reader):
-    """The codec's tags (lightning_dcp.engine.codec) inside a blob: crafted kinds, names and payloads, and real
+    """The codec's tags (lightning_dcp.engine.format.codec) inside a blob: crafted kinds, names and payloads, and real
     encodings with their names swapped. Allowed: a CheckpointError, or objects of allowed types only; no import."""
 
     name = "codec"

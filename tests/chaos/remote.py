@@ -104,7 +104,7 @@ def run_remote_faults(
 
 
 def _trial(trial_dir: str, remote_url: str, server, proxy, planned, rng, *, hidden: int, every: int, log) -> dict:
-    from lightning_dcp.engine.storage import Location
+    from lightning_dcp.engine.storage.location import Location
 
     os.makedirs(trial_dir, exist_ok=True)
     through_proxy = server.storage_options()  # the training process: s3fs' own retries and timeouts
@@ -180,7 +180,7 @@ def _fault_off(kind: str, server, proxy) -> None:
 
 
 def _uploaded(remote) -> bool:
-    from lightning_dcp.engine.integrity import committed_checkpoints
+    from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 
     try:
         return bool(committed_checkpoints(remote))
@@ -218,7 +218,7 @@ def _check(trial_dir: str, remote, returncode: int | None, *, log) -> dict:
     import torch
 
     from lightning_dcp import DCPCheckpointIO, verify_checkpoint
-    from lightning_dcp.engine.integrity import committed_checkpoints
+    from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 
     found = {"end_crashed": 0, "end_lost": 0, "end_extra": 0, "end_stale_pointers": 0, "end_last_wrong": 0}
     result_path = os.path.join(trial_dir, "result.json")

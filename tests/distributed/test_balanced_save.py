@@ -10,8 +10,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from lightning_dcp.engine import planning
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.save import planning
 from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 
@@ -65,7 +65,7 @@ def test_replicated_tensors_are_split_over_ranks_and_read_anywhere(tmp_path):
 
 
 def _in_turn_worker(rank: int, world_size: int, tmp: str) -> None:
-    from lightning_dcp.engine import saving
+    from lightning_dcp.engine.save import saving
 
     dist.init_process_group("gloo")
     made = []

@@ -13,7 +13,7 @@ import shutil
 import signal
 
 from lightning_dcp import MemoryTier
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.parts import PartStore
 from lightning_dcp.engine.tiers.runs import RUN_FILE
 from lightning_dcp.fabric import DCPDDPStrategy

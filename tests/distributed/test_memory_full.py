@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore

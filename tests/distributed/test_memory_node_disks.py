@@ -26,11 +26,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.localfs import STAGING_INFIX
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.localfs import STAGING_INFIX
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.node_disks import PARTS_DIR

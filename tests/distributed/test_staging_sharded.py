@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_dcp._compat import ShardedTensor
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.staging import Stager
+from lightning_dcp.engine.save.staging import Stager
 from tests._spawn import spawn
 
 

@@ -1,8 +1,8 @@
 """Async saves while training on CUDA over NCCL: no background collective on NCCL, pinned staging, exact resumes.
 
 The Trainer's process group is NCCL; the background part of ``dcp.async_save`` never uses it: across ranks it runs
-over the plugin's own gloo group (lightning_dcp/engine/async_save.py), and at world size 1 (this tier's one GPU) it
-issues no collective at all, so no side group exists. Staging copies into pinned host buffers (engine/staging.py).
+over the plugin's own gloo group (lightning_dcp/engine/save/async_save.py), and at world size 1 (this tier's one GPU) it
+issues no collective at all, so no side group exists. Staging copies into pinned host buffers (engine/save/staging.py).
 All five scenarios run in one worker (tests/gpu/_cuda.py).
 """
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from lightning.pytorch import Callback
 
 from lightning_dcp import DCPCheckpointIO, DCPFSDPStrategy, DCPModelParallelStrategy
-from lightning_dcp.engine.marker import COMMIT_FILE
+from lightning_dcp.engine.format.marker import COMMIT_FILE
 from tests._models import MixedDtypeFSDP2Model, MixedDtypeModel, RandomDataModule, TinyModel
 from tests._scenarios import check_mixed_state, mixed_state_runs
 from tests._trainer import assert_same, make_trainer, seed, snapshot, to_cpu

@@ -1,5 +1,5 @@
 """Async saves on CUDA: staging copies queued on a side stream while the loop runs, the optimizer update waiting on
-their event (engine/stream_copies.py); a tensor changed outside a step is caught as on CPU."""
+their event (engine/save/stream_copies.py); a tensor changed outside a step is caught as on CPU."""
 
 from __future__ import annotations
 

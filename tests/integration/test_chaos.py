@@ -31,7 +31,7 @@ def test_kills_during_sync_and_async_saves_resume_the_newest_committed_state(tmp
     verdicts = [e.get("verdict") for e in summary["events"]]
     assert all(v in ("ok", "fresh_ok") for v in verdicts) and "ok" in verdicts, report
     # Nothing committed may fail verification: not after a kill mid-save, nor after one mid-pruning (a removal deletes
-    # `.commit` first: engine/storage.py Location.remove).
+    # `.commit` first: engine/storage/location.py Location.remove).
     unverified = [p for p in summary["problems"] if p.get("problem") == "committed checkpoint does not verify"]
     assert unverified == [], report
     assert summary["problems"] == [], report

@@ -86,7 +86,7 @@ def test_refused_metadata_names_the_checkpoint(tmp_path):
     crafted = pickle.dumps(Payload(marker))
     with open(os.path.join(path, ".metadata"), "wb") as f:
         f.write(crafted)
-    from lightning_dcp.engine.marker import checksum
+    from lightning_dcp.engine.format.marker import checksum
 
     edit_commit(path, lambda m: {**m, "metadata": {"size": len(crafted), "checksum": checksum(crafted)}})
     with pytest.raises(NotACheckpointError, match=r"step=1\.ckpt/\.metadata.*refusing") as err:

@@ -19,10 +19,10 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
+from lightning_dcp.engine.catalog.metadata import read_metadata
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.step_gate import STEP_GATE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.save.step_gate import STEP_GATE
+from lightning_dcp.engine.storage.location import Location
 from tests._trainer import assert_same, make_trainer, seed
 
 

@@ -17,8 +17,8 @@ import time
 import pytest
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, StorageUnavailableError
-from lightning_dcp.engine.storage import Location
-from lightning_dcp.engine.stores import S3_TIMEOUTS
+from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.stores import S3_TIMEOUTS
 from tests._models import RandomDataModule, TinyModel
 from tests._trainer import make_trainer, seed
 

@@ -18,7 +18,7 @@ from lightning.fabric import Fabric
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, load_checkpoint
 from lightning_dcp.consolidate import main as consolidate_main
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.fabric import DCPSingleDeviceStrategy
 from lightning_dcp.inspect import main as inspect_main
 from lightning_dcp.verify import main as verify_main

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from lightning_dcp import CheckpointError, DCPCheckpointIO, DCPModelCheckpoint, verify_checkpoint
-from lightning_dcp.engine import localfs
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage import localfs
+from lightning_dcp.engine.storage.location import Location
 from tests._models import RandomDataModule, TinyModel
 from tests._trainer import assert_same, make_trainer, seed, snapshot
 

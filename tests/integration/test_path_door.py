@@ -18,10 +18,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dcp import DCPCheckpointIO, InvalidPathError
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.lookup import verify_checkpoint
-from lightning_dcp.engine.paths import canonical_url
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import verify_checkpoint
+from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.paths import canonical_url
 
 EXAMPLES = int(os.environ.get("LIGHTNING_DCP_PATH_EXAMPLES", "12"))
 """Examples per store in CI; ``nox -s chaos`` runs the path pass with many more."""

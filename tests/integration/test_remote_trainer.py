@@ -10,7 +10,7 @@ import torch
 
 import lightning_dcp
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from tests._models import RandomDataModule, TinyModel
 from tests._s3 import SECRET_KEY
 from tests._spawn import spawn

@@ -14,10 +14,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, StorageUnavailableError
-from lightning_dcp.engine import planning
-from lightning_dcp.engine.dcp_io import storage_writer
-from lightning_dcp.engine.dcp_reader import storage_reader
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.load.dcp_reader import storage_reader
+from lightning_dcp.engine.save import planning
+from lightning_dcp.engine.save.dcp_io import storage_writer
+from lightning_dcp.engine.storage.location import Location
 from tests._models import RandomDataModule, TinyModel
 from tests._trainer import assert_same, make_trainer, seed, snapshot
 

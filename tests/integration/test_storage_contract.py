@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from lightning_dcp import BucketNotFoundError, DCPCheckpointIO, NotACheckpointError, StorageAccessError
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.location import Location
 from tests._stores import REMOTE_STORES, remote_bucket
 
 

@@ -15,9 +15,9 @@ import torch
 from lightning.pytorch import Callback
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, StorageUnavailableError
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import Retry
 from tests._faults import FaultProxy
 from tests._models import RandomDataModule, TinyModel

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, verify_checkpoint
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import Retry
 from lightning_dcp.errors import StorageUnavailableError
 from tests._models import RandomDataModule, TinyModel

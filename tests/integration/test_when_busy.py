@@ -13,9 +13,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_dcp import DCPCheckpointIO
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from tests._trainer import make_trainer, seed
 
 _STEPS = 6

@@ -1,4 +1,4 @@
-"""The safe codec of the non-tensor state (lightning_dcp/engine/codec.py) and the blob and file loaders over it."""
+"""The safe codec of the non-tensor state (lightning_dcp/engine/format/codec.py) and the blob and file loaders over it."""
 
 from __future__ import annotations
 
@@ -18,8 +18,8 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 import lightning_dcp
 from lightning_dcp import CheckpointError, CorruptCheckpointError
-from lightning_dcp.engine import allowlist, codec
-from lightning_dcp.engine.blob import decode_extra, encode_extra, load_stock_file
+from lightning_dcp.engine.format import allowlist, codec
+from lightning_dcp.engine.format.blob import decode_extra, encode_extra, load_stock_file
 
 
 class Color(enum.Enum):

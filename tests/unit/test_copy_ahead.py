@@ -12,8 +12,8 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from lightning_dcp.engine.copy_ahead import CopyAhead, ThreadCopier, copy_ahead
-from lightning_dcp.engine.datafiles import FileJob, write_local
+from lightning_dcp.engine.save.copy_ahead import CopyAhead, ThreadCopier, copy_ahead
+from lightning_dcp.engine.save.datafiles import FileJob, write_local
 
 
 def _job() -> tuple[FileJob, dict]:

@@ -17,7 +17,7 @@ from lightning_dcp import (
     NotACheckpointError,
     verify_checkpoint,
 )
-from lightning_dcp.engine.storage import POINTER_HEADER
+from lightning_dcp.engine.storage.location import POINTER_HEADER
 from tests._crafting import edit_commit, recommit, rewrite_metadata, torch_bytes, write_committed
 from tests._models import Payload
 
@@ -120,7 +120,7 @@ def test_crafted_metadata_bytes_fail_clearly(tmp_path, crafted):
 
 
 def recommit_metadata_only(path: str, metadata_bytes: bytes) -> None:
-    from lightning_dcp.engine.marker import checksum
+    from lightning_dcp.engine.format.marker import checksum
 
     edit_commit(path, lambda m: {**m, "metadata": {"size": len(metadata_bytes), "checksum": checksum(metadata_bytes)}})
 

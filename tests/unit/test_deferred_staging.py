@@ -11,7 +11,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.staging import Stager, StagingRaceError
+from lightning_dcp.engine.save.staging import Stager, StagingRaceError
 
 
 class _Net(torch.nn.Module):
@@ -177,7 +177,7 @@ def test_a_closure_step_waits_for_pending_copies_after_its_closure_and_other_ste
     import threading
     import time
 
-    from lightning_dcp.engine.async_save import STEP_GATE
+    from lightning_dcp.engine.save.async_save import STEP_GATE
 
     param = torch.nn.Parameter(torch.ones(4))
     optimizer = torch.optim.SGD([param], lr=1.0)
@@ -248,7 +248,7 @@ def test_a_closure_step_waits_for_pending_copies_after_its_closure_and_other_ste
 def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at_the_call(tmp_path):
     import gc
 
-    from lightning_dcp.engine.step_gate import STEP_GATE
+    from lightning_dcp.engine.save.step_gate import STEP_GATE
 
     class SkipsInit(torch.optim.SGD):
         def __init__(self, params) -> None:  # never calls Optimizer.__init__: its step is never wrapped
@@ -295,7 +295,7 @@ def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at
 
 def test_queued_gpu_copies_are_waited_for_on_the_next_step_or_by_code_outside_steps():
     """The step gate's side of CUDA stream staging, with a CPU stand-in for the queued copies (no GPU here)."""
-    from lightning_dcp.engine.step_gate import STEP_GATE
+    from lightning_dcp.engine.save.step_gate import STEP_GATE
 
     class Queued:  # the contract of StreamCopies: at_step() before an update, wait() elsewhere
         def __init__(self) -> None:

@@ -14,7 +14,7 @@ from torch import nn
 import lightning_dcp
 from lightning_dcp import StateDictMismatchError, consolidate, inspect_checkpoint, load_model_weights, verify_checkpoint
 from lightning_dcp.consolidate import main as consolidate_main
-from lightning_dcp.engine import metadata
+from lightning_dcp.engine.catalog import metadata
 from lightning_dcp.fabric import DCPDDPStrategy, DCPSingleDeviceStrategy, latest_checkpoint
 from lightning_dcp.fabric.state import split_state
 from lightning_dcp.inspect import main as inspect_main
@@ -100,7 +100,7 @@ def test_save_then_load_in_place_restores_everything(saved):
     target = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "counter": counter, "step": 0}
     metadata._PARSED.clear()
     remainder = fabric.load(path, target)
-    assert metadata._PARSED == {}  # the load's parses of .metadata are forgotten (engine/metadata.py)
+    assert metadata._PARSED == {}  # the load's parses of .metadata are forgotten (engine/catalog/metadata.py)
     assert torch.equal(torch.rand(4), draw)  # the RNG continues exactly where the save left it
     assert_same(model.state_dict(), state["model"].state_dict(), "model")
     assert_same(optimizer.state_dict(), state["optimizer"].state_dict(), "optimizer")

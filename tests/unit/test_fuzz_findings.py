@@ -18,8 +18,8 @@ import torch
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_dcp import CheckpointError, CorruptCheckpointError, DCPCheckpointIO, verify_checkpoint
-from lightning_dcp.engine.archive import UnsafeArchiveError, check_archive
-from lightning_dcp.engine.blob import decode_extra, encode_extra
+from lightning_dcp.engine.format.archive import UnsafeArchiveError, check_archive
+from lightning_dcp.engine.format.blob import decode_extra, encode_extra
 from tests._crafting import replace_record, rewrite_metadata, torch_bytes, write_committed
 from tests.chaos._inputs import NUMPY_TAG, archive, code_pickle
 
@@ -209,7 +209,7 @@ def test_symlink_loop_is_a_checkpoint_error(tmp_path):
         verify_checkpoint(path)
 
 
-# ------------------------------------------------------------------------------- findings in engine/dcp_io.py
+# ------------------------------------------------------------------------------- findings in engine/save/dcp_io.py
 def test_tensor_record_larger_than_its_chunk_is_refused(tmp_path):
     path = _committed(tmp_path, {"state_dict": {"w": torch.ones(2, 3)}})
     replace_record(path, "state_dict.w", torch_bytes(torch.full((4, 4), 2.0)))
@@ -227,7 +227,7 @@ def test_tensor_record_that_would_allocate_is_refused_before_loading(tmp_path):
 def test_metadata_objects_with_odd_fields_are_refused(tmp_path):
     """An int storage offset raised a raw TypeError, a Metadata without state_dict_metadata an AttributeError, a
     storage_meta of another type an AttributeError inside DCP's reader."""
-    from lightning_dcp.engine.metadata import load_metadata
+    from lightning_dcp.engine.catalog.metadata import load_metadata
 
     path = _committed(tmp_path, {"state_dict": {"w": torch.ones(2)}})
     with open(os.path.join(path, ".metadata"), "rb") as f:
@@ -252,11 +252,11 @@ def test_bytes_entry_without_a_record_is_refused(tmp_path):
     assert "has no storage record" in str(_load_quickly(path))
 
 
-# --------------------------------------- found by the kill campaign (engine/storage.py; fixed: .commit goes first)
+# --------------------------------------- found by the kill campaign (engine/storage/location.py; fixed: .commit goes first)
 def test_removal_cut_short_never_leaves_a_commit_marker_without_its_files(tmp_path):
     import subprocess
 
-    from lightning_dcp.engine.storage import Location
+    from lightning_dcp.engine.storage.location import Location
 
     path = str(tmp_path / "step=2.ckpt")
     DCPCheckpointIO(thread_count=4, sync_files=False).save_checkpoint(
@@ -285,7 +285,7 @@ def test_optimizer_state_for_a_parameter_no_group_lists_is_refused(tmp_path):
 
 
 def test_optimizer_state_said_to_be_keyed_by_id_but_keyed_by_name_is_refused(tmp_path):
-    from lightning_dcp.engine import layout
+    from lightning_dcp.engine.format import layout
 
     optimizer = {"state": {"w": {"exp_avg": torch.ones(2)}}, "param_groups": [{"params": [0], "lr": 0.1}]}
     path = str(tmp_path / "a.ckpt")

@@ -41,7 +41,7 @@ def test_a_collector_disabled_by_the_user_stays_disabled():
 
 
 def test_parsing_metadata_runs_no_collection(tmp_path):
-    from lightning_dcp.engine import metadata
+    from lightning_dcp.engine.catalog import metadata
     from lightning_dcp.engine.checkpointer import Checkpointer
 
     path = str(tmp_path / "many.ckpt")
@@ -75,7 +75,7 @@ def _alive(kind: type) -> int:
 def test_a_load_leaves_no_parsed_metadata_behind_but_keeps_what_was_remembered_before(tmp_path):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from lightning_dcp.engine import metadata
+    from lightning_dcp.engine.catalog import metadata
     from lightning_dcp.engine.checkpointer import Checkpointer
 
     checkpointer = Checkpointer()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 
-from lightning_dcp.engine import layout
-from lightning_dcp.engine.global_plan import Group, global_plan, split_private
-from lightning_dcp.engine.planning import BalancedSavePlanner, plan_signature
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.save.global_plan import Group, global_plan, split_private
+from lightning_dcp.engine.save.planning import BalancedSavePlanner, plan_signature
 
 
 def _state(rank: int, shard: int, shards: int) -> dict:

@@ -25,7 +25,7 @@ from lightning_dcp import (
 )
 from lightning_dcp._cli import parse_storage_options, run_cli
 from lightning_dcp.consolidate import main as consolidate_main
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.inspect import main as inspect_main
 from lightning_dcp.verify import main as verify_main
 from tests._models import TinyModel

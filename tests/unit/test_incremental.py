@@ -13,9 +13,9 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 
 from lightning_dcp import verify_checkpoint
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.datafiles import assign_files
-from lightning_dcp.engine.incremental import Incremental, own_file_name
-from lightning_dcp.engine.marker import is_plain_name
+from lightning_dcp.engine.format.marker import is_plain_name
+from lightning_dcp.engine.save.datafiles import assign_files
+from lightning_dcp.engine.save.incremental import Incremental, own_file_name
 
 MIB = 1 << 20
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -1,4 +1,4 @@
-"""Restores through the record index in ``.commit`` (engine/index_load.py): the same values as the general way, which
+"""Restores through the record index in ``.commit`` (engine/load/index_load.py): the same values as the general way, which
 takes over wherever the index cannot serve; damaged records and hostile indexes fail with a CheckpointError."""
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMismatchError, verify_checkpoint
-from lightning_dcp.engine import index_load, local_load, planning
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dcp_reader import storage_reader
-from lightning_dcp.engine.reading import SMALL_RECORD
-from lightning_dcp.engine.record_index import parse_index
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.record_index import parse_index
+from lightning_dcp.engine.load import index_load, local_load
+from lightning_dcp.engine.load.dcp_reader import storage_reader
+from lightning_dcp.engine.load.reading import SMALL_RECORD
+from lightning_dcp.engine.save import planning
+from lightning_dcp.engine.storage.location import Location
 from tests._crafting import write_commit
 
 

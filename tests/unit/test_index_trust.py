@@ -16,7 +16,7 @@ import torch
 
 from lightning_dcp import CorruptCheckpointError, verify_checkpoint
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.marker import SEAL_KEY, parse_commit
+from lightning_dcp.engine.format.marker import SEAL_KEY, parse_commit
 from lightning_dcp.verify import main as verify_main
 from tests._crafting import write_commit
 

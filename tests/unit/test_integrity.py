@@ -15,7 +15,7 @@ from lightning_dcp import (
     NotACheckpointError,
     verify_checkpoint,
 )
-from lightning_dcp.engine.marker import checksum
+from lightning_dcp.engine.format.marker import checksum
 from lightning_dcp.verify import main as verify_main
 from tests._crafting import write_commit
 from tests._models import Payload

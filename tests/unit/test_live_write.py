@@ -12,11 +12,11 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from lightning_dcp.engine.async_save import AsyncSaves
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.inflight import InFlight
-from lightning_dcp.engine.live_write import LiveWrite
-from lightning_dcp.engine.staging import Stager, StagingRaceError
+from lightning_dcp.engine.save.async_save import AsyncSaves
+from lightning_dcp.engine.save.inflight import InFlight
+from lightning_dcp.engine.save.live_write import LiveWrite
+from lightning_dcp.engine.save.staging import Stager, StagingRaceError
 
 
 def _live_write(tensors: dict[str, torch.Tensor]) -> tuple[LiveWrite, dict[str, WriteItem], threading.Event]:
@@ -126,7 +126,7 @@ def test_a_step_right_after_an_async_save_never_reaches_the_checkpoint(tmp_path,
 
 
 def test_only_optimizer_steps_hurry_a_save_other_waits_only_wait():
-    from lightning_dcp.engine.step_gate import STEP_GATE
+    from lightning_dcp.engine.save.step_gate import STEP_GATE
 
     for step in (False, True):
         copied, hurried = threading.Event(), []

@@ -10,11 +10,11 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from lightning_dcp import CorruptCheckpointError
-from lightning_dcp.engine import planning
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dcp_reader import storage_reader
-from lightning_dcp.engine.local_load import FastLoadPlanner, load
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.load.dcp_reader import storage_reader
+from lightning_dcp.engine.load.local_load import FastLoadPlanner, load
+from lightning_dcp.engine.save import planning
+from lightning_dcp.engine.storage.location import Location
 from tests._crafting import write_commit
 
 
@@ -139,7 +139,7 @@ def test_a_record_in_another_writers_framing_loads_through_torch_load(tmp_path):
     """A record whose checksum matches but whose framing is not ours byte for byte takes the general way, and loads."""
     import io
 
-    from lightning_dcp.engine.marker import checksum
+    from lightning_dcp.engine.format.marker import checksum
 
     tree, path, commit, name, entry, data = _four_saved(tmp_path)
     changed = 0
@@ -167,8 +167,8 @@ def test_a_record_in_another_writers_framing_loads_through_torch_load(tmp_path):
 
 def test_a_record_framed_as_another_dtype_is_refused_naming_the_file(tmp_path):
     """Same length, checksum recorded, but its archive holds int32 where the metadata says float32: never copied."""
-    from lightning_dcp.engine.marker import checksum
-    from lightning_dcp.engine.records import raw_bytes, tensor_record
+    from lightning_dcp.engine.format.marker import checksum
+    from lightning_dcp.engine.format.records import raw_bytes, tensor_record
 
     tree, path, commit, name, entry, data = _four_saved(tmp_path)
     layout = tensor_record(torch.int32, (5, 3))

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO, verify_checkpoint
-from lightning_dcp.engine.localfs import replace_directory
+from lightning_dcp.engine.storage.localfs import replace_directory
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategies)
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, StorageAccessError
@@ -132,8 +132,8 @@ def test_a_memory_resume_says_it_came_from_the_memory_tier_not_a_durable_path(tm
 
 
 def test_a_durable_resume_names_its_tier_and_a_location_that_exists(tmp_path):
-    from lightning_dcp.engine.lookup import source_of
-    from lightning_dcp.engine.restore import Loaded
+    from lightning_dcp.engine.catalog.lookup import source_of
+    from lightning_dcp.engine.load.restore import Loaded
 
     local_dir = Location(str(tmp_path / "local"))
     remote = Loaded(url="s3://bucket/run1/epoch=1-step=20.ckpt", kind="dcp", tree={}, objects={})

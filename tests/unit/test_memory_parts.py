@@ -7,8 +7,8 @@ import os
 import torch
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.marker import encode_commit
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import encode_commit
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.runs import RUN_FILE

@@ -1,4 +1,4 @@
-"""The check of parsed ``.metadata`` (lightning_dcp/engine/metadata_check.py): its fast pass over all entries at once
+"""The check of parsed ``.metadata`` (lightning_dcp/engine/format/metadata_check.py): its fast pass over all entries at once
 engages on what lightning_dcp writes, and never accepts metadata the per-entry checks refuse (property-tested with
 the fuzzing pass's object-level edits of a real checkpoint's metadata)."""
 
@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 
 from lightning_dcp import DCPCheckpointIO
-from lightning_dcp.engine.metadata import read_metadata
-from lightning_dcp.engine.metadata_check import _plainly_valid, _problem, metadata_problem
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.metadata import read_metadata
+from lightning_dcp.engine.format.metadata_check import _plainly_valid, _problem, metadata_problem
+from lightning_dcp.engine.storage.location import Location
 from tests.chaos._edits import mutate_object
 
 _STATE = {

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_optimizer_state_dict
 
-from lightning_dcp.engine import module_state
-from lightning_dcp.engine.module_state import (
+from lightning_dcp.engine.state import module_state
+from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
     load_optimizer_state_dict,
     model_state_dict,
@@ -164,9 +164,9 @@ def test_an_optimizer_without_state_is_not_stepped_and_its_target_is_built_from_
     """A fresh optimizer's target: no step (DCP would run one), then the saved state tensors, as recorded."""
     import torch.distributed.checkpoint as dcp
 
-    from lightning_dcp.engine.metadata import read_metadata
-    from lightning_dcp.engine.optimizer_target import PendingState, fill_pending, saved_entries
-    from lightning_dcp.engine.storage import Location
+    from lightning_dcp.engine.catalog.metadata import read_metadata
+    from lightning_dcp.engine.state.optimizer_target import PendingState, fill_pending, saved_entries
+    from lightning_dcp.engine.storage.location import Location
 
     net = _net()
     trained = _trained(net)
@@ -193,8 +193,8 @@ def test_an_optimizer_without_state_is_not_stepped_and_its_target_is_built_from_
 
 
 def test_pending_state_is_filled_from_ids_and_chunked_records():
-    from lightning_dcp.engine.optimizer_target import PendingState, fill_pending, saved_entries
-    from lightning_dcp.engine.record_index import IndexedRecord
+    from lightning_dcp.engine.format.record_index import IndexedRecord
+    from lightning_dcp.engine.state.optimizer_target import PendingState, fill_pending, saved_entries
 
     a, b = torch.nn.Parameter(torch.zeros(4, 2)), torch.nn.Parameter(torch.zeros(3))
     chunks = tuple(IndexedRecord("f", 0, 1, 0, torch.float32, (2, 2), (row, 0)) for row in (0, 2))
@@ -215,7 +215,7 @@ def test_targets_of_a_plain_model_are_dcps_without_dcp():
     """A plain model's target and a fresh optimizer's FQN groups equal DCP's (a tied weight under its first name)."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
-    from lightning_dcp.engine.optimizer_target import no_init_step
+    from lightning_dcp.engine.state.optimizer_target import no_init_step
 
     net = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 5))
     net[3].weight = net[0].weight  # tied

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import MarkerError, encode_commit, order_key, parse_commit
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.format.marker import MarkerError, encode_commit, order_key, parse_commit
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.fabric import latest_checkpoint
 from tests._crafting import edit_commit, sealed
 

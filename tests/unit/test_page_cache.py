@@ -1,4 +1,4 @@
-"""The page-cache prefetch ahead of a restore (engine/page_cache.py): what it reads, in which order, where it stops,
+"""The page-cache prefetch ahead of a restore (engine/load/page_cache.py): what it reads, in which order, where it stops,
 and that the Trainer and Fabric front ends start it for the resumes that read every file."""
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from lightning.pytorch import Trainer
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
 from lightning_dcp import CorruptCheckpointError
-from lightning_dcp.engine import page_cache
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.record_index import parse_index, record_ends
+from lightning_dcp.engine.format.record_index import parse_index, record_ends
+from lightning_dcp.engine.load import page_cache
 from tests._models import RandomDataModule, TinyModel
 
 

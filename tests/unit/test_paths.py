@@ -9,9 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from lightning_dcp import InvalidPathError
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.paths import canonical_url
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.paths import canonical_url
 
 _CHARS = string.ascii_letters + string.digits + "/._-=?#*[]\\ %é\t\n"
 remote = st.tuples(st.sampled_from(["s3", "gs", "az", "memory"]), st.text(alphabet=_CHARS, max_size=40))

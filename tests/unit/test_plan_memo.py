@@ -8,9 +8,9 @@ import sys
 
 import torch
 
-from lightning_dcp.engine import dcp_io, saving
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.memo import PlanMemo, forget_all
+from lightning_dcp.engine.save import dcp_io, saving
+from lightning_dcp.engine.save.memo import PlanMemo, forget_all
 
 
 def test_a_memo_finds_values_by_the_owner_s_identity_and_forgets_the_least_recently_used():
@@ -75,7 +75,7 @@ def test_the_same_keys_nested_otherwise_keep_their_own_paths(tmp_path):
 
 def test_global_plans_are_named_uniquely_across_processes():
     """A plan's generation names its process: a group whose coordinator is another process never matches it."""
-    code = "from lightning_dcp.engine import saving; print(saving._next_generation()[0].hex())"
+    code = "from lightning_dcp.engine.save import saving; print(saving._next_generation()[0].hex())"
     other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     mine, first = saving._next_generation()
     assert saving._next_generation() == (mine, first + 1)

@@ -14,7 +14,7 @@ import torch
 from lightning.fabric import Fabric
 
 from lightning_dcp import MemoryTier
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import shm_writer
 from lightning_dcp.engine.tiers.runs import RUN_FILE
 from lightning_dcp.fabric import DCPSingleDeviceStrategy

@@ -15,13 +15,14 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from lightning_dcp import CorruptCheckpointError
-from lightning_dcp.engine import layout, saving
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dcp_io import storage_writer
-from lightning_dcp.engine.fileout import DIRECT_MIN
-from lightning_dcp.engine.planning import BalancedSavePlanner, balanced_dedup
-from lightning_dcp.engine.records import raw_bytes, tensor_record
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.records import raw_bytes, tensor_record
+from lightning_dcp.engine.save import saving
+from lightning_dcp.engine.save.dcp_io import storage_writer
+from lightning_dcp.engine.save.planning import BalancedSavePlanner, balanced_dedup
+from lightning_dcp.engine.storage.fileout import DIRECT_MIN
+from lightning_dcp.engine.storage.location import Location
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
 

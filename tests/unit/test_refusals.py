@@ -11,9 +11,9 @@ import torch
 
 import lightning_dcp
 from lightning_dcp import CheckpointError, DCPCheckpointIO
-from lightning_dcp.engine import allowlist
-from lightning_dcp.engine.blob import load_stock_file
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.format import allowlist
+from lightning_dcp.engine.format.blob import load_stock_file
 
 
 @dataclasses.dataclass

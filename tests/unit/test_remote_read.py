@@ -8,9 +8,9 @@ import fsspec
 import pytest
 import torch
 
-from lightning_dcp.engine import remote_read
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.remote_read import Range, RangedReads
+from lightning_dcp.engine.storage import remote_read
+from lightning_dcp.engine.storage.remote_read import Range, RangedReads
 from lightning_dcp.errors import CorruptCheckpointError
 
 

@@ -1,11 +1,11 @@
-"""How shared reads cut the units among ranks and into rounds (engine/shared_reads.py), property-tested."""
+"""How shared reads cut the units among ranks and into rounds (engine/load/shared_reads.py), property-tested."""
 
 from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lightning_dcp.engine.shared_reads import Unit, owners, rounds
+from lightning_dcp.engine.load.shared_reads import Unit, owners, rounds
 
 units_st = st.lists(st.builds(Unit, st.integers(0, 5000), st.booleans()), min_size=1, max_size=60)
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_dcp.engine.staging import Stager
+from lightning_dcp.engine.save.staging import Stager
 
 
 def test_staged_copy_does_not_see_later_changes_and_reuses_buffers():

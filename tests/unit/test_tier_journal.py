@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO
-from lightning_dcp.engine.marker import COMMIT_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.journal import JOURNAL_FILE, TierJournal, version_of
 from lightning_dcp.engine.tiers.uploader import local_marker
 

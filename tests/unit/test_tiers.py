@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from lightning_dcp import CheckpointError, DCPCheckpointIO, verify_checkpoint
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.journal import JOURNAL_FILE
 from lightning_dcp.engine.tiers.local import MANIFEST_FILE
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX
@@ -138,7 +138,7 @@ def test_one_local_tier_mirrors_one_remote_directory(tmp_path, remote):
 def test_outages_are_told_from_refusals_as_s3fs_raises_them():
     botocore = pytest.importorskip("botocore.exceptions")
     s3fs_errors = pytest.importorskip("s3fs.errors")
-    from lightning_dcp.engine.stores import is_unreachable
+    from lightning_dcp.engine.storage.stores import is_unreachable
 
     def client_error(status: int, code: str) -> Exception:  # what s3fs raises for an HTTP error answer
         answer = {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}

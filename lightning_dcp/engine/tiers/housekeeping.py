@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from lightning_dcp.engine.localfs import remove_path
+from lightning_dcp.engine.storage.localfs import remove_path
 
 if TYPE_CHECKING:
     from lightning_dcp.engine.tiers.memory import MemoryTier

@@ -33,8 +33,8 @@ import os
 import threading
 from typing import Any
 
-from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir, new_token
-from lightning_dcp.engine.marker import is_plain_name
+from lightning_dcp.engine.format.marker import is_plain_name
+from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir, new_token
 
 __all__ = ["JOURNAL_FILE", "Intent", "TierJournal", "version_of"]
 

@@ -41,9 +41,9 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.localfs import is_internal_name
-from lightning_dcp.engine.storage import STAGING_INFIX, Location, new_token
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.storage.localfs import is_internal_name
+from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, new_token
 from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint

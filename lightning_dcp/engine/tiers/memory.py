@@ -4,7 +4,7 @@ A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these step
 
 1. rank 0 picks a token (and whether this save is persisted); each node's leader takes a staging directory in its
    area (a free slot when there is one: its files and pages are reused);
-2. planning (:func:`lightning_dcp.engine.saving.prepare`); with ``async_save`` the call returns here, objects and
+2. planning (:func:`lightning_dcp.engine.save.saving.prepare`); with ``async_save`` the call returns here, objects and
    small tensors copied, large tensors copied in the background while optimizer steps wait for them;
 3. each rank copies its records into its mapped data file (:mod:`~lightning_dcp.engine.tiers.shm_writer`); a
    synchronous save copies them in the call and returns once they are copied (the stall is the copy), an async one
@@ -38,10 +38,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_dcp.engine import saving
-from lightning_dcp.engine.dcp_io import save_planner
-from lightning_dcp.engine.localfs import new_token, remove_path
-from lightning_dcp.engine.step_gate import STEP_GATE
+from lightning_dcp.engine.save import saving
+from lightning_dcp.engine.save.dcp_io import save_planner
+from lightning_dcp.engine.save.step_gate import STEP_GATE
+from lightning_dcp.engine.storage.localfs import new_token, remove_path
 from lightning_dcp.engine.tiers.nodes import Topology, discover, leave, single_process
 from lightning_dcp.engine.tiers.parts import Part, PartStore
 from lightning_dcp.engine.tiers.replication import replicate

@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine import layout
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import designates_last
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.lookup import designates_last
-from lightning_dcp.engine.restore import Loaded, load_one
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.load.restore import Loaded, load_one
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import recovery, runs
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY
 from lightning_dcp.engine.tiers.persist import Persistence

@@ -35,10 +35,10 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_dcp.engine.localfs import STAGING_INFIX, new_token, remove_path
-from lightning_dcp.engine.marker import METADATA_FILE, parse_commit
-from lightning_dcp.engine.saving import RankFailure
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import METADATA_FILE, parse_commit
+from lightning_dcp.engine.save.saving import RankFailure
+from lightning_dcp.engine.storage.localfs import STAGING_INFIX, new_token, remove_path
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.parts import PartStore, identity, part_name
 from lightning_dcp.engine.tiers.upload import abandon, begin, finish, remove_committed
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError

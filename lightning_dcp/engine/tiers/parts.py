@@ -23,8 +23,8 @@ import json
 import os
 from typing import Any
 
-from lightning_dcp.engine.localfs import STAGING_INFIX, fsync_dir, new_token, remove_path
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, MarkerError, order_key, parse_commit
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, MarkerError, order_key, parse_commit
+from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir, new_token, remove_path
 
 __all__ = ["FREE_PREFIX", "LOAD_PREFIX", "PART_FILE", "Part", "PartStore", "complete", "identity", "part_name"]
 
@@ -71,7 +71,7 @@ class Part:
 
     @property
     def key(self) -> tuple:
-        """The checkpoint's order (:func:`~lightning_dcp.engine.marker.order_key`): larger is newer."""
+        """The checkpoint's order (:func:`~lightning_dcp.engine.format.marker.order_key`): larger is newer."""
         return order_key(self.marker)
 
     @property

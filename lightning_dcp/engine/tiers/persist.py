@@ -27,9 +27,9 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_dcp.engine.localfs import fsync_dir, new_token
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.storage.localfs import fsync_dir, new_token
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import node_disks
 from lightning_dcp.engine.tiers.local import Tiers
 from lightning_dcp.engine.tiers.node_disks import NodeDisks

@@ -19,11 +19,11 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.lookup import candidates as one_tier_candidates
-from lightning_dcp.engine.lookup import designates_last
-from lightning_dcp.engine.marker import COMMIT_FILE, order_key
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import candidates as one_tier_candidates
+from lightning_dcp.engine.catalog.lookup import designates_last
+from lightning_dcp.engine.format.marker import COMMIT_FILE, order_key
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import local_marker
 
 if TYPE_CHECKING:
@@ -93,7 +93,7 @@ def exists(tiers: Tiers, remote: Location) -> bool:
 
 
 def candidates(tiers: Tiers, location: Location) -> list[str]:
-    """:func:`lightning_dcp.engine.loading.candidates` over both tiers: what a load of ``location`` tries.
+    """:func:`lightning_dcp.engine.load.loading.candidates` over both tiers: what a load of ``location`` tries.
 
     A ``last*`` name or a ``.commit`` (in either tier's directory): every committed checkpoint of both tiers, newest
     first, local copies first. An explicit checkpoint: its committed copies, newest first, local first.

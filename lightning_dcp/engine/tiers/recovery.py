@@ -23,10 +23,10 @@ import warnings
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from lightning_dcp.engine.integrity import check_checkpoint
-from lightning_dcp.engine.localfs import new_token, remove_path
-from lightning_dcp.engine.marker import COMMIT_FILE, METADATA_FILE, parse_commit
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.catalog.integrity import check_checkpoint
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, parse_commit
+from lightning_dcp.engine.storage.localfs import new_token, remove_path
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.node_disks import everywhere
 from lightning_dcp.engine.tiers.parts import LOAD_PREFIX, Part, PartStore, complete
 from lightning_dcp.engine.tiers.persist import Persistence

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import logging
 
-from lightning_dcp.engine.localfs import new_token
-from lightning_dcp.engine.storage import Location
+from lightning_dcp.engine.storage.localfs import new_token
+from lightning_dcp.engine.storage.location import Location
 
 __all__ = ["RUN_FILE", "claim", "read"]
 

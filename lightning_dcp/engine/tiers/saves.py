@@ -14,9 +14,9 @@ import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from lightning_dcp._compat import tensor_version
-from lightning_dcp.engine.marker import parse_commit
-from lightning_dcp.engine.staging import StagingRaceError
-from lightning_dcp.engine.step_gate import STEP_GATE
+from lightning_dcp.engine.format.marker import parse_commit
+from lightning_dcp.engine.save.staging import StagingRaceError
+from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.tiers.nodes import Topology
 from lightning_dcp.engine.tiers.parts import identity
 

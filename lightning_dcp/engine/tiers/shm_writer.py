@@ -1,6 +1,6 @@
 """The memory tier's storage writer: each rank's records copied straight from its tensors into a mapped tmpfs file.
 
-A rank writes one data file, ``__{rank}_0.distcp``, in DCP's format (:mod:`lightning_dcp.engine.records`: every
+A rank writes one data file, ``__{rank}_0.distcp``, in DCP's format (:mod:`lightning_dcp.engine.format.records`: every
 tensor record is ``prefix + raw bytes + suffix``, so any DCP reader loads it and reshards it). The file is mapped
 into the process and each tensor is copied into its place with one ``copy_`` in its own dtype (:meth:`ShmWriter.stage`:
 what a save's stall waits for); each record is then hashed where it lies (xxHash3-64, as every writer of this library
@@ -36,9 +36,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from lightning_dcp._compat import StorageInfo
-from lightning_dcp.engine.dcp_io import compact_result
-from lightning_dcp.engine.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
-from lightning_dcp.engine.records import cpu_contiguous, tensor_record
+from lightning_dcp.engine.format.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
+from lightning_dcp.engine.format.records import cpu_contiguous, tensor_record
+from lightning_dcp.engine.save.dcp_io import compact_result
 
 __all__ = ["Mappings", "ShmWriter", "data_file"]
 
@@ -227,7 +227,7 @@ class ShmWriter(FileSystemWriter):
         """Write the metadata file; build the marker with each file's records (the memory tier commits it).
 
         ``results``: per rank, ``(fqn, offsets, size, file, offset, length, checksum)`` of each record
-        (:func:`~lightning_dcp.engine.dcp_io.compact_result`).
+        (:func:`~lightning_dcp.engine.save.dcp_io.compact_result`).
         """
         files: dict[str, dict[str, Any]] = {}
         plain = []

@@ -30,8 +30,7 @@ import os
 import shutil
 from typing import Any
 
-from lightning_dcp.engine.localfs import SNAPSHOT_PREFIX
-from lightning_dcp.engine.marker import (
+from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
     METADATA_FILE,
@@ -39,7 +38,8 @@ from lightning_dcp.engine.marker import (
     checksum,
     parse_commit,
 )
-from lightning_dcp.engine.storage import Location, new_token
+from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX
+from lightning_dcp.engine.storage.location import Location, new_token
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = [

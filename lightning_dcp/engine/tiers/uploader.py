@@ -16,7 +16,7 @@ before a checkpoint leaves it; a removal waits while uploads are failing. A remo
 pointer designates waits for the pending write of that pointer (or, with none pending, deletes the pointer first):
 a remote pointer never designates a missing checkpoint.
 
-Outages: a task that fails because the store cannot be reached (:func:`~lightning_dcp.engine.stores.is_unreachable`:
+Outages: a task that fails because the store cannot be reached (:func:`~lightning_dcp.engine.storage.stores.is_unreachable`:
 refused or reset connections, timeouts, HTTP 5xx) stays at the head of the queue and is retried after a delay that
 doubles from :attr:`Retry.first_delay` up to :attr:`Retry.max_delay`, each attempt logged. Other failures are logged;
 failed uploads are retried at the next save and at teardown.
@@ -34,10 +34,10 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from lightning_dcp.engine.integrity import committed_checkpoints
-from lightning_dcp.engine.marker import order_key
-from lightning_dcp.engine.storage import Location, new_token
-from lightning_dcp.engine.stores import is_unreachable
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.format.marker import order_key
+from lightning_dcp.engine.storage.location import Location, new_token
+from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers.journal import TierJournal
 from lightning_dcp.engine.tiers.upload import (
     SNAPSHOT_PREFIX,

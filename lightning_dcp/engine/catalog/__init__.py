@@ -1,0 +1,1 @@
+"""Which checkpoints exist, which one a path means, and whether they are whole: metadata, integrity, lookup."""

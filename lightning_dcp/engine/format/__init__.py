@@ -1,0 +1,1 @@
+"""Bytes and names on disk, no I/O: the marker, the record index, records, metadata checks, the codec and its allow-list, archives, blobs, the state-tree keys and the Lightning checkpoint-dict mapping."""

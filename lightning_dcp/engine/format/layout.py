@@ -1,0 +1,405 @@
+"""The on-disk layout of a lightning_dcp checkpoint, and how a Lightning checkpoint dict maps onto it.
+
+A checkpoint is one DCP directory. Its DCP state dict has three top-level entries:
+
+- ``"state_dict"``: the model state (FQN keys; plain tensors, or DTensors written by their owners);
+- ``"optimizer_states"``: a list, one optimizer state dict per optimizer (absent for ``weights_only``);
+- ``"lightning"``: one ``bytes`` blob written by rank 0 only, a ``torch.save`` of everything else Lightning puts in
+  a checkpoint (epoch, global_step, loops, callbacks, lr schedulers, hparams, datamodule and precision state,
+  ``on_save_checkpoint`` additions) plus an ``"lightning_dcp"`` info dict.
+
+Everything is inside DCP's files, so DCP's ``.metadata`` (written last) commits all of it at once, and every read
+goes through ``weights_only`` unpickling.
+
+A Fabric checkpoint (:mod:`lightning_dcp.fabric`) uses the same files with the user's own top-level keys: each
+module's state (``get_model_state_dict``, FQN keys) and each optimizer's state (``get_optimizer_state_dict``, FQN
+keys) under the key it had in ``fabric.save(path, state)``, other tensors under theirs, and the remaining objects in
+the ``lightning`` blob. Its info records which keys hold modules and optimizers (``"modules"``, ``"optimizers"``);
+a checkpoint whose info lacks them has the Trainer layout above. :func:`tree_roles` tells the two apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
+
+from lightning_dcp._compat import set_element
+from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.blob import encode_extra
+from lightning_dcp.errors import CheckpointError, NotACheckpointError
+
+__all__ = [
+    "EXTRA_KEY",
+    "FORMAT_VERSION",
+    "INFO_KEY",
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "RANK_KEY",
+    "SafeLoadPlanner",
+    "TreeRoles",
+    "align_optimizer_target",
+    "build_state",
+    "fqns_to_param_ids",
+    "require_trainer_layout",
+    "param_ids_to_fqns",
+    "join_checkpoint",
+    "metadata_target",
+    "saved_optimizer_count",
+    "saved_optimizer_ids",
+    "saved_world_size",
+    "split_checkpoint",
+    "tree_roles",
+]
+
+MODEL_KEY = "state_dict"
+OPTIMIZER_KEY = "optimizer_states"
+EXTRA_KEY = "lightning"
+RANK_KEY = "rank_states"
+"""``rank_states.{rank}``: one ``bytes`` blob per rank (its RNG states), written by that rank."""
+INFO_KEY = "lightning_dcp"
+FORMAT_VERSION = 1
+MODULES_INFO = "modules"
+"""Info entry of a Fabric checkpoint: the top-level keys that hold a module's state (FQN -> tensor)."""
+OPTIMIZERS_INFO = "optimizers"
+"""Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
+
+PARAM_ID = "param_id"
+"""Optimizer layout of ``torch.optim.Optimizer.state_dict()``: state keyed by integer parameter index."""
+FQN = "fqn"
+"""Optimizer layout of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``: keyed by FQN."""
+
+
+def optimizer_layout(optimizer_states: list[Mapping[str, Any]]) -> str:
+    """Tell the two optimizer state layouts apart (``"fqn"`` or ``"param_id"``) from the params lists."""
+    for osd in optimizer_states:
+        for group in osd.get("param_groups", ()):
+            for param in group.get("params", ()):
+                return PARAM_ID if isinstance(param, int) else FQN
+    return FQN
+
+
+@dataclasses.dataclass(frozen=True)
+class TreeRoles:
+    """Which top-level keys of a checkpoint's tree hold model weights and which hold optimizer state."""
+
+    modules: tuple[str, ...]
+    """Keys whose value is a module's state dict (FQN -> tensor): ``("state_dict",)`` in the Trainer layout."""
+    optimizers: tuple[str, ...]
+    """Fabric: keys that each hold one optimizer's state. Trainer: ``("optimizer_states",)``, a list of them."""
+    trainer: bool
+    """Whether this is the Trainer layout (no ``"modules"`` recorded)."""
+
+    def optimizer_index(self, path: tuple) -> int | None:
+        """The optimizer a nested-state path (``("optimizer", "state", ...)``) belongs to; ``None``: no optimizer."""
+        if not path or path[0] not in self.optimizers:
+            return None
+        return int(path[1]) if self.trainer and len(path) > 1 else self.optimizers.index(path[0])
+
+
+def tree_roles(info: Mapping[str, Any]) -> TreeRoles:
+    """The roles of a checkpoint's top-level keys, from the info dict recorded in its blob (``"lightning_dcp"``).
+
+    A Fabric checkpoint lists its module and optimizer keys; any other checkpoint (no ``"modules"`` entry) has the
+    Trainer layout: weights under ``"state_dict"``, a list of optimizer states under ``"optimizer_states"``.
+    """
+    if MODULES_INFO not in info:
+        return TreeRoles(modules=(MODEL_KEY,), optimizers=(OPTIMIZER_KEY,), trainer=True)
+    return TreeRoles(modules=tuple(info[MODULES_INFO]), optimizers=tuple(info.get(OPTIMIZERS_INFO, ())), trainer=False)
+
+
+def require_trainer_layout(url: str, info: Mapping[str, Any]) -> None:
+    """Raise unless the checkpoint at ``url`` (whose blob recorded ``info``) has the Trainer layout.
+
+    A Fabric checkpoint holds the user's own keys (``{"model": ..., "optimizer": ...}``), none of the Trainer state
+    Lightning's loaders need (``"state_dict"``, ``"pytorch-lightning_version"``, loops).
+
+    Raises:
+        NotACheckpointError: It is a Fabric checkpoint; the message names its keys and how to load it.
+    """
+    roles = tree_roles(info)
+    if not roles.trainer:
+        raise NotACheckpointError(
+            f"{url!r} is a Fabric checkpoint (written by `fabric.save`, modules under {list(roles.modules)}), not a"
+            " Trainer checkpoint: it holds no Lightning Trainer state. Load it with `fabric.load(path, state)`, or"
+            f" take its weights into a LightningModule with `lightning_dcp.load_model_weights(model, path,"
+            f" key={roles.modules[0] if roles.modules else 'KEY'!r})`."
+        )
+
+
+def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """Split a Lightning checkpoint dict into the engine's tree, objects and info (see this module's docstring).
+
+    Args:
+        checkpoint: What ``Trainer.save_checkpoint`` hands to the strategy. Not modified; tensors are not copied.
+
+    Returns:
+        ``(tree, objects, info)``: ``{"state_dict", "optimizer_states"}`` and any other entry that is a state dict
+        of tensors (``EMAWeightAveraging``'s ``"current_model_state"``) for DCP, the rest of the dict for the
+        rank-0 blob, and ``{"optimizer_layout": ...}`` to record.
+
+    Raises:
+        CheckpointError: The dict has no ``"state_dict"``.
+    """
+    if MODEL_KEY not in checkpoint:
+        raise CheckpointError(f"The checkpoint dict has no {MODEL_KEY!r} entry; got keys {sorted(checkpoint)}.")
+    tree: dict[str, Any] = {MODEL_KEY: checkpoint[MODEL_KEY]}
+    optimizers = None
+    if OPTIMIZER_KEY in checkpoint:
+        states = list(checkpoint[OPTIMIZER_KEY])
+        optimizers = optimizer_layout(states)
+        if optimizers == PARAM_ID:
+            # DCP rebuilds integer path components as list indices: store the ids as strings.
+            states = [{**osd, "state": {str(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
+        tree[OPTIMIZER_KEY] = states
+    objects: dict[str, Any] = {}
+    for key, value in checkpoint.items():
+        if key in (MODEL_KEY, OPTIMIZER_KEY):
+            continue
+        if key not in (EXTRA_KEY, RANK_KEY) and _tensor_dict(value):
+            tree[key] = value  # e.g. EMAWeightAveraging's "current_model_state": DCP entries, not the rank-0 blob
+        else:
+            objects[key] = value
+    return tree, objects, {"optimizer_layout": optimizers}
+
+
+def _tensor_dict(value: Any) -> bool:
+    """A non-empty mapping of names to tensors (a state dict)."""
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
+    )
+
+
+def build_state(
+    tree: Mapping[str, Any],
+    *,
+    objects: Mapping[str, Any] | None,
+    info: Mapping[str, Any],
+    rank: int = 0,
+    rank_objects: Mapping[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The DCP state dict of one rank's part of a save.
+
+    Args:
+        tree: Top-level keys to nested state dicts; reserved keys (``"lightning"``, ``"rank_states"``) are refused.
+        objects: The rank-0 blob's content (``None`` on the other ranks: exactly one copy is written).
+        info: Recorded under ``"lightning_dcp"`` in the blob, with the format version.
+        rank: This process's rank.
+        rank_objects: This rank's own state, stored as ``rank_states.{rank}``.
+
+    Raises:
+        CheckpointError: ``tree`` uses a reserved key.
+    """
+    reserved = {EXTRA_KEY, RANK_KEY} & set(tree)
+    if reserved:
+        raise CheckpointError(f"The keys {sorted(reserved)} are reserved by lightning_dcp; rename these entries.")
+    state: dict[str, Any] = dict(tree)
+    if objects is not None:
+        extra = dict(objects)
+        extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION}
+        state[EXTRA_KEY] = encode_extra(extra)
+    if rank_objects is not None:
+        state[RANK_KEY] = {str(rank): encode_extra(rank_objects)}
+    return state
+
+
+def saved_world_size(entries: Iterable[str]) -> int | None:
+    """The world size a checkpoint was saved at, from its ``rank_states.*`` entries (``None`` without them).
+
+    ``entries``: the checkpoint's flat keys (``metadata.state_dict_metadata``, or its record index).
+    """
+    prefix = RANK_KEY + "."
+    return sum(1 for k in entries if k.startswith(prefix)) or None
+
+
+def join_checkpoint(
+    dcp_state: Mapping[str, Any], extra: Mapping[str, Any], *, in_place: bool, where: str = "The checkpoint"
+) -> dict[str, Any]:
+    """Reassemble a Lightning checkpoint dict from a loaded DCP state dict and its decoded extra state.
+
+    ``in_place`` records (under ``"lightning_dcp"``) that tensors were loaded into a target from
+    ``get_state_dict``, i.e. they are this rank's shards rather than full tensors. ``where``: the checkpoint, for
+    messages.
+
+    Raises:
+        NotACheckpointError: The optimizer state does not match its own param groups (entries for parameters no
+            group lists, or ids that are not integers where the objects say the state is keyed by id).
+    """
+    checkpoint = dict(extra)
+    checkpoint[INFO_KEY] = {**extra.get(INFO_KEY, {}), "loaded_in_place": in_place}
+    checkpoint[MODEL_KEY] = dcp_state.get(MODEL_KEY, {})  # DCP stores no entry for an empty dict
+    for key, value in dcp_state.items():  # other state dicts saved as DCP entries (split_checkpoint)
+        if key not in (MODEL_KEY, OPTIMIZER_KEY, EXTRA_KEY, RANK_KEY):
+            checkpoint[key] = value
+    if OPTIMIZER_KEY in dcp_state:
+        # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
+        states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]
+        if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
+            states = [{**osd, "state": _by_param_id(osd["state"], where)} for osd in states]
+        elif not in_place:  # full tensors for a stock strategy or a user: ``optimizer.state_dict()``'s layout
+            states = [fqns_to_param_ids(osd, where=where) for osd in states]
+        checkpoint[OPTIMIZER_KEY] = states
+    return checkpoint
+
+
+def saved_optimizer_ids(metadata: Metadata) -> dict[int, bool]:
+    """``{optimizer index: keyed by parameter ids}`` of a checkpoint's ``optimizer_states`` entries.
+
+    ``True`` where the saved state is keyed by integer parameter ids (written from ``optimizer.state_dict()`` under a
+    stock strategy), ``False`` where keyed by FQN (``get_optimizer_state_dict``) or where the state is empty.
+    """
+    found: dict[int, bool] = {}
+    for key, path in (metadata.planner_data or {}).items():
+        if len(path) >= 2 and path[0] == OPTIMIZER_KEY and key in metadata.state_dict_metadata:
+            index = int(path[1])
+            ids = len(path) >= 4 and path[2] == "state" and str(path[3]).isdigit()
+            found[index] = found.get(index, False) or ids
+    return found
+
+
+def align_optimizer_target(target: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
+    """Re-key FQN-keyed optimizer targets by parameter id where the checkpoint saved ids (and ids as strings).
+
+    A checkpoint written under a stock strategy keys optimizer state by integer parameter id (``"0"``, ``"1"`` on
+    disk); a target from ``get_optimizer_state_dict`` keys it by FQN. The ids follow each optimizer's
+    ``param_groups`` order, which the target's ``params`` lists give; the loaded state is turned back into FQNs by
+    :func:`param_ids_to_fqns`. The tensors are the target's own, so loading still fills them in place.
+    """
+    saved = saved_optimizer_ids(metadata)
+    states = target.get(OPTIMIZER_KEY)
+    if not states or not any(saved.values()):
+        return target
+    aligned = []
+    for i, osd in enumerate(states):
+        if not saved.get(i) or optimizer_layout([osd]) == PARAM_ID:
+            aligned.append(osd)
+            continue
+        ids = {fqn: str(n) for n, fqn in enumerate(p for group in osd["param_groups"] for p in group["params"])}
+        aligned.append({**osd, "state": {ids[fqn]: value for fqn, value in osd["state"].items()}})
+    return {**target, OPTIMIZER_KEY: aligned}
+
+
+def saved_optimizer_count(metadata: Metadata) -> int:
+    """How many optimizers' states a checkpoint holds (0 for a weights-only checkpoint)."""
+    indices = {int(path[1]) for path in (metadata.planner_data or {}).values() if path and path[0] == OPTIMIZER_KEY}
+    return max(indices) + 1 if indices else 0
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that non-tensor items are unpickled with ``weights_only``.
+
+    DCP's own planner reads them with ``torch.load(weights_only=False)``, which runs code from the file.
+
+    Args:
+        weights_only: Passed to ``torch.load`` for every non-tensor item (default True).
+        allow_partial_load: Load only the keys the checkpoint has (see ``DefaultLoadPlanner``).
+    """
+
+    def __init__(self, *, weights_only: bool = True, allow_partial_load: bool = False) -> None:
+        super().__init__(allow_partial_load=allow_partial_load)
+        self.weights_only = weights_only
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: D102 (DCP's planner contract)
+        check_archive(value.getbuffer())  # nothing the archive claims is allocated beyond what it holds
+        obj = torch.load(value, map_location="cpu", weights_only=self.weights_only)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
+
+
+def metadata_target(metadata: Metadata, *, prefixes: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Build an empty nested state dict from DCP metadata: CPU tensors of the saved global shapes and dtypes.
+
+    Args:
+        metadata: The checkpoint's DCP metadata.
+        prefixes: Only the flat keys starting with one of these (``None``: all).
+
+    Returns:
+        A nested dict that ``dcp.load`` fills in place (the whole checkpoint lives in this process's memory).
+    """
+    target: dict[str, Any] = {}
+    mappings = metadata.planner_data or {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if prefixes is not None and not key.startswith(prefixes):
+            continue
+        if isinstance(meta, TensorStorageMetadata):
+            value: Any = torch.empty(meta.size, dtype=meta.properties.dtype)
+        elif isinstance(meta, BytesStorageMetadata):
+            value = b""
+        else:  # pragma: no cover - DCP has only these two kinds today
+            raise CheckpointError(f"Unsupported DCP metadata entry {key!r}: {type(meta).__name__}.")
+        if key in mappings:
+            set_element(target, mappings[key], value)
+        else:
+            target[key] = value
+    return target
+
+
+def param_ids_to_fqns(
+    state: Mapping[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """Re-key an ``optimizer.state_dict()`` (integer ids) by parameter FQN, for ``set_optimizer_state_dict``.
+
+    Ids follow the order of ``optimizer.param_groups`` (as ``torch.optim.Optimizer.load_state_dict`` assumes).
+    """
+    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    saved = [i for group in state["param_groups"] for i in group["params"]]
+    if len(saved) != len(order):
+        raise CheckpointError(
+            f"The checkpoint's optimizer state covers {len(saved)} parameters but the optimizer has {len(order)}."
+        )
+    fqn_of = dict(zip(saved, order, strict=True))
+    return {
+        "state": {fqn_of[i]: v for i, v in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def fqns_to_param_ids(state: Mapping[str, Any], *, where: str = "The checkpoint") -> dict[str, Any]:
+    """Re-key an FQN-keyed optimizer state by integer ids in param_groups order (``optimizer.state_dict()``).
+
+    Raises:
+        NotACheckpointError: ``state`` has no list of param groups with ``params`` lists, or holds state for a
+            parameter no group lists (``where`` names the checkpoint in the message).
+    """
+    groups = state.get("param_groups")
+    if not isinstance(groups, list) or not all(
+        isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise NotACheckpointError(
+            f"{where}: its optimizer state has no valid 'param_groups'; resume from another checkpoint."
+        )
+    id_of: dict[str, int] = {}
+    for group in groups:
+        for fqn in group["params"]:
+            id_of.setdefault(fqn, len(id_of))
+    unknown = [key for key in state.get("state", {}) if key not in id_of]
+    if unknown:
+        raise NotACheckpointError(
+            f"{where}: its optimizer state holds entries for {unknown[:3]!r}, which none of its param groups lists"
+            " (its optimizer entries and its saved objects disagree); resume from another checkpoint."
+        )
+    return {
+        "state": {id_of[fqn]: v for fqn, v in state.get("state", {}).items()},
+        "param_groups": [{**g, "params": [id_of[f] for f in g["params"]]} for g in state["param_groups"]],
+    }
+
+
+def _by_param_id(state: Mapping[Any, Any], where: str) -> dict[int, Any]:
+    """An optimizer ``state`` saved keyed by parameter ids, with its keys as ``int`` again (DCP stores them as str)."""
+    odd = [k for k in state if not (type(k) is int or (isinstance(k, str) and k.isascii() and k.isdigit()))]
+    if odd:
+        raise NotACheckpointError(
+            f"{where}: its objects say the optimizer state is keyed by parameter ids, but it holds entries for"
+            f" {odd[:3]!r}; resume from another checkpoint."
+        )
+    return {int(k): v for k, v in state.items()}

@@ -1,0 +1,1 @@
+"""What a checkpoint holds besides tensors of the model: module and optimizer state dicts, RNG states, data loaders."""

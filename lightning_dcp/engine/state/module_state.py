@@ -1,0 +1,360 @@
+"""``get_model_state_dict`` / ``get_optimizer_state_dict`` with their per-call work done once per model.
+
+DCP's ``get_model_state_dict`` and ``get_optimizer_state_dict`` (``torch.distributed.checkpoint.state_dict``) map
+every parameter to its FQN at every call: for a model of thousands of small tensors that costs more than writing
+them (about 100 ms for 4,800 tensors here). For a model without sharded parameters (single device, DDP), their
+result is ``module.state_dict()`` and ``optimizer.state_dict()`` with parameter ids replaced by FQNs. The first
+call for a model (and optimizer) runs DCP's function and checks that the plain state dict gives exactly the same
+keys and tensors; while the model's keys and the optimizer's parameters stay the same, later calls build the result
+from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch) always goes through
+DCP. An optimizer without state yet is never stepped by DCP here (:mod:`~lightning_dcp.engine.state.optimizer_target`):
+its state is empty, as ``optimizer.state_dict()`` gives, and a restore allocates what the checkpoint holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
+from lightning_dcp.engine.state.optimizer_target import PendingState, no_init_step
+
+__all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
+
+_MODELS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
+_OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+_MAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""Optimizers without state yet, of a plain model: their FQNs as DCP mapped them (no state to check a save's
+shortcut against: :func:`optimizer_state_dict` checks it at its first call with state, as for any optimizer)."""
+
+
+def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
+    """``get_model_state_dict(module)`` (default options): FQN keys, detached tensors (DTensor shards as they are).
+
+    Collective where DCP's is (FSDP); call on all ranks.
+    """
+    keys = _MODELS.get(module)
+    if keys is not None:
+        state = module.state_dict()
+        if tuple(state) == keys and _plain(state.values()):
+            return state
+        _MODELS.pop(module, None)
+    if _plain_tree(module):  # DCP's result is module.state_dict(): its FQN mapping maps nothing
+        state = module.state_dict()
+        if _plain(state.values()):
+            _MODELS[module] = tuple(state)
+            return state
+    state = get_model_state_dict(module, options=StateDictOptions())
+    if _plain(state.values()) and not _has_fsdp1(module):
+        plain = module.state_dict()
+        if list(plain) == list(state) and all(_same(plain[k], v) for k, v in state.items()):
+            _MODELS[module] = tuple(state)
+    return state
+
+
+def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``get_optimizer_state_dict(module, optimizer)`` (default options): state and param_groups keyed by FQN.
+
+    For an optimizer without state yet the ``state`` is empty (a :class:`PendingState`), as in
+    ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on zero gradients to create
+    it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a whole step. A restore into
+    this target allocates the state the checkpoint holds (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`).
+    Under FSDP1 DCP's behaviour is kept.
+
+    Collective where DCP's is (FSDP); call on all ranks.
+    """
+    if not optimizer.state and not _has_fsdp1(module):
+        return _stateless(module, optimizer)
+    cached = _OPTIMIZERS.get(optimizer)
+    if cached is not None and cached[0]() is module and optimizer.state:
+        ids = _param_ids(optimizer)
+        if ids == cached[1]:
+            built = _by_fqn(optimizer.state_dict(), cached[2])
+            if built is not None:
+                return built
+        _OPTIMIZERS.pop(optimizer, None)
+    state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    if optimizer.state and module in _MODELS:
+        fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
+        built = _by_fqn(optimizer.state_dict(), fqns)
+        if built is not None and _equal_optimizer_states(built, state):
+            _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    return state
+
+
+def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state.
+
+    For a plain model (:func:`model_state_dict` found its FQNs are its own names) the mapping is DCP's without DCP:
+    each parameter's first name in ``named_parameters()``, in the groups of ``optimizer.state_dict()``.
+    """
+    state = _plain_optimizer_state(module, optimizer) if module in _MODELS else None
+    if state is None:
+        with no_init_step(optimizer):
+            state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if state.get("state") or len(fqns) != len(params) or len(set(fqns)) != len(fqns):
+        return state  # shared parameters (DCP lists them by group): no pending target, DCP's empty state
+    state["state"] = PendingState(dict(zip(fqns, params, strict=True)))
+    if module in _MODELS:  # a plain model: the FQNs of its parameters, as DCP maps them, for applying a restore
+        _MAPPED[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    return state
+
+
+def _plain_optimizer_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """DCP's ``get_optimizer_state_dict`` of an optimizer without state over a plain model; ``None``: ask DCP."""
+    names: dict[torch.Tensor, str] = {}
+    for name, param in module.named_parameters():  # DCP's loop: a shared parameter under its first name
+        names.setdefault(param, name)
+    fqns = [names.get(p) for group in optimizer.param_groups for p in group["params"]]
+    saved = optimizer.state_dict()
+    if any(fqn is None for fqn in fqns) or saved["state"]:
+        return None  # a parameter the model does not hold: DCP raises for it
+    groups, start = [], 0
+    for group in saved["param_groups"]:
+        count = len(group["params"])
+        groups.append({**group, "params": fqns[start : start + count]})
+        start += count
+    return {"state": {}, "param_groups": groups}
+
+
+_WRAPPERS = ("FullyShardedDataParallel", "OptimizedModule")
+
+
+def _plain_tree(module: torch.nn.Module) -> bool:
+    """Whether DCP's ``_get_fqns`` maps each of ``module``'s state_dict keys to itself.
+
+    So it does without DDP, FSDP1 or ``torch.compile`` wrappers, activation-checkpoint wrappers, or modules that
+    declare ``_fqn_modifiers`` anywhere in the tree (DCP's function asks each module on a key's path for these).
+    """
+    for name, sub in module.named_modules(remove_duplicate=False):  # torch.compile: OptimizedModule (not imported)
+        kind = type(sub)
+        if issubclass(kind, DistributedDataParallel) or kind.__name__ in _WRAPPERS:
+            return False
+        if hasattr(kind, "_fqn_modifiers") or "_checkpoint_wrapped_module" in name:
+            return False
+    return True
+
+
+def load_model_state_dict(module: torch.nn.Module, state: dict[str, Any], *, strict: bool) -> None:
+    """``set_model_state_dict(module, state)`` (``strict``), skipped where it would copy every tensor onto itself.
+
+    A restore fills the module's own tensors in place (its target is :func:`model_state_dict`); DCP's function then
+    maps every parameter to its FQN and runs ``module.load_state_dict``, whose copies change nothing (about 0.5 s for
+    2,800 tensors). It is skipped when that is all it would do: a plain model (as :func:`model_state_dict` found),
+    ``state`` has exactly the module's keys and each value is a plain tensor sharing the module tensor's memory,
+    shape, strides and dtype, and no module has load hooks or its own ``load_state_dict``/``_load_from_state_dict``
+    (batch and instance norms' only add or drop keys ``state`` holds or lacks alike). Anything else goes to DCP.
+
+    Collective where DCP's is (FSDP); call on all ranks.
+    """
+    if not _holds_module_tensors(module, state):
+        set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
+
+
+def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """``set_optimizer_state_dict(module, optimizer, state)`` (default options) without its per-call FQN mapping.
+
+    For an optimizer whose FQNs :func:`optimizer_state_dict` mapped once (plain model, same parameters since), and
+    a ``state`` whose param_groups list exactly those FQNs in the optimizer's order, with state for every parameter
+    that requires grad, this builds what DCP's function hands ``optimizer.load_state_dict`` (each group's
+    ``params`` then its saved options; the state of the parameters that require grad) and calls it. Anything else
+    goes to DCP (which raises for missing state).
+
+    Collective where DCP's is (FSDP); call on all ranks.
+    """
+    split = _split_by_fqn(module, optimizer, state)
+    if split is None:
+        with no_init_step(optimizer):  # DCP would step an optimizer without state before loading into it
+            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
+    elif _holds_optimizer_tensors(optimizer, split):
+        _set_param_groups(optimizer, split["param_groups"])
+    else:
+        optimizer.load_state_dict(split)
+
+
+def _holds_optimizer_tensors(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> bool:
+    """Whether ``optimizer.load_state_dict(split)`` would give every parameter the very state values it holds.
+
+    So it is after a restore in place (the target was :func:`optimizer_state_dict`'s, whose tensors are the
+    optimizer's own): ``load_state_dict`` would re-key and re-cast 3,600 tensors onto themselves (~7 ms for 1,200
+    parameters with AdamW) and only its parameter groups' options would change. Not for an optimizer class with its
+    own ``load_state_dict`` or with load hooks registered.
+    """
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict or optimizer_load_hooked(optimizer):
+        return False
+    saved, own = split["state"], optimizer.state
+    if len(saved) != len(own):
+        return False
+    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
+        for name, param in zip(loaded["params"], group["params"], strict=True):
+            values = saved.get(name)
+            if values is None:
+                continue  # neither holds state for it (the lengths are equal and every saved entry is matched)
+            mine = own.get(param)
+            if type(values) is not dict or type(mine) is not dict or values.keys() != mine.keys():
+                return False
+            for key, value in values.items():
+                if value is not mine[key]:
+                    return False
+    return True
+
+
+def _set_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
+    """What ``Optimizer.load_state_dict`` ends with when the state is the optimizer's own.
+
+    The saved groups' options (deep-copied) with the optimizer's parameters, handed to ``__setstate__`` with the
+    state unchanged (torch 2.6-2.13's ``load_state_dict``, after its casts that change nothing here).
+    """
+    updated = []
+    for group, loaded in zip(optimizer.param_groups, groups, strict=True):
+        new = copy.deepcopy({k: v for k, v in loaded.items() if k != "params"})
+        new["params"] = group["params"]
+        if "param_names" in group and "param_names" not in new:
+            new["param_names"] = group["param_names"]
+        updated.append(new)
+    optimizer.__setstate__({"state": optimizer.state, "param_groups": updated})
+
+
+def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
+    """Whether loading ``state`` into ``module`` would only copy each of the module's tensors onto itself.
+
+    Each value must be a plain tensor of the dtype and over the very memory (storage, offset, sizes, strides) of the
+    module tensor ``module.state_dict()`` gives for its key, in a module that saves and loads its state the stock way
+    (:func:`~lightning_dcp._compat.own_state_tensors`).
+    """
+    keys = _MODELS.get(module)
+    if keys is None or not isinstance(state, dict) or len(state) != len(keys):
+        return False
+    if type(module).load_state_dict is not torch.nn.Module.load_state_dict:
+        return False
+    current = own_state_tensors(module)
+    if current is None or len(current) != len(keys):
+        return False
+    plain, get = torch.Tensor, state.get
+    for (key, mine), expected in zip(current, keys, strict=True):
+        value = get(key)
+        if key != expected or type(value) is not plain or value.dtype is not mine.dtype or not value.is_set_to(mine):
+            return False  # is_set_to: the same storage, offset, sizes and strides
+    return True
+
+
+def _split_by_fqn(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> dict[str, Any] | None:
+    """DCP's per-optimizer split of an FQN-keyed ``state`` for ``optimizer``; ``None`` where DCP must do it."""
+    cached = _OPTIMIZERS.get(optimizer) or _MAPPED.get(optimizer)
+    if cached is None or cached[0]() is not module or _param_ids(optimizer) != cached[1]:
+        return None
+    if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
+        return None
+    fqns, saved, groups = cached[2], state["state"], state["param_groups"]
+    if not isinstance(saved, dict) or not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return None
+    if not saved or not all(isinstance(k, str) for k in saved):  # DCP passes integer-keyed state on as it is
+        return None
+    if len(set(fqns)) != len(fqns):  # shared parameters: DCP matches them by group
+        return None
+    split_state: dict[str, Any] = {}
+    split_groups: list[dict[str, Any]] = []
+    start = 0
+    for group, loaded in zip(optimizer.param_groups, groups, strict=True):
+        names = fqns[start : start + len(group["params"])]
+        start += len(names)
+        if not names or not isinstance(loaded, dict) or loaded.get("params") != names:
+            return None
+        for name, param in zip(names, group["params"], strict=True):
+            if param.requires_grad:
+                if name not in saved:
+                    return None  # DCP raises for it
+                split_state[name] = saved[name]
+        split_groups.append({"params": _Members(names), **{k: v for k, v in loaded.items() if k != "params"}})
+    return {"state": split_state, "param_groups": split_groups}
+
+
+class _Members(list):
+    """A list of FQNs whose ``in`` is a set lookup.
+
+    ``Optimizer.load_state_dict`` asks, for every state tensor, which saved group holds its parameter with
+    ``fqn in group["params"]``: a scan of the list, so thousands of parameters cost seconds. The saved groups only
+    live through that call (each group's ``params`` is replaced by the optimizer's own list).
+    """
+
+    def __contains__(self, value: object) -> bool:
+        members = self.__dict__.get("members")
+        if members is None:
+            members = self.__dict__["members"] = frozenset(self)
+        try:
+            return value in members
+        except TypeError:  # unhashable: the list's own scan
+            return list.__contains__(self, value)
+
+
+def _by_fqn(state: dict[str, Any], fqns: list[str]) -> dict[str, Any] | None:
+    """``optimizer.state_dict()`` with parameter ids replaced by ``fqns[id]``; ``None`` if the ids do not fit."""
+    groups = state["param_groups"]
+    if sum(len(group["params"]) for group in groups) != len(fqns):
+        return None
+    try:
+        return {
+            "state": {fqns[pid]: value for pid, value in state["state"].items()},
+            "param_groups": [{**group, "params": [fqns[pid] for pid in group["params"]]} for group in groups],
+        }
+    except (IndexError, TypeError):
+        return None
+
+
+def _equal_optimizer_states(built: dict[str, Any], reference: dict[str, Any]) -> bool:
+    try:
+        if list(built["state"]) != list(reference["state"]) or len(built["param_groups"]) != len(
+            reference["param_groups"]
+        ):
+            return False
+        pairs = [(built["state"][fqn], values) for fqn, values in reference["state"].items()]
+        pairs += list(zip(built["param_groups"], reference["param_groups"], strict=True))
+        return all(
+            list(mine) == list(theirs) and all(_same(mine[k], v) for k, v in theirs.items()) for mine, theirs in pairs
+        )
+    except Exception:  # values that do not compare (never expected): no shortcut for this optimizer
+        return False
+
+
+def _param_ids(optimizer: torch.optim.Optimizer) -> tuple[int, ...]:
+    return tuple(id(p) for group in optimizer.param_groups for p in group["params"])
+
+
+def _plain(values: Any) -> bool:
+    return not any(isinstance(v, (DTensor, ShardedTensor)) for v in values)
+
+
+def _has_fsdp1(module: torch.nn.Module) -> bool:
+    return any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+
+
+def _same(a: Any, b: Any) -> bool:
+    if not isinstance(a, torch.Tensor) or not isinstance(b, torch.Tensor):
+        return a is b or (not isinstance(a, torch.Tensor) and not isinstance(b, torch.Tensor) and bool(a == b))
+    return (
+        type(a) is type(b)
+        and a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.dtype == b.dtype
+        and a.stride() == b.stride()
+        and a.device == b.device
+        and a.requires_grad == b.requires_grad
+    )

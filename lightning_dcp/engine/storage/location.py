@@ -1,0 +1,514 @@
+"""Storage: every read, write, list, rename and delete of a checkpoint path goes through fsspec here.
+
+Checkpoint ids are ``str`` end to end (a local path or any fsspec URL); local vs remote is decided once, by
+``fsspec.core.url_to_fs``, and ``storage_options`` travel with the :class:`Location` into every call, DCP's
+writer and reader included. This module also owns the commit step (staging directory -> final path), checkpoint
+pointers (how ``last.ckpt`` designates a checkpoint without a symlink) and the translation of storage errors
+(denied credentials, missing bucket) into :class:`~lightning_dcp.errors.CheckpointError`.
+
+Commit on object stores (S3, GCS, ...), where no directory rename exists:
+
+- A save to a new name writes straight into the final prefix. DCP's coordinator writes ``.metadata`` (on S3 as
+  ``.metadata.tmp`` + server-side copy, each object appearing atomically) and then ``.commit``, only after every
+  rank finished; a prefix without ``.commit`` is never loaded and is removed later. No byte is copied.
+- A save over an existing name writes into a hidden staging prefix first. Committing invalidates the old
+  checkpoint (its ``.commit`` is deleted first), deletes it, copies the staging objects server-side (no data
+  through this host) with ``.commit`` last, and deletes the staging prefix. A crash inside that window leaves the
+  complete staging prefix, which :meth:`Location.resolve` rolls forward to. The price is one server-side copy of
+  the checkpoint and twice its size for a moment; ``DCPModelCheckpoint`` avoids it by never rewriting a name
+  (``last.ckpt`` is a pointer).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from typing import Any
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from lightning_dcp.engine.format.marker import (
+    COMMIT_FILE,
+    MAX_MARKER_BYTES,
+    METADATA_FILE,
+    MarkerError,
+    is_plain_name,
+    order_key,
+    parse_commit,
+)
+from lightning_dcp.engine.storage import localfs
+from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir
+from lightning_dcp.engine.storage.paths import canonical_url
+from lightning_dcp.engine.storage.stores import (
+    access_message,
+    bucket_message,
+    check_storage_options,
+    credentials_message,
+    forget_listings,
+    is_missing_credentials,
+    is_refusal,
+    is_unreachable,
+    unreachable_message,
+    with_timeouts,
+)
+from lightning_dcp.errors import (
+    BucketNotFoundError,
+    CheckpointError,
+    CorruptCheckpointError,
+    NotACheckpointError,
+    StorageAccessError,
+    StorageUnavailableError,
+)
+
+__all__ = [
+    "COMMIT_FILE",
+    "METADATA_FILE",
+    "POINTER_HEADER",
+    "STAGING_INFIX",
+    "Location",
+    "fsync_dir",
+    "new_token",
+    "permission_message",
+    "read_commit",
+    "unreadable",
+]
+
+POINTER_HEADER = b"lightning_dcp pointer v1\n"
+"""First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
+_POINTER_MAX_BYTES = 4096
+_MAX_HOPS = 8
+
+
+def read_commit(location: Location) -> dict[str, Any] | None:
+    """The validated ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
+
+    Raises:
+        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker, or a local marker cannot
+            be read (a symlink loop, a name too long; the message says why).
+    """
+    try:
+        with location.open(COMMIT_FILE) as f:
+            data = f.read(MAX_MARKER_BYTES + 1)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except IsADirectoryError as err:
+        raise CorruptCheckpointError(f"{location.url!r}: {COMMIT_FILE} is a directory.", file=COMMIT_FILE) from err
+    except OSError as err:
+        raise unreadable(location, COMMIT_FILE, err) from err
+    try:
+        return parse_commit(data)
+    except MarkerError as err:
+        raise CorruptCheckpointError(
+            f"{location.url!r}: {COMMIT_FILE} is not a valid lightning_dcp commit marker: {err}. Resume from another"
+            " checkpoint, or restore this directory.",
+            file=COMMIT_FILE,
+        ) from None
+
+
+def unreadable(location: Location, name: str, err: OSError) -> CheckpointError:
+    """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
+
+    A symlink loop or a name too long is a fact about the checkpoint (``CorruptCheckpointError``); a permission the
+    user lacks is not (``StorageAccessError``, "permission denied"); a remote store's failure is raised again as it
+    is.
+    """
+    if not location.local or isinstance(err, CheckpointError):
+        raise err
+    if isinstance(err, PermissionError):
+        return StorageAccessError(permission_message(f"{location.url}/{name}", reading=True))
+    return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
+
+
+def permission_message(path: str, *, reading: bool | None = None) -> str:
+    """The message of a ``StorageAccessError`` for a local path the operating system refused (``EACCES``).
+
+    ``reading``: the refused access was a read (``True``), a write (``False``) or either (``None``).
+    """
+    need = {
+        True: "read every file of the checkpoint",
+        False: "write into the checkpoint directory",
+        None: "read and write the checkpoint directory",
+    }[reading]
+    return (
+        f"Permission denied: {path!r}. The user running this process (on every rank) must be able to {need}: check"
+        " the permissions of that path and of the directories above it."
+    )
+
+
+def new_token() -> str:
+    """A fresh random token (12 hex characters) that names one save's staging directory."""
+    return localfs.new_token()
+
+
+class Location:
+    """One checkpoint path resolved through fsspec.
+
+    Every method is a plain (non-collective) storage call: run it where the caller decided (rank 0 for anything
+    that changes storage or decides for all ranks). Storage failures surface as :class:`StorageAccessError` (the
+    server refused the credentials) or :class:`BucketNotFoundError`, both naming the bucket and the fix.
+
+    Args:
+        path: Local path or fsspec URL (``s3://bucket/run/step=10.ckpt``). ``os.PathLike`` is accepted and turned
+            into ``str``; URLs are never passed through ``pathlib``. Put in canonical form first
+            (:func:`~lightning_dcp.engine.storage.paths.canonical_url`: ``s3://b/exp//run`` is ``s3://b/exp/run``).
+        storage_options: Keyword arguments for the fsspec filesystem (credentials, endpoint, region). On S3 a
+            timeout for every request is filled in where not given
+            (:data:`~lightning_dcp.engine.storage.stores.S3_TIMEOUTS`): a stalled server fails a call in bounded time.
+
+    Raises:
+        InvalidPathError: ``path`` cannot round-trip through its store (``..`` segments, ``?`` in an S3 key, ...).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, storage_options: dict[str, Any] | None = None) -> None:
+        check_storage_options(storage_options)
+        self.url = canonical_url(path)
+        self.storage_options = with_timeouts(self.url, dict(storage_options or {}))
+        self.fs, self.path = fsspec.core.url_to_fs(self.url, **self.storage_options)
+        self.local = isinstance(self.fs, LocalFileSystem)
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"  # never the storage options: they may hold secrets
+
+    # ----------------------------------------------------------------------------------------------- queries
+    def join(self, name: str) -> str:
+        """The fsspec path (no protocol) of ``name`` inside this location."""
+        return self.path.rstrip("/") + "/" + name
+
+    def child(self, name: str) -> Location:
+        """The location ``name`` inside this one (same protocol and options)."""
+        return Location(self.url.rstrip("/") + "/" + name, storage_options=self.storage_options)
+
+    def exists(self) -> bool:
+        """Whether anything (file, directory or link) exists at this path.
+
+        Raises:
+            BucketNotFoundError: The path's bucket does not exist (rather than answering ``False``).
+            StorageAccessError: The server refused the credentials.
+        """
+        if self.local:
+            return os.path.lexists(self.path)
+        with self._translated():
+            found = self.fs.exists(self.path)
+            if not found:
+                self._check_bucket()
+            return found
+
+    def isdir(self) -> bool:
+        """Whether this path is a directory (a DCP checkpoint is one)."""
+        with self._translated():
+            return self.fs.isdir(self.path)
+
+    def has_metadata(self) -> bool:
+        """Whether DCP's ``.metadata`` is present."""
+        with self._translated():
+            return self.fs.exists(self.join(METADATA_FILE))
+
+    def is_committed(self) -> bool:
+        """Whether this is a checkpoint directory whose save finished (its ``.commit`` marker exists)."""
+        with self._translated():
+            return self.fs.exists(self.join(COMMIT_FILE))
+
+    def open(self, name: str | None = None, mode: str = "rb") -> Any:
+        """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents.
+
+        A local file opened for reading must be a regular file (after links): a FIFO, socket or device would block
+        or never end, so it is refused at once.
+
+        Raises:
+            CorruptCheckpointError: A local path to read is a FIFO, socket or device (the error names it).
+        """
+        path = self.path if name is None else self.join(name)
+        if self.local and mode.startswith(("w", "a", "x")):
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if self.local and mode in ("r", "rb"):
+            try:
+                return localfs.open_regular(path)
+            except localfs.NotARegularFile as err:
+                shown = f"{self.url}/{name}" if name is not None else self.url
+                raise CorruptCheckpointError(
+                    f"{shown!r} is {err.kind}, not a regular file: a checkpoint holds only regular files, and reading"
+                    " this one could block forever. Remove or replace it (or resume from another checkpoint).",
+                    file=name or self.name,
+                ) from None
+        with self._translated():
+            return self.fs.open(path, mode)
+
+    def entries(self, *, follow_links: bool = True) -> list[tuple[str, str]]:
+        """``(name, type)`` of each entry directly inside this directory (``type``: ``"file"``/``"directory"``).
+
+        Args:
+            follow_links: Report a local symlink as what it points to (default); with ``False`` its type is
+                ``"link"``, whatever it points to (or when it dangles).
+
+        Returns an empty list when the directory does not exist.
+        """
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                self._check_bucket()
+                return []
+        own = self.path.rstrip("/")
+        out = []
+        for entry in listing:
+            path = entry["name"].rstrip("/")
+            if path == own:
+                continue
+            kind = "directory" if entry["type"] == "directory" else "file"
+            if not follow_links and (entry.get("islink") or (self.local and os.path.islink(path))):
+                kind = "link"
+            out.append((path.rsplit("/", 1)[-1], kind))
+        return out
+
+    def sizes(self) -> dict[str, int]:
+        """``{name: bytes}`` of each file directly inside this directory (one fresh listing); ``{}`` when absent."""
+        with self._translated():
+            try:
+                listing = self.fs.ls(self.path.rstrip("/") or "/", detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listing if e["type"] == "file"
+        }
+
+    def parent(self) -> Location:
+        """The directory holding this path (same protocol and options)."""
+        url = self.url.rstrip("/")
+        return Location(url.rsplit("/", 1)[0] if "/" in url else ".", storage_options=self.storage_options)
+
+    def sibling(self, name: str) -> Location:
+        """The location named ``name`` in the same parent directory (same protocol and options)."""
+        parent = self.url.rstrip("/").rsplit("/", 1)[0] if "/" in self.url.rstrip("/") else "."
+        return Location(parent + "/" + name, storage_options=self.storage_options)
+
+    @property
+    def name(self) -> str:
+        """The last path component."""
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    @property
+    def bucket(self) -> str | None:
+        """The bucket (first path component) on object stores; ``None`` on local and hierarchical filesystems."""
+        if self.local or self.fs.root_marker:
+            return None
+        return self.path.lstrip("/").split("/", 1)[0] or None
+
+    # ------------------------------------------------------------------------------------------- pointers
+    def read_pointer(self) -> str | None:
+        """The name held by the pointer object at this path, or ``None`` when this is no pointer.
+
+        Raises:
+            NotACheckpointError: A pointer whose target is not a plain name in the same directory (``../x``,
+                ``/abs``, ``a/b``): a pointer never leads out of its directory.
+        """
+        with self._translated():
+            try:
+                if not self.fs.isfile(self.path) or self.fs.size(self.path) > _POINTER_MAX_BYTES:
+                    return None
+                data = self.fs.cat_file(self.path)
+            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                return None
+        if not data.startswith(POINTER_HEADER):
+            return None
+        try:
+            name = data[len(POINTER_HEADER) :].decode().strip()
+        except UnicodeDecodeError:
+            name = None
+        if not is_plain_name(name):
+            raise NotACheckpointError(
+                f"The checkpoint pointer {self.url!r} names {name!r}, which is not a checkpoint in the same directory;"
+                " pointers written by lightning_dcp never leave their directory. Delete or rewrite it."
+            )
+        return name
+
+    def write_pointer(self, target: Location) -> None:
+        """Make this path a pointer object to ``target`` (a sibling), replacing what is here.
+
+        The pointer holds ``target``'s name relative to this path's directory; one object write (atomic on object
+        stores, a rename of a temporary file on local disks). Rank 0 only.
+        """
+        data = POINTER_HEADER + target.name.encode() + b"\n"
+        if self.local:
+            tmp = self.sibling(f".{self.name}{STAGING_INFIX}{new_token()}").path
+            os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
+            with open(tmp, "wb") as f:
+                f.write(data)
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                shutil.rmtree(self.path)
+            os.replace(tmp, self.path)
+            return
+        with self._translated():
+            if self.fs.isdir(self.path):
+                self.remove()
+            self.fs.pipe_file(self.path, data)
+
+    def resolve(self) -> Location:
+        """The checkpoint this path designates: itself, or the target of a pointer object (followed in chains).
+
+        A path to a checkpoint's ``.commit`` marker designates that checkpoint directory. An uncommitted directory
+        whose overwrite was interrupted mid-commit resolves to the complete staging prefix it was being replaced
+        with (roll forward). Local symlinks are left to the operating system. Rank 0 only (its result is broadcast).
+
+        Raises:
+            NotACheckpointError: Pointers form a cycle or a chain longer than 8.
+        """
+        location: Location = self
+        if location.name == COMMIT_FILE:  # a checkpoint referred to by its commit marker (an object with a mtime)
+            location = location.parent()
+        for _ in range(_MAX_HOPS):
+            name = location.read_pointer()
+            if name is None:
+                return location._rolled_forward()
+            location = location.sibling(name)
+        raise NotACheckpointError(f"{self.url!r}: checkpoint pointers form a chain longer than {_MAX_HOPS}.")
+
+    def _rolled_forward(self) -> Location:
+        if self.local or not self.isdir() or self.is_committed():
+            return self
+        prefix = f".{self.name}{STAGING_INFIX}"
+        committed = []
+        for name, kind in self.sibling("").entries():
+            if kind == "directory" and name.startswith(prefix):
+                marker = read_commit(self.sibling(name))
+                if marker is not None:
+                    committed.append((order_key(marker), name))
+        return self.sibling(max(committed)[1]) if committed else self
+
+    # ------------------------------------------------------------------------------------------------ changes
+    def remove(self) -> None:
+        """Delete this path (directory tree, file or link) if it exists; a link never deletes its target.
+
+        A checkpoint's ``.commit`` marker goes first, so a removal cut short (a kill, a lost connection) leaves an
+        uncommitted directory, never a marker that vouches for files already deleted.
+        """
+        if self.local:
+            if os.path.isdir(self.path) and not os.path.islink(self.path):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.join(COMMIT_FILE))
+            localfs.remove_path(self.path)
+            return
+        with self._translated():
+            if not self.fs.exists(self.path):
+                return
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                self.fs.rm_file(self.join(COMMIT_FILE))
+            self.fs.rm(self.path, recursive=True)
+            self.fs.invalidate_cache(self.path)
+            # Some S3 servers (SeaweedFS) keep an emptied "directory" listed until its own key is deleted.
+            with contextlib.suppress(FileNotFoundError, OSError):
+                if self.fs.exists(self.path):
+                    self.fs.rm_file(self.path.rstrip("/"))
+            self.fs.invalidate_cache(self.path)
+
+    def put(self, files: dict[str, str]) -> None:
+        """Upload local files into this directory: ``{name inside it: local path}``. Rank 0 only.
+
+        Transfers run concurrently where the storage library does (``fs.put`` of a list: s3fs, gcsfs and adlfs run a
+        batch at once; s3fs also uploads the parts of a large file concurrently).
+        """
+        names = sorted(files)
+        if self.local:
+            os.makedirs(self.path, exist_ok=True)
+        with self._translated():
+            self.fs.put([files[n] for n in names], [self.join(n) for n in names])
+
+    def remove_file(self, name: str) -> None:
+        """Delete the file ``name`` inside this directory; nothing happens when it does not exist."""
+        path = self.join(name)
+        if self.local:
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                os.unlink(path)
+            return
+        with self._translated(), contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(path)
+
+    def staging(self, token: str) -> Location:
+        """The hidden sibling directory a save writes into before it is committed to this path."""
+        return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
+
+    def remove_stale_staging(self, *, keep: str | None = None) -> list[str]:
+        """Delete staging directories of earlier, interrupted saves to this path. Returns the URLs removed."""
+        prefix = f".{self.name}{STAGING_INFIX}"
+        removed = []
+        for name, _ in self.sibling("").entries():
+            if name.startswith(prefix) and name != f"{prefix}{keep}":
+                stale = self.sibling(name)
+                stale.remove()
+                removed.append(stale.url)
+        return removed
+
+    def commit_from(self, staging: Location) -> None:
+        """Make the complete checkpoint in ``staging`` visible at this path, replacing what was here.
+
+        Locally this is a rename (an atomic exchange when something already exists, so the old checkpoint stays
+        until the new one is in place). On object stores see the module docstring: the old checkpoint is
+        invalidated (``.commit`` first) and deleted, the staging objects are copied server-side with ``.commit``
+        last, then the staging prefix is deleted. Rank 0 only.
+
+        Raises:
+            NotACheckpointError: ``staging`` holds no committed checkpoint.
+        """
+        if self.local:
+            localfs.replace_directory(staging.path, self.path)
+            return
+        with self._translated():
+            files = staging.fs.find(staging.path, detail=True)
+            names = {p[len(staging.path.rstrip("/")) + 1 :]: p for p, info in files.items() if info["type"] == "file"}
+            if COMMIT_FILE not in names:
+                raise NotACheckpointError(f"{staging.url!r} has no {COMMIT_FILE!r}: nothing complete to commit.")
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm_file(self.join(COMMIT_FILE))  # from here on, no reader takes the old checkpoint
+            self.remove()
+            order = sorted(names, key=lambda n: (n == COMMIT_FILE, n == METADATA_FILE, n))
+            for rel in order:
+                self.fs.copy(names[rel], self.join(rel))
+            self.fs.invalidate_cache(self.path)
+        staging.remove()
+
+    # ------------------------------------------------------------------------------------------------ errors
+    @contextlib.contextmanager
+    def _translated(self) -> Iterator[None]:
+        """Start from fresh listings; turn the storage library's refusals into errors naming the fix.
+
+        Both differ between object stores: see the notes of :mod:`lightning_dcp.engine.storage.stores`.
+        """
+        if not self.local:
+            forget_listings(self.fs, self.path)
+        try:
+            yield
+        except CheckpointError:
+            raise
+        except FileNotFoundError as err:
+            if self.bucket is not None and "bucket" in str(err).lower():
+                raise BucketNotFoundError(bucket_message(self.url, self.bucket, self._protocol())) from err
+            raise
+        except Exception as err:
+            if is_missing_credentials(err):
+                raise StorageAccessError(credentials_message(self.url, self._protocol(), err)) from err
+            if is_refusal(err):
+                if self.local:
+                    shown = getattr(err, "filename", None) or self.url
+                    raise StorageAccessError(permission_message(str(shown))) from err
+                raise StorageAccessError(access_message(self.url, self.bucket, self._protocol(), err)) from err
+            if not self.local and is_unreachable(err):
+                raise StorageUnavailableError(unreachable_message(self.url, self._protocol(), err)) from err
+            raise
+
+    def _check_bucket(self) -> None:
+        bucket = self.bucket
+        if bucket is None or (id(self.fs), bucket) in _KNOWN_BUCKETS:
+            return
+        if not self.fs.exists(bucket):
+            raise BucketNotFoundError(bucket_message(self.url, self.bucket, self._protocol()))
+        _KNOWN_BUCKETS.add((id(self.fs), bucket))
+
+    def _protocol(self) -> str:
+        if "://" in self.url:  # as the user wrote it ("az", not adlfs' first name "abfs")
+            return self.url.split("://", 1)[0]
+        return self.fs.protocol if isinstance(self.fs.protocol, str) else self.fs.protocol[0]
+
+
+_KNOWN_BUCKETS: set[tuple[int, str]] = set()

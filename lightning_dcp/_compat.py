@@ -620,8 +620,8 @@ def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[
 
 
 # ------------------------------------------------------------------------------------------ OmegaConf
-# The codec (lightning_dcp.engine.format.codec) stores a DictConfig / ListConfig as the node tree of its root plus the path
-# to the node (interpolations resolve against the same root after a load, as with pickle). OmegaConf has no public
+# The codec (lightning_dcp.engine.format.codec) stores a DictConfig / ListConfig as the node tree of its root plus the
+# path to the node (interpolations resolve against the same root after a load, as with pickle). OmegaConf has no public
 # API for a node's own flags or its place in the tree: these read ``node._metadata.flags`` (the flags set on that
 # node, not inherited), ``_get_parent()``, ``_key()`` and ``_get_node(key)``, and set flags with ``_set_flag``
 # (what ``OmegaConf.set_struct`` / ``set_readonly`` call). Checked against omegaconf 2.3.

@@ -57,8 +57,8 @@ class RestoreRecord:
     tier: str | None
     restore_s: float
     source: str | None = None
-    """Where the bytes really came from, in words (:func:`lightning_dcp.engine.catalog.lookup.source_of`): the tier and a
-    location that exists; ``None``: ``url`` says it."""
+    """Where the bytes really came from, in words (:func:`lightning_dcp.engine.catalog.lookup.source_of`): the tier and
+    a location that exists; ``None``: ``url`` says it."""
 
 
 def save_metrics(record: SaveRecord) -> dict[str, float]:

@@ -6,8 +6,8 @@ Trainer state (hyperparameters, epoch, global step, callbacks' and datamodule st
 additions). Optimizer states are not read: they are most of a training checkpoint's bytes and no inference or
 evaluation load needs them (``lightning_dcp.consolidate`` writes a file with everything).
 
-Weights are streamed from the checkpoint a bounded batch at a time (:class:`~lightning_dcp.engine.load.source.Source`), so
-peak memory is about the weights plus one batch, whatever world size or strategy wrote them (DDP, FSDP2 / DTensor
+Weights are streamed from the checkpoint a bounded batch at a time (:class:`~lightning_dcp.engine.load.source.Source`),
+so peak memory is about the weights plus one batch, whatever world size or strategy wrote them (DDP, FSDP2 / DTensor
 shards are read as full tensors).
 """
 

@@ -1,6 +1,7 @@
 """What each rank of a Trainer run saves for itself, and how it comes back: RNG states and stateful train loaders.
 
-Saved by every rank in its own part of the checkpoint (``rank_states.{rank}``, see :mod:`lightning_dcp.engine.format.layout`):
+Saved by every rank in its own part of the checkpoint (``rank_states.{rank}``, see
+:mod:`lightning_dcp.engine.format.layout`):
 
 - ``"rng"``: the torch, CUDA, numpy and python generator states (:mod:`lightning_dcp.engine.state.rng`);
 - ``"mid_epoch"``: whether the epoch's data iterator was in use at the save;

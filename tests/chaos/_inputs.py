@@ -372,7 +372,7 @@ def _slots(doc: Any):
 
 # ------------------------------------------------------------------------------------------------ codec tags
 CODEC_TAG = "\x00lightning_dcp.object"
-"""The codec's tag key (lightning_dcp.engine.format.codec): crafted tags must be refused cleanly or decode to allowed types."""
+"""The codec's tag key (engine/format/codec.py): crafted tags must be refused cleanly or decode to allowed types."""
 CODEC_KINDS = [
     "omegaconf", "partial", "namespace", "path", "datetime", "date", "time", "timedelta", "timezone", "frozenset",
     "namedtuple", "dataclass", "enum", "type",

@@ -1,4 +1,4 @@
-"""The safe codec of the non-tensor state (lightning_dcp/engine/format/codec.py) and the blob and file loaders over it."""
+"""The safe codec of the non-tensor state (engine/format/codec.py) and the blob and file loaders over it."""
 
 from __future__ import annotations
 

@@ -252,7 +252,8 @@ def test_bytes_entry_without_a_record_is_refused(tmp_path):
     assert "has no storage record" in str(_load_quickly(path))
 
 
-# --------------------------------------- found by the kill campaign (engine/storage/location.py; fixed: .commit goes first)
+# --------------------------------------- found by the kill campaign (engine/storage/location.py; fixed: .commit goes
+# first)
 def test_removal_cut_short_never_leaves_a_commit_marker_without_its_files(tmp_path):
     import subprocess
 

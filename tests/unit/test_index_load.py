@@ -1,5 +1,5 @@
-"""Restores through the record index in ``.commit`` (engine/load/index_load.py): the same values as the general way, which
-takes over wherever the index cannot serve; damaged records and hostile indexes fail with a CheckpointError."""
+"""Restores through the record index in ``.commit`` (engine/load/index_load.py): the same values as the general way,
+which takes over wherever the index cannot serve; damaged records and hostile indexes fail with a CheckpointError."""
 
 from __future__ import annotations
 

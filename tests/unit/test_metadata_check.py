@@ -1,5 +1,5 @@
-"""The check of parsed ``.metadata`` (lightning_dcp/engine/format/metadata_check.py): its fast pass over all entries at once
-engages on what lightning_dcp writes, and never accepts metadata the per-entry checks refuse (property-tested with
+"""The check of parsed ``.metadata`` (lightning_dcp/engine/format/metadata_check.py): its fast pass over all entries at
+once engages on what lightning_dcp writes, and never accepts metadata the per-entry checks refuse (property-tested with
 the fuzzing pass's object-level edits of a real checkpoint's metadata)."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""The page-cache prefetch ahead of a restore (engine/load/page_cache.py): what it reads, in which order, where it stops,
-and that the Trainer and Fabric front ends start it for the resumes that read every file."""
+"""The page-cache prefetch ahead of a restore (engine/load/page_cache.py): what it reads, in which order, where it
+stops, and that the Trainer and Fabric front ends start it for the resumes that read every file."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Checking a checkpoint before it is loaded: committed, metadata intact, data files whole; full verification.
 
-A committed checkpoint is exactly what its ``.commit`` marker says (:mod:`lightning_dcp.engine.format.marker`): the marker
-must be valid, ``.metadata`` must match its recorded size and checksum, every record the metadata points at must be
-listed in the marker, and every data file must be at least its recorded size. Records are then checked one by one as
+A committed checkpoint is exactly what its ``.commit`` marker says (:mod:`lightning_dcp.engine.format.marker`): the
+marker must be valid, ``.metadata`` must match its recorded size and checksum, every record the metadata points at must
+be listed in the marker, and every data file must be at least its recorded size. Records are then checked one by one as
 they are read (:mod:`lightning_dcp.engine.save.dcp_io`); ``full=True`` reads them all here.
 
 This module also lists the committed checkpoints of a directory, newest first: what ``ckpt_path="last"`` chooses

@@ -91,8 +91,8 @@ def designated(location: Location) -> Location:
     """The one checkpoint a read of ``location`` opens: what every reader (tools, CLIs, hooks) asks first.
 
     A ``last*`` name (or a checkpoint's ``.commit``) designates the newest committed checkpoint of its directory that
-    passes the fast checks (:func:`~lightning_dcp.engine.catalog.integrity.check_checkpoint`), whatever the link or pointer
-    says; a warning names the ones passed over. Any other path: itself, through pointers and links.
+    passes the fast checks (:func:`~lightning_dcp.engine.catalog.integrity.check_checkpoint`), whatever the link or
+    pointer says; a warning names the ones passed over. Any other path: itself, through pointers and links.
 
     Rank 0 only (or any single process).
 

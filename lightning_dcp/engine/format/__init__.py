@@ -1,1 +1,1 @@
-"""Bytes and names on disk, no I/O: the marker, the record index, records, metadata checks, the codec and its allow-list, archives, blobs, the state-tree keys and the Lightning checkpoint-dict mapping."""
+"""Bytes and names on disk, no I/O: marker, record index, records, metadata checks, codec, blobs, keys, layout."""

@@ -1,4 +1,4 @@
-"""What a checkpoint's non-tensor state may name: the allow-list of the codec (:mod:`lightning_dcp.engine.format.codec`).
+"""What a checkpoint's non-tensor state may name: the allow-list of :mod:`~lightning_dcp.engine.format.codec`.
 
 A tag names a class or function by its dotted name (``torch.optim.adamw.AdamW``); :func:`lookup` finds it here, never
 by importing it. The list: torch's optimizers and lr schedulers (the callables of Hydra's ``_partial_: true``
@@ -57,8 +57,8 @@ def stock_pickle_globals() -> list[Any]:
     """The globals a plain ``torch.save`` of the codec's kinds names.
 
     A stock Lightning ``.ckpt`` holding Hydra configs, partial optimizers, paths, ... needs them allowed for
-    ``weights_only`` loading (see :func:`lightning_dcp.engine.format.blob.load_stock_file`, which rebuilds the result through
-    this codec).
+    ``weights_only`` loading (see :func:`lightning_dcp.engine.format.blob.load_stock_file`, which rebuilds the result
+    through this codec).
     """
     found: list[Any] = [functools.partial, argparse.Namespace, *_PATHS, datetime.datetime, datetime.date, datetime.time]
     hydra_partial = _compat.hydra_partial_class(load=installed("hydra"))

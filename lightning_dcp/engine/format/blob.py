@@ -2,12 +2,12 @@
 
 Rank 0 writes everything of a checkpoint that is not a tensor tree (Lightning's loop, callback and scheduler state,
 hparams; Fabric's plain objects) as one ``bytes`` entry of DCP's state dict, and each rank its own RNG states as
-another (:mod:`lightning_dcp.engine.format.layout` places them). :func:`encode_extra` stores what Lightning users keep there
-(Hydra configs, partial optimizers, paths, numpy, ...) through the codec of :mod:`lightning_dcp.engine.format.codec` and
-refuses at save time what it cannot store (naming the key path and the fix). :func:`decode_extra` checks the archive
-before unpickling anything (:mod:`lightning_dcp.engine.format.archive`), decodes, and turns every failure into a
-``CheckpointError``. :func:`load_stock_file` reads a single-file checkpoint that stock Lightning wrote with the
-same allow-list.
+another (:mod:`lightning_dcp.engine.format.layout` places them). :func:`encode_extra` stores what Lightning users keep
+there (Hydra configs, partial optimizers, paths, numpy, ...) through the codec of
+:mod:`lightning_dcp.engine.format.codec` and refuses at save time what it cannot store (naming the key path and the
+fix). :func:`decode_extra` checks the archive before unpickling anything (:mod:`lightning_dcp.engine.format.archive`),
+decodes, and turns every failure into a ``CheckpointError``. :func:`load_stock_file` reads a single-file checkpoint that
+stock Lightning wrote with the same allow-list.
 """
 
 from __future__ import annotations

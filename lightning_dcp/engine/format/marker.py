@@ -147,8 +147,8 @@ def parse_commit(data: bytes) -> dict[str, Any]:
         ``[offset, length, checksum]`` lies within its file's size.
 
     A marker that carries its own checksum (:data:`SEAL_KEY`, as :func:`encode_commit` writes) must match it; one
-    written before markers were sealed is accepted (without it, :func:`~lightning_dcp.engine.format.record_index.parse_index`
-    does not use its record index).
+    written before markers were sealed is accepted (without it,
+    :func:`~lightning_dcp.engine.format.record_index.parse_index` does not use its record index).
 
     Raises:
         MarkerError: Not valid JSON, its own checksum does not match, or any field missing, mistyped or out of range.

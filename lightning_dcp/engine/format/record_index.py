@@ -139,8 +139,8 @@ def parse_index(marker: dict[str, Any]) -> dict[str, IndexEntry] | None:
     A tensor saved whole or a bytes entry maps to its :class:`IndexedRecord`; a tensor saved in chunks maps to the
     tuple of its chunks' records (whether they tile the tensor is for the restore to check against its target).
     ``None`` when the marker has no index (written before it existed, or by the memory tier), when the marker carries
-    no checksum of its own (:data:`~lightning_dcp.engine.format.marker.SEAL_KEY`: nothing vouches that the index is the one
-    written at save, so ``.metadata`` is read instead; a sealed marker was checked against it by
+    no checksum of its own (:data:`~lightning_dcp.engine.format.marker.SEAL_KEY`: nothing vouches that the index is the
+    one written at save, so ``.metadata`` is read instead; a sealed marker was checked against it by
     :func:`~lightning_dcp.engine.format.marker.parse_commit`), when the index is of
     another version or malformed, or when an FQN has a whole record beside another record: the caller then restores
     the general way (``.metadata`` and DCP's planning), which checks everything itself. Every record listed here lies

@@ -136,7 +136,7 @@ class _VerifyingReader:
         return future
 
     def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, sharing: shared_reads.Sharing) -> LoadPlan:
-        """Read the records every rank's plan holds once across the ranks (:mod:`~lightning_dcp.engine.load.shared_reads`).
+        """Read what every rank's plan holds once across the ranks (see :mod:`~lightning_dcp.engine.load.shared_reads`).
 
         Collective: every rank of ``sharing.group`` calls it with its own plan. Returns the plan of what this rank
         still reads alone: its own records, and the shared units that failed on their owner.

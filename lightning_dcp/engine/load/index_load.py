@@ -4,8 +4,8 @@ A resume of a local checkpoint into a target that matches it exactly (the same F
 contiguous CPU tensors: DDP and single-device state) needs none of DCP's machinery: the index in ``.commit``
 (:mod:`lightning_dcp.engine.format.record_index`) says which record holds each entry. Each rank then reads its files in
 one order, in runs of up to 2 MiB, and for each record checks its checksum against ``.commit`` and its bytes around
-the tensor data against the exact layout the writer uses (:func:`~lightning_dcp.engine.format.records.record_frame`, which
-fixes dtype and shape), and copies the tensor data into the target; bytes entries (the Trainer state, optimizer
+the tensor data against the exact layout the writer uses (:func:`~lightning_dcp.engine.format.records.record_frame`,
+which fixes dtype and shape), and copies the tensor data into the target; bytes entries (the Trainer state, optimizer
 hyperparameters) are unpickled as the general path does (``weights_only``). A record in another framing is decoded
 with ``torch.load`` instead. What stock ``dcp.load`` reads from the same files is what lands here.
 
@@ -107,8 +107,9 @@ def load_indexed(
 def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], *, whole: bool) -> dict[str, list[tuple]] | None:
     """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
 
-    ``target`` is the tensor to fill at ``address`` (``frame``: :func:`~lightning_dcp.engine.format.records.record_frame`
-    of its record), or ``None`` for a bytes entry (and ``frame`` too, ``address`` 0).
+    ``target`` is the tensor to fill at ``address`` (``frame``:
+    :func:`~lightning_dcp.engine.format.records.record_frame` of its record), or ``None`` for a bytes entry (and
+    ``frame`` too, ``address`` 0).
 
     ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
     shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs (the Trainer

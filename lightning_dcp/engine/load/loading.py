@@ -104,7 +104,7 @@ def _require_trainer_state(location: Location, saved: Any) -> None:
 
 
 def check_trainer_state(location: Location, metadata: Metadata) -> None:
-    """What :func:`probe` checks of ``metadata`` beyond :func:`~lightning_dcp.engine.catalog.integrity.check_checkpoint`.
+    """What :func:`probe` checks beyond :func:`~lightning_dcp.engine.catalog.integrity.check_checkpoint`.
 
     For a caller that read the metadata after an indexed probe.
 

@@ -41,7 +41,7 @@ __all__ = ["FastLoadPlanner", "load"]
 
 
 class FastLoadPlanner(SafeLoadPlanner):
-    """:class:`~lightning_dcp.engine.format.layout.SafeLoadPlanner` with DCP's planning done in one pass where it can be.
+    """:class:`~lightning_dcp.engine.format.layout.SafeLoadPlanner`, with DCP's planning in one pass where it can be.
 
     The read items are those DCP's ``create_default_local_load_plan`` makes (one per overlap of a target chunk with
     a saved chunk); for a plain tensor saved whole they are built directly.
@@ -158,7 +158,8 @@ def load(
 ) -> None:
     """Load ``state_dict`` in place from the checkpoint ``reader`` reads (see the module docstring).
 
-    ``planner`` must be a :class:`~lightning_dcp.engine.format.layout.SafeLoadPlanner` (its global step is the identity).
+    ``planner`` must be a :class:`~lightning_dcp.engine.format.layout.SafeLoadPlanner` (its global step is the
+    identity).
 
     Collective over ``group`` (the default group when ``None``) when ``distributed``: one small exchange at the end;
     with ``share_reads`` and a reader that shares (object stores), also one after planning, and the records every

@@ -1,16 +1,17 @@
 """Reading tensor records straight into their targets, checksumming them on the way.
 
-A record written by :mod:`lightning_dcp.engine.save.datafiles` is ``prefix + raw bytes + suffix`` where prefix and suffix
-depend only on the dtype and shape the metadata gives for it (:func:`~lightning_dcp.engine.format.records.tensor_record`).
-When a record's prefix is exactly that, its raw bytes are read into the target tensor in pieces that are checksummed
-as they arrive: no ``torch.load``, no intermediate ``bytes``. Local files are read through the page cache with large
-calls straight into the target tensors: ranks that restore the same replicated files (DDP) share the cached pages,
-so each file comes from the disk once (the readers go through the files in the same order). With ``direct=True`` the
-block-aligned middle of a large record is read with ``O_DIRECT`` instead (into the target itself when its address
-has the same alignment as the bytes' file offset, else through one reused aligned buffer): the page cache is
-neither filled nor copied from, which suits files that one rank alone reads. A target that is
-not the whole chunk (a reshard) or not contiguous gets a scratch tensor of the chunk's shape, then the part it needs.
-Records not in that layout (``torch.save`` records of earlier checkpoints, other writers) are left to the caller.
+A record written by :mod:`lightning_dcp.engine.save.datafiles` is ``prefix + raw bytes + suffix`` where prefix and
+suffix depend only on the dtype and shape the metadata gives for it
+(:func:`~lightning_dcp.engine.format.records.tensor_record`). When a record's prefix is exactly that, its raw bytes are
+read into the target tensor in pieces that are checksummed as they arrive: no ``torch.load``, no intermediate ``bytes``.
+Local files are read through the page cache with large calls straight into the target tensors: ranks that restore the
+same replicated files (DDP) share the cached pages, so each file comes from the disk once (the readers go through the
+files in the same order). With ``direct=True`` the block-aligned middle of a large record is read with ``O_DIRECT``
+instead (into the target itself when its address has the same alignment as the bytes' file offset, else through one
+reused aligned buffer): the page cache is neither filled nor copied from, which suits files that one rank alone reads. A
+target that is not the whole chunk (a reshard) or not contiguous gets a scratch tensor of the chunk's shape, then the
+part it needs. Records not in that layout (``torch.save`` records of earlier checkpoints, other writers) are left to the
+caller.
 """
 
 from __future__ import annotations

@@ -245,9 +245,9 @@ def _parse_ahead(location: Location, *, indexed: bool) -> dict[str, IndexEntry] 
 
     With ``indexed``, its ``.commit`` and the record index in it (returned; ``None`` without one), which a restore
     through the index needs on every rank. Otherwise (or without an index) its ``.metadata``: the parse is
-    remembered by the file's bytes (:func:`~lightning_dcp.engine.catalog.metadata.load_metadata`), so when rank 0 settles
-    on this checkpoint, reading its metadata again costs one read of the file. Anything that fails here is left for
-    the probe to report.
+    remembered by the file's bytes (:func:`~lightning_dcp.engine.catalog.metadata.load_metadata`), so when rank 0
+    settles on this checkpoint, reading its metadata again costs one read of the file. Anything that fails here is left
+    for the probe to report.
     """
     try:
         if indexed:

@@ -2,7 +2,8 @@
 
 Three layouts are recognised, all plain DCP directories underneath:
 
-- ``"lightning_dcp"``: ours (see :mod:`lightning_dcp.engine.format.layout`): ``state_dict.*``, ``optimizer_states.*`` and the
+- ``"lightning_dcp"``: ours (see :mod:`lightning_dcp.engine.format.layout`): ``state_dict.*``, ``optimizer_states.*``
+  and the
   ``lightning`` blob with the non-tensor Trainer state, or a Fabric checkpoint's own keys (the blob's info names
   its module and optimizer keys);
 - ``"lightning_sharded"``: Lightning's own sharded layout: ``state_dict.*`` (``ModelParallelStrategy``) or

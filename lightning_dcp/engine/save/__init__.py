@@ -1,1 +1,1 @@
-"""Saving: planning, global plans, the writer, data files, incremental saves, async saves, staging, live writes, the step gate."""
+"""Saving: planning, global plans, the writer, data files, incremental and async saves, staging, the step gate."""

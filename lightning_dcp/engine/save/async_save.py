@@ -2,9 +2,9 @@
 
 The training loop pays for planning and part of the staging only. In the caller's thread, over a dedicated gloo
 process group (created once per run: the training collectives must not share a group with a background thread), the
-save is planned (:func:`lightning_dcp.engine.save.saving.prepare`: after the first save of a run, a 16-byte exchange) and
-the items *this rank writes* are staged into reused buffers (:mod:`lightning_dcp.engine.save.staging`): under DDP a rank
-stages its share of the replicated state, not all of it. A background thread then writes (direct I/O and checksums,
+save is planned (:func:`lightning_dcp.engine.save.saving.prepare`: after the first save of a run, a 16-byte exchange)
+and the items *this rank writes* are staged into reused buffers (:mod:`lightning_dcp.engine.save.staging`): under DDP a
+rank stages its share of the replicated state, not all of it. A background thread then writes (direct I/O and checksums,
 both outside the GIL, so the training loop keeps the interpreter) and finishes the checkpoint over the same group.
 When the save completes, rank 0 commits it in that thread, then deletes the checkpoints whose removal was requested
 while it was in flight: a checkpoint is never removed before its successor is saved.
@@ -54,10 +54,10 @@ process saves alone, and no side group is made then):
 - *The save's own group*: a gloo group from :func:`~lightning_dcp.engine.dist.own_group` (destroyed at exit), made once
   per :class:`AsyncSaves` at its first distributed save (a collective of the default group, in the caller's thread).
   Gloo whatever the training backend is (``nccl``, ``cpu:gloo,cuda:nccl``, ``cpu:gloo``). Everything a background thread
-  runs uses it and nothing else: planning (:func:`~lightning_dcp.engine.save.saving.prepare`), the write's gather of results
-  and the broadcast of the outcome (:func:`~lightning_dcp.engine.save.saving.write`). Planning in the caller's thread (saves
-  without deferred staging) and the staging agreement (:func:`~lightning_dcp.engine.save.saving.agree`) use it too, before
-  the background thread starts: one thread at a time issues its collectives.
+  runs uses it and nothing else: planning (:func:`~lightning_dcp.engine.save.saving.prepare`), the write's gather of
+  results and the broadcast of the outcome (:func:`~lightning_dcp.engine.save.saving.write`). Planning in the caller's
+  thread (saves without deferred staging) and the staging agreement (:func:`~lightning_dcp.engine.save.saving.agree`)
+  use it too, before the background thread starts: one thread at a time issues its collectives.
 - *The default (training) group*, only in the caller's thread, in the order every rank makes its calls: rank 0's
   decisions (``on_rank0``: where to write), gathering the previous save's errors (``Checkpointer.wait``), the
   ``when_busy="skip"`` vote (:mod:`lightning_dcp.engine.save.when_busy`). A background thread never issues a collective

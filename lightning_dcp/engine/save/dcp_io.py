@@ -5,8 +5,8 @@ reader loads them. On top of that:
 
 - the writer computes a checksum (xxHash3-64) of every record while writing it (no second pass over the disk) and
   the coordinator writes them, with the size and checksum of ``.metadata``, to ``.commit`` **after** ``.metadata``:
-  ``.commit`` is lightning_dcp's commit marker (:mod:`lightning_dcp.engine.format.marker`), and a directory without it is
-  never treated as a checkpoint;
+  ``.commit`` is lightning_dcp's commit marker (:mod:`lightning_dcp.engine.format.marker`), and a directory without it
+  is never treated as a checkpoint;
 - the reader verifies the checksum of every record it reads (so a flipped bit never loads silently) and names the
   file; ``.metadata`` is read by :mod:`lightning_dcp.engine.catalog.metadata` (allow-listed unpickling, then checked).
 """

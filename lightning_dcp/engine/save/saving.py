@@ -7,8 +7,8 @@ storage-writer interfaces (the files are exactly the ones ``dcp.save`` writes th
 
 1. :func:`prepare` (collective): each rank makes its local plan and sends the coordinator a 16-byte signature of
    its shared part and its few private items (:mod:`lightning_dcp.engine.save.global_plan`). When every rank's plan is
-   one of the last few saved through the same group (:mod:`~lightning_dcp.engine.save.memo`), every rank reuses its final
-   plan of then (and the coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal
+   one of the last few saved through the same group (:mod:`~lightning_dcp.engine.save.memo`), every rank reuses its
+   final plan of then (and the coordinator its metadata): nothing else is sent. Otherwise one rank per group of equal
    plans sends its plan, the coordinator makes the global plan and scatters each rank's part;
 2. :func:`write` (collective): each rank writes its items, the coordinator gathers compact results
    ``(key, offset, file, offset, length, checksum)`` and finishes (``.metadata``, ``.commit``), and every rank

@@ -96,7 +96,7 @@ class _StepGate:
             self._pending.pop(copied, None)
 
     def hold_stream(self, copies: Any) -> None:
-        """Hold queued GPU copies (:class:`~lightning_dcp.engine.save.stream_copies.StreamCopies`) until a step or a wait.
+        """Hold queued GPU copies (:class:`~lightning_dcp.engine.save.stream_copies.StreamCopies`) to a step or wait.
 
         The next optimizer step calls ``copies.at_step()`` (its update then waits for them on the GPU, not the CPU);
         other waiters (:meth:`wait_all` with ``step=False``) block in ``copies.wait()``. Either lets them go.

@@ -74,8 +74,8 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     For an optimizer without state yet the ``state`` is empty (a :class:`PendingState`), as in
     ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on zero gradients to create
     it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a whole step. A restore into
-    this target allocates the state the checkpoint holds (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`).
-    Under FSDP1 DCP's behaviour is kept.
+    this target allocates the state the checkpoint holds
+    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`). Under FSDP1 DCP's behaviour is kept.
 
     Collective where DCP's is (FSDP); call on all ranks.
     """

@@ -1,8 +1,8 @@
 r"""The path door: every checkpoint path or URL a user gives is put in one canonical form here, once.
 
-:class:`~lightning_dcp.engine.storage.location.Location` calls :func:`canonical_url` on every path it is built from (dirpath,
-``ckpt_path``, CLI arguments, pointer targets), so every later write, listing, lookup and removal uses the same
-string. The rules, and why:
+:class:`~lightning_dcp.engine.storage.location.Location` calls :func:`canonical_url` on every path it is built from
+(dirpath, ``ckpt_path``, CLI arguments, pointer targets), so every later write, listing, lookup and removal uses the
+same string. The rules, and why:
 
 - **Object stores and other remote filesystems** (``s3://``, ``gs://``, ``az://``, ``memory://``, ...):
 

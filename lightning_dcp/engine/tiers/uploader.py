@@ -16,10 +16,11 @@ before a checkpoint leaves it; a removal waits while uploads are failing. A remo
 pointer designates waits for the pending write of that pointer (or, with none pending, deletes the pointer first):
 a remote pointer never designates a missing checkpoint.
 
-Outages: a task that fails because the store cannot be reached (:func:`~lightning_dcp.engine.storage.stores.is_unreachable`:
-refused or reset connections, timeouts, HTTP 5xx) stays at the head of the queue and is retried after a delay that
-doubles from :attr:`Retry.first_delay` up to :attr:`Retry.max_delay`, each attempt logged. Other failures are logged;
-failed uploads are retried at the next save and at teardown.
+Outages: a task that fails because the store cannot be reached
+(:func:`~lightning_dcp.engine.storage.stores.is_unreachable`: refused or reset connections, timeouts, HTTP 5xx) stays at
+the head of the queue and is retried after a delay that doubles from :attr:`Retry.first_delay` up to
+:attr:`Retry.max_delay`, each attempt logged. Other failures are logged; failed uploads are retried at the next save and
+at teardown.
 """
 
 from __future__ import annotations

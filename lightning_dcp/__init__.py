@@ -7,8 +7,7 @@ live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.catalog.lookup import verify_checkpoint
-from lightning_dcp.engine.format.allowlist import add_safe_globals
+from lightning_dcp.engine import add_safe_globals, verify_checkpoint
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
     BucketNotFoundError,

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
+from lightning_dcp.engine import check_storage_options, is_missing_credentials
 from lightning_dcp.errors import CheckpointError
 
 __all__ = ["parse_storage_options", "run_cli"]

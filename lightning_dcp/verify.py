@@ -7,9 +7,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_dcp._cli import parse_storage_options, run_cli
-from lightning_dcp.engine.catalog.integrity import check_checkpoint
-from lightning_dcp.engine.catalog.lookup import designated, verify_checkpoint
-from lightning_dcp.engine.storage.location import Location, read_commit
+from lightning_dcp.engine import Location, check_checkpoint, designated, read_commit, verify_checkpoint
 from lightning_dcp.tools.progress import ReadCounter, progress_bar
 
 __all__ = ["main", "verify_checkpoint"]

@@ -1,7 +1,80 @@
 """The checkpoint engine: DCP checkpoints of any state dict, knowing nothing of the Trainer or Fabric.
 
-Storage (fsspec paths, staging, commit, pointers), the checksumming DCP writer and verifying reader, the ``.commit``
-marker, integrity checks, the on-disk layout, async saves and their staging, per-rank RNG states and streaming reads.
-The front ends (:mod:`lightning_dcp.trainer`, :mod:`lightning_dcp.fabric`) and the tools (:mod:`lightning_dcp.tools`)
-build on it; nothing here imports them.
+This module is the engine's face: the names the front ends (:mod:`lightning_dcp.trainer`,
+:mod:`lightning_dcp.fabric`) and the tools (:mod:`lightning_dcp.tools`) use, re-exported from the rooms below;
+they import only these, :mod:`lightning_dcp.engine.state` and :mod:`lightning_dcp.engine.tiers`. Nothing here
+imports them. The rooms, each importing only the ones below it:
+
+- :mod:`~lightning_dcp.engine.checkpointer`: the verbs (save, load, remove, wait), over
+- :mod:`~lightning_dcp.engine.tiers`: memory, local and remote tiers, over
+- :mod:`~lightning_dcp.engine.save` and :mod:`~lightning_dcp.engine.load` (which never import each other), over
+- :mod:`~lightning_dcp.engine.catalog`: which checkpoints exist, which one a path means, whether they are whole, over
+- :mod:`~lightning_dcp.engine.storage`: locations, paths, stores, local files, outputs, remote reads, over
+- :mod:`~lightning_dcp.engine.format` and :mod:`~lightning_dcp.engine.state`: bytes and names on disk (no I/O);
+  module, optimizer, RNG and loader state;
+- at the bottom, imported by any room: :mod:`~lightning_dcp.engine.dist` (who takes part in a call),
+  :mod:`~lightning_dcp.engine.agreement` (one failure raised on every rank), :mod:`~lightning_dcp.engine.elastic`,
+  :mod:`~lightning_dcp.engine.gc_pause` and :mod:`~lightning_dcp.engine.save_log`.
 """
+
+from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.catalog.lookup import designated, designates_last, source_of, verify_checkpoint
+from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
+from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
+from lightning_dcp.engine.elastic import init_strategy_attempt_group
+from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.allowlist import add_safe_globals
+from lightning_dcp.engine.format.blob import load_stock_file
+from lightning_dcp.engine.format.layout import INFO_KEY
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.load.loading import LIGHTNING_META_FILE, load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.load.restore import Loaded
+from lightning_dcp.engine.load.source import Source, TensorEntry
+from lightning_dcp.engine.save.dcp_io import storage_writer
+from lightning_dcp.engine.save.step_gate import STEP_GATE
+from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
+from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, fsync_dir, new_token, read_commit
+from lightning_dcp.engine.storage.paths import canonical_url
+from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
+
+__all__ = [
+    "COMMIT_FILE",
+    "INFO_KEY",
+    "LIGHTNING_META_FILE",
+    "METADATA_FILE",
+    "STAGING_INFIX",
+    "STEP_GATE",
+    "Checkpointer",
+    "Loaded",
+    "Location",
+    "RestoreRecord",
+    "Source",
+    "TensorEntry",
+    "add_safe_globals",
+    "canonical_url",
+    "check_checkpoint",
+    "check_storage_options",
+    "committed_checkpoints",
+    "designated",
+    "designates_last",
+    "distributed",
+    "fsync_dir",
+    "init_strategy_attempt_group",
+    "is_missing_credentials",
+    "layout",
+    "load_stock_file",
+    "load_torch_file",
+    "new_token",
+    "on_rank0",
+    "parsed_meanwhile_forgotten",
+    "probe",
+    "rank_and_world",
+    "read_commit",
+    "save_metrics",
+    "single_process_ok",
+    "source_of",
+    "storage_writer",
+    "torch_load_error",
+    "verify_checkpoint",
+]

@@ -37,19 +37,24 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_dcp.engine.catalog.lookup import designates_last
-from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dist import on_rank0, rank_and_world
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.load.loading import load_torch_file, probe, torch_load_error
-from lightning_dcp.engine.load.restore import Loaded
-from lightning_dcp.engine.save.step_gate import STEP_GATE
-from lightning_dcp.engine.save_log import RestoreRecord
+from lightning_dcp.engine import (
+    STEP_GATE,
+    Checkpointer,
+    Loaded,
+    Location,
+    RestoreRecord,
+    designates_last,
+    layout,
+    load_torch_file,
+    on_rank0,
+    parsed_meanwhile_forgotten,
+    probe,
+    rank_and_world,
+    torch_load_error,
+)
 from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.state.module_state import load_model_state_dict, load_optimizer_state_dict
 from lightning_dcp.engine.state.rng import collect_rng_states, resume_rng_states
-from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io, recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (

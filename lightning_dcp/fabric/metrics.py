@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dcp.engine.save_log import save_metrics
+from lightning_dcp.engine import save_metrics
 
 __all__ = ["log_checkpoint_metrics"]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, check_checkpoint, committed_checkpoints
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["latest_checkpoint"]

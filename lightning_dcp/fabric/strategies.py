@@ -29,8 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.elastic import init_strategy_attempt_group
+from lightning_dcp.engine import Checkpointer, init_strategy_attempt_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 from lightning_dcp.fabric.preemption import Preemption

@@ -21,14 +21,18 @@ from typing import Any
 
 import torch
 
-from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.catalog.lookup import designates_last
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.load.loading import probe
-from lightning_dcp.engine.load.source import Source
-from lightning_dcp.engine.storage.location import Location, read_commit
-from lightning_dcp.engine.storage.stores import check_storage_options
+from lightning_dcp.engine import (
+    COMMIT_FILE,
+    METADATA_FILE,
+    Location,
+    Source,
+    check_storage_options,
+    committed_checkpoints,
+    designates_last,
+    layout,
+    probe,
+    read_commit,
+)
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.tools.progress import progress_bar
 

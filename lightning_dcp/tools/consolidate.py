@@ -17,10 +17,7 @@ from typing import Any
 import torch
 
 from lightning_dcp._compat import set_element
-from lightning_dcp.engine.catalog.lookup import designated
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.load.source import Source, TensorEntry
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, Source, TensorEntry, designated, layout
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing
 from lightning_dcp.tools.progress import progress_bar

@@ -9,10 +9,7 @@ import os
 import re
 from typing import Any
 
-from lightning_dcp.engine.catalog.lookup import designated
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.load.source import Source
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, Source, designated, layout
 
 __all__ = ["inspect_checkpoint"]
 

@@ -25,8 +25,7 @@ import stat
 from collections.abc import Iterator
 from typing import IO, Literal
 
-from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
+from lightning_dcp.engine import COMMIT_FILE, METADATA_FILE, Location, fsync_dir, new_token
 from lightning_dcp.errors import OutputExistsError
 
 __all__ = ["atomic_directory", "atomic_file", "refuse_existing", "remove_stale_temporaries"]

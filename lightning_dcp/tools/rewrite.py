@@ -15,13 +15,16 @@ from typing import Any
 
 import torch.distributed.checkpoint as dcp
 
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dist import single_process_ok
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.load.loading import probe
-from lightning_dcp.engine.load.source import Source
-from lightning_dcp.engine.save.dcp_io import storage_writer
-from lightning_dcp.engine.storage.location import Location, new_token
+from lightning_dcp.engine import (
+    Checkpointer,
+    Location,
+    Source,
+    layout,
+    new_token,
+    probe,
+    single_process_ok,
+    storage_writer,
+)
 from lightning_dcp.errors import NotACheckpointError, checkpoint_failure
 
 __all__ = ["BACKUP_SUFFIX", "rewrite_trainer_state"]

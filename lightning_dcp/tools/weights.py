@@ -12,10 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.dist import on_rank0
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.load.loading import probe
+from lightning_dcp.engine import Checkpointer, layout, on_rank0, probe
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = ["LoadReport", "load_model_weights"]

@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_dcp._compat import restart_train_iterator, shift_epoch_batches
-from lightning_dcp.engine.format.layout import INFO_KEY
+from lightning_dcp.engine import INFO_KEY
 from lightning_dcp.engine.state.loaders import refuse, reshards_itself
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.global_order import (

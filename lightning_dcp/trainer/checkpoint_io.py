@@ -12,12 +12,7 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dcp.engine.catalog.lookup import source_of
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.format.marker import COMMIT_FILE
-from lightning_dcp.engine.save_log import RestoreRecord
-from lightning_dcp.engine.storage.stores import check_storage_options
+from lightning_dcp.engine import COMMIT_FILE, Checkpointer, RestoreRecord, check_storage_options, layout, source_of
 from lightning_dcp.engine.tiers import Tiers
 
 __all__ = ["DCPCheckpointIO"]

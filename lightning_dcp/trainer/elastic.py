@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_dcp.engine.elastic import init_strategy_attempt_group
+from lightning_dcp.engine import init_strategy_attempt_group
 
 __all__ = ["ElasticAttempt"]
 

@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location
 from lightning_dcp.tools.consolidate import cast_dtype, cast_tensor, consolidate, resolve_dtype, selected
 from lightning_dcp.tools.output import atomic_file
 from lightning_dcp.tools.writers import CkptWriter, SafetensorsWriter

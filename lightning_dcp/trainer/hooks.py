@@ -25,8 +25,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.format.blob import load_stock_file
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, load_stock_file
 from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO

@@ -23,8 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.dist import distributed
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, distributed
 from lightning_dcp.engine.tiers import housekeeping, memory_io
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier, area_error
 from lightning_dcp.errors import CheckpointError

@@ -26,7 +26,7 @@ import logging
 import lightning.pytorch as pl
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.save_log import save_metrics
+from lightning_dcp.engine import save_metrics
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
 __all__ = ["log_checkpoint_metrics"]

@@ -33,10 +33,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.format.marker import COMMIT_FILE
-from lightning_dcp.engine.storage.location import STAGING_INFIX, Location
-from lightning_dcp.engine.storage.paths import canonical_url
+from lightning_dcp.engine import (
+    COMMIT_FILE,
+    STAGING_INFIX,
+    Location,
+    canonical_url,
+    check_checkpoint,
+    committed_checkpoints,
+)
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO

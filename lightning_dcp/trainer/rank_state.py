@@ -35,7 +35,7 @@ from lightning_dcp._compat import (
     set_sampler_epoch,
     train_epoch_in_progress,
 )
-from lightning_dcp.engine.format import layout
+from lightning_dcp.engine import layout
 from lightning_dcp.engine.state.rng import collect_rng_states, derive_rng_states, restore_rng_states
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.callbacks import ElasticResume

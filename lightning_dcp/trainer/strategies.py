@@ -41,8 +41,7 @@ from lightning_dcp._compat import (
     trainer_run_arguments,
     unwrap_checkpoint_io,
 )
-from lightning_dcp.engine.format import layout
-from lightning_dcp.engine.save.step_gate import STEP_GATE
+from lightning_dcp.engine import STEP_GATE, layout
 from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
     load_optimizer_state_dict,

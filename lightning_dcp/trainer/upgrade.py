@@ -28,9 +28,7 @@ import torch
 from lightning.pytorch.utilities.migration import migrate_checkpoint, pl_legacy_patch
 
 from lightning_dcp import _compat
-from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.load.loading import LIGHTNING_META_FILE
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import COMMIT_FILE, LIGHTNING_META_FILE, METADATA_FILE, Location
 from lightning_dcp.errors import CheckpointError, checkpoint_not_found, describe_load_error
 from lightning_dcp.tools.output import atomic_file
 from lightning_dcp.tools.rewrite import BACKUP_SUFFIX, rewrite_trainer_state

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-from lightning_dcp.engine.save.planning import flatten
+from lightning_dcp.engine.format.keys import flatten
 
 
 def test_flatten_equals_dcps_flatten_state_dict():

@@ -36,9 +36,9 @@ from lightning_dcp.engine.format.marker import (
 from lightning_dcp.engine.format.records import record_frame, tensor_record
 from lightning_dcp.engine.load import shared_reads
 from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
-from lightning_dcp.engine.save.dcp_io import keep_options
 from lightning_dcp.engine.storage.fileout import PIECE
 from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.options import keep_options
 from lightning_dcp.engine.storage.remote_read import Range, RangedReads, StreamedRecord, address_of, split
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
 

@@ -32,15 +32,15 @@ import torch
 import xxhash
 
 from lightning_dcp._compat import set_element
+from lightning_dcp.engine.agreement import agree
 from lightning_dcp.engine.dist import all_true
 from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.layout import EXTRA_KEY, RANK_KEY
 from lightning_dcp.engine.format.marker import checksum
 from lightning_dcp.engine.format.record_index import IndexedRecord, IndexEntry
 from lightning_dcp.engine.format.records import record_frame, tensor_record
 from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
-from lightning_dcp.engine.save import saving
-from lightning_dcp.engine.save.planning import flatten
 from lightning_dcp.errors import CorruptCheckpointError, describe_load_error
 
 __all__ = ["load_indexed"]
@@ -100,7 +100,7 @@ def load_indexed(
             _read_file(path, name, plan[name], state, mappings, weights_only)
     except Exception as err:  # raised on every rank below
         error = err
-    saving.agree(error, group=None, distributed=distributed)
+    agree(error, group=None, distributed=distributed)
     return True
 
 

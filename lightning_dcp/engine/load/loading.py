@@ -26,8 +26,8 @@ from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.catalog.metadata import read_metadata
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.blob import load_stock_file
+from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.record_index import IndexEntry
-from lightning_dcp.engine.save.planning import flatten
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import (
     CheckpointError,

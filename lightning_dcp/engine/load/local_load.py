@@ -31,11 +31,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
 from lightning_dcp._compat import ShardedTensor
+from lightning_dcp.engine.agreement import agree
+from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.layout import SafeLoadPlanner
 from lightning_dcp.engine.format.records import record_frame
 from lightning_dcp.engine.load import shared_reads
-from lightning_dcp.engine.save import saving
-from lightning_dcp.engine.save.planning import flatten
 
 __all__ = ["FastLoadPlanner", "load"]
 
@@ -194,4 +194,4 @@ def load(
             reader.read_data(plan, planner).wait()
         except Exception as err:
             error = err
-    saving.agree(error, group=group, distributed=distributed)
+    agree(error, group=group, distributed=distributed)

@@ -31,7 +31,6 @@ from torch.futures import Future
 
 from lightning_dcp._compat import (
     DCP_METADATA_VERSION,
-    DCPFsspecFileSystem,
     FsspecWriter,
     StorageInfo,
 )
@@ -54,6 +53,7 @@ from lightning_dcp.engine.save.memo import PlanMemo
 from lightning_dcp.engine.save.planning import BalancedSavePlanner
 from lightning_dcp.engine.storage.localfs import CANNOT_RENAME
 from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.options import keep_options
 
 __all__ = ["compact_result", "keep_options", "metadata_pickle", "save_planner", "storage_writer"]
 
@@ -253,24 +253,3 @@ class _LocalWriter(_ChecksummingWriter, FileSystemWriter):
 
 class _FsspecWriter(_ChecksummingWriter, FsspecWriter):  # DCP's FsspecWriter is a FileSystemWriter too
     local_files = False
-
-
-class _OptionsFileSystem(DCPFsspecFileSystem):
-    """DCP's fsspec adapter, except that ``init_path`` (called by ``reset(checkpoint_id)``) keeps the options."""
-
-    def __init__(self, inner: DCPFsspecFileSystem, storage_options: dict[str, Any]) -> None:
-        super().__init__()
-        self.fs = inner.fs
-        self._storage_options = storage_options
-
-    def init_path(self, path: str | os.PathLike, **kwargs: Any) -> str | os.PathLike:
-        return super().init_path(path, **{**self._storage_options, **kwargs})
-
-
-def keep_options(io: Any, storage_options: dict[str, Any]) -> Any:
-    """``io`` (a DCP fsspec writer or reader) with a filesystem that keeps ``storage_options`` across resets."""
-    # DCP's FsspecWriter/FsspecReader.reset(checkpoint_id) re-create their filesystem from the URL alone; give them
-    # one that re-applies our storage options, so credentials and endpoint survive any reset.
-    if isinstance(getattr(io, "fs", None), DCPFsspecFileSystem):
-        io.fs = _OptionsFileSystem(io.fs, storage_options)
-    return io

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import pickle
 import secrets
 from collections.abc import Callable
 from typing import Any
@@ -36,7 +35,7 @@ from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat import StorageInfo
-from lightning_dcp.engine.dist import all_true
+from lightning_dcp.engine.agreement import RankFailure, _portable, _raise_first, agree
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.save.dcp_io import compact_result
 from lightning_dcp.engine.save.global_plan import Group, global_plan, split_private
@@ -44,18 +43,6 @@ from lightning_dcp.engine.save.memo import PlanMemo
 from lightning_dcp.engine.save.planning import plan_signature
 
 __all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
-
-
-class RankFailure(RuntimeError):
-    """A save failed on some rank; raised on every rank.
-
-    ``failures`` maps the lowest failing rank to its error, as DCP's ``CheckpointException`` does (so
-    :func:`lightning_dcp.errors.checkpoint_failure` names the rank and explains the error).
-    """
-
-    def __init__(self, rank: int, error: BaseException) -> None:
-        super().__init__(f"rank {rank}: {type(error).__name__}: {error}")
-        self.failures = {rank: error}
 
 
 @dataclasses.dataclass
@@ -256,22 +243,6 @@ def write(
         raise RankFailure(*outcome[0])
 
 
-def agree(error: BaseException | None, *, group: dist.ProcessGroup | None, distributed: bool) -> None:
-    """Raise on every rank when any rank passes an error (one small exchange). Collective when ``distributed``.
-
-    Raises:
-        RankFailure: Some rank's ``error`` (the lowest such rank's), on every rank.
-    """
-    if not distributed:
-        _raise_first([error])
-        return
-    if all_true(error is None, group=group):  # the common case: one small all-reduce, no pickling
-        return
-    errors: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, _portable(error), group=group)
-    _raise_first(errors)
-
-
 def save(
     state_dict: dict[str, Any],
     *,
@@ -312,22 +283,5 @@ def _finish(prepared: PreparedSave, compact: list[list[tuple]]) -> None:
     prepared.writer.finish(prepared.metadata, results)
 
 
-def _raise_first(errors: list[BaseException | None]) -> None:
-    for rank, error in enumerate(errors):
-        if error is not None:
-            raise RankFailure(rank, error)
-
-
 def _global_rank(group: dist.ProcessGroup | None, rank: int) -> int:
     return rank if group is None else dist.get_global_rank(group, rank)
-
-
-def _portable(error: BaseException | None) -> BaseException | None:
-    """``error`` if it can be pickled to the other ranks, else a ``RuntimeError`` with its text."""
-    if error is None:
-        return None
-    try:
-        pickle.dumps(error)
-    except Exception:
-        return RuntimeError(f"{type(error).__name__}: {error}")
-    return error

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
@@ -27,10 +27,24 @@ from lightning_dcp.engine.tiers.memory import LAST_ENTRY
 from lightning_dcp.engine.tiers.persist import Persistence
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, checkpoint_failure
 
-if TYPE_CHECKING:
-    from lightning_dcp.engine.checkpointer import Checkpointer
+__all__ = ["Checkpointer", "anything", "bind", "covers", "load_newest", "save_to_memory"]
 
-__all__ = ["anything", "bind", "covers", "load_newest", "save_to_memory"]
+
+class Checkpointer(Protocol):
+    """What these functions use of :class:`lightning_dcp.engine.checkpointer.Checkpointer` (which imports them)."""
+
+    memory: Any
+    memory_directory: Location | None
+    tiers: Any
+
+    def next_counter(self, location: Location) -> int:
+        """As the class described."""
+
+    def record(self, started: float, location: Location, what: str) -> None:
+        """As the class described."""
+
+    def load_candidates(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
+        """As the class described."""
 
 
 def bind(checkpointer: Checkpointer, directory: Location, *, persist_keep: int = 2) -> None:

@@ -35,8 +35,8 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from lightning_dcp.engine.agreement import RankFailure
 from lightning_dcp.engine.format.marker import METADATA_FILE, parse_commit
-from lightning_dcp.engine.save.saving import RankFailure
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, new_token, remove_path
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.parts import PartStore, identity, part_name

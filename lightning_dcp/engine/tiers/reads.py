@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import candidates as one_tier_candidates
@@ -26,10 +26,31 @@ from lightning_dcp.engine.format.marker import COMMIT_FILE, order_key
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import local_marker
 
-if TYPE_CHECKING:
-    from lightning_dcp.engine.tiers.local import Tiers
+__all__ = ["Tiers", "both", "candidates", "exists", "known"]
 
-__all__ = ["both", "candidates", "exists", "known"]
+
+class Tiers(Protocol):
+    """What these reads use of a local tier: :class:`lightning_dcp.engine.tiers.local.Tiers` (which imports them)."""
+
+    local: Location
+    journal: Any
+    retry: Any
+    uploader: Any
+
+    def resume(self) -> None:
+        """As the class described."""
+
+    def local_twin(self, remote: Location) -> Location:
+        """As the class described."""
+
+    def remote_dir(self) -> Location | None:
+        """As the class described."""
+
+    def mirrors(self, directory: Location) -> bool:
+        """As the class described."""
+
+    def twins(self, location: Location) -> tuple[Location, Location] | None:
+        """As the class described."""
 
 
 def both(tiers: Tiers, remote_dir: Location) -> list[tuple[tuple, Location]]:

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from lightning_dcp.engine.save.saving import RankFailure, agree
+from lightning_dcp.engine.agreement import RankFailure, agree
 from lightning_dcp.engine.storage.localfs import remove_path
 from lightning_dcp.engine.tiers.nodes import Topology
 from lightning_dcp.engine.tiers.parts import PartStore

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from lightning_dcp.engine.dist import all_true
+from lightning_dcp.engine.dist import all_true, distributed
+from lightning_dcp.errors import CheckpointError
 
 
 class RankFailure(RuntimeError):
@@ -53,3 +54,14 @@ def _portable(error: BaseException | None) -> BaseException | None:
     except Exception:
         return RuntimeError(f"{type(error).__name__}: {error}")
     return error
+
+
+def first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
+    """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
+    if not distributed(collective):
+        return failure
+    if all_true(failure is None):  # the common case: one small all-reduce, no pickling
+        return None
+    failures: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)

@@ -15,7 +15,6 @@ once every rank finished; loads reshard to the current world size and verify eve
 from __future__ import annotations
 
 import contextlib
-import importlib.metadata
 import logging
 import os
 import time
@@ -24,34 +23,25 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE, candidates
+from lightning_dcp.engine import transaction
+from lightning_dcp.engine.catalog.lookup import candidates
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
-from lightning_dcp.engine.dist import all_true, distributed, on_rank0, rank_and_world
+from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.load import page_cache
-from lightning_dcp.engine.load.restore import Loaded, load_one
-from lightning_dcp.engine.save import saving
+from lightning_dcp.engine.load.candidates import load_first
+from lightning_dcp.engine.load.restore import Loaded
 from lightning_dcp.engine.save.async_save import AsyncSaves
-from lightning_dcp.engine.save.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.save.incremental import Incremental
 from lightning_dcp.engine.save.when_busy import WhenBusy
 from lightning_dcp.engine.save_log import SaveLog, SaveRecord
-from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
-from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
-from lightning_dcp.engine.storage.stores import is_unreachable
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import Tiers, memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
     CheckpointError,
-    InvalidPathError,
-    NotACheckpointError,
-    StateDictMismatchError,
-    checkpoint_failure,
 )
 
 __all__ = ["Checkpointer"]
@@ -209,126 +199,8 @@ class Checkpointer:
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
             self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
 
-    def _save(
-        self,
-        tree: dict[str, Any],
-        path: str | os.PathLike,
-        objects: dict[str, Any] | None,
-        rank_objects: dict[str, Any] | None,
-        info: dict[str, Any] | None,
-        storage_options: dict[str, Any] | None,
-        collective: bool,
-        volatile: Iterable[torch.Tensor] | None,
-        step: int | None,
-    ) -> None:
-        started = time.perf_counter()
-        location = self.location(path, storage_options)
-        self._record_of = None
-        if self._into_memory:
-            if rank_and_world(collective)[0] == 0:
-                self._record_of = self.saves.begin(location.url, step=step, tier="memory", started=started)
-            memory_io.save_to_memory(
-                self,
-                tree,
-                location,
-                objects=objects,
-                rank_objects=rank_objects,
-                info={**(info or {}), **_versions()},
-                collective=collective,
-                step=step,
-            )
-            return
-        if is_internal_name(location.name):
-            raise InvalidPathError(
-                f"The checkpoint name of {location.url!r} is one this library gives its own staging and upload"
-                f" directories ('.<name>{STAGING_INFIX}<token>', '{SNAPSHOT_PREFIX}...'): listings pass over them and"
-                " clean-ups delete them. Choose another name."
-            )
-        remote = location if self.tiers is not None and self.tiers.covers(location) else None
-        if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
-            location = self.tiers.local_twin(remote)
-        rank, world_size = rank_and_world(collective)
-        if rank == 0:
-            tier = "durable" if remote is None else "local_dir"
-            self._record_of = self.saves.begin(location.url, step=step, tier=tier, started=started)
-        record = self._record_of
-
-        def decide() -> tuple[str, bool, Any, int]:  # rank 0 decides where this save writes; all ranks must agree
-            if remote is not None:
-                self.tiers.prepare(remote)
-            previous = self.incremental and self.incremental.previous(location)
-            return new_token(), self._writes_in_place(location), previous, self._next_counter(remote or location)
-
-        token, direct, previous, counter = on_rank0(collective, decide)
-        target = location if direct else location.staging(token)
-        info = {**(info or {}), "world_size": world_size, **_versions()}
-
-        def commit() -> None:  # rank 0, once every rank finished writing
-            if not direct:
-                location.commit_from(target)
-            elif location.local:  # the marker's directory entry, and the directory's own, survive a power loss
-                fsync_dir(location.path)
-                fsync_dir(location.parent().path)
-            self._committed_in.add(location.parent().url)
-            location.remove_stale_staging(keep=None if direct else token)
-            if remote is not None:
-                self.tiers.committed(remote)
-            if record is not None:
-                self.saves.committed(record, sizes=location.sizes)
-                line = self.saves.announce(record)  # async: here in the background thread, if the call returned
-                if line is not None:
-                    log.info(line)
-
-        def abandon() -> None:  # rank 0, after a failure: nothing half-written stays visible
-            if remote is not None:
-                self.tiers.abandoned(remote)
-            if not (direct and location.local and self._async is not None):
-                target.remove()
-                return
-            # An async save returned before it failed: Lightning may have linked `last` to this directory already.
-            # Keep the (uncommitted, so never loaded) directory so that link never dangles; free its data.
-            for name, _ in target.entries(follow_links=False):
-                target.child(name).remove()
-
-        writer = storage_writer(target, thread_count=self.thread_count, sync_files=self.sync_files)
-        writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
-        planner = save_planner(writers=world_size * self.thread_count)
-        if self.incremental is not None:
-            self.incremental.attach(writer, previous=previous, local=location.local)
-        try:
-            state = layout.build_state(
-                tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
-            )
-            if self._async is not None:
-                self._async.start(
-                    state,
-                    writer=writer,
-                    planner=planner,
-                    location=location,
-                    rank=rank,
-                    distributed=distributed(collective),
-                    commit=commit,
-                    abandon=abandon,
-                    volatile=volatile,
-                )
-                self._record(started, location, "staged (writing in the background)")
-                for held in self._busy.started(location, step=step):  # removals held behind a skipped save
-                    self.remove(held.url, collective=collective)
-                return
-            saving.save(state, writer=writer, planner=planner, distributed=distributed(collective))
-        except (Exception, dcp.CheckpointException) as err:  # DCP's exception derives from BaseException
-            if rank == 0:
-                abandon()
-            raise checkpoint_failure(
-                err, f"Saving the checkpoint to {location.url!r} failed", rank=rank, unreachable=_outage(location)
-            ) from err
-        try:
-            on_rank0(collective, commit)
-        except Exception as err:  # storage refused the commit (rename, copy or marker): nothing new is visible
-            raise checkpoint_failure(
-                err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=_outage(location)
-            ) from err
-        self._record(started, location, "saved")
+    def _save(self, *args: Any) -> None:
+        transaction.save(self, *args)
 
     def _skip(self, path: Any, storage_options: dict[str, Any] | None, collective: bool, step: int | None) -> bool:
         """``when_busy="skip"``: whether this save is skipped (the previous one still writing); records the stall."""
@@ -341,30 +213,6 @@ class Checkpointer:
         self._record(started, location, "skipped (the previous save is still being written)")
         return True
 
-    def _writes_in_place(self, location: Location) -> bool:
-        """Whether a save writes straight into ``location`` (True) or into a hidden staging directory beside it.
-
-        An existing checkpoint (ours, Lightning's sharded layout, a single file) is only ever replaced once the new
-        one is complete: such a save stages. Leftovers of an interrupted save of ours at that name (a directory
-        without ``.commit`` or ``meta.pt``) are removed first. A new name on an object store is written in place
-        (committed by ``.commit``; staging would cost a server-side copy). A new local name is written in place
-        once a committed checkpoint exists beside it, and the directory is created before the save returns: then
-        Lightning's ``save_last="link"``, made as soon as an async save returns, always points at an existing
-        directory, which the loader passes over for the newest committed one if the save never finished. Before
-        the first commit in a directory it stages, so a run killed during its first save has nothing named
-        ``last`` and starts fresh. Rank 0 only.
-        """
-        if location.exists() and location.isdir() and not location.is_committed():
-            if not location.fs.exists(location.join(LIGHTNING_META_FILE)):
-                location.remove()  # our own interrupted save: never a checkpoint
-        if location.exists():
-            return False
-        if location.local:
-            if not self._has_committed_sibling(location):
-                return False
-            os.makedirs(location.path, exist_ok=True)
-        return True
-
     def resumable(self, *, collective: bool = False) -> bool:
         """Whether the memory tier or its durable directory holds a committed checkpoint (``True`` without a tier).
 
@@ -373,35 +221,12 @@ class Checkpointer:
         return self.memory is None or memory_io.anything(self, collective=collective)
 
     def next_counter(self, location: Location) -> int:
-        """The save counter of the next save into ``location``'s directory (see :meth:`_next_counter`). Rank 0."""
-        return self._next_counter(location)
+        """The save counter of the next save into ``location``'s directory (one more than any seen). Rank 0."""
+        return transaction.next_counter(self, location)
 
     def record(self, started: float, location: Location, what: str) -> None:
         """Record a save's stall (:attr:`last_save_seconds`) and log it."""
         self._record(started, location, what)
-
-    def _next_counter(self, location: Location) -> int:
-        """The save counter of the next save into ``location``'s directory: one more than any this process saw.
-
-        The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
-        as far as the tier knows (no remote call in the training loop: :meth:`Tiers.known_checkpoints`). Later saves
-        count on from there. Rank 0 only.
-        """
-        directory = location.parent()
-        if directory.url not in self._counters:
-            tiered = self.tiers is not None and self.tiers.covers(location)
-            found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
-            self._counters[directory.url] = max((key[0] for key, _ in found), default=0)
-            if self.memory is not None:  # what the memory areas hold counts too (a resume from memory saves on)
-                self._counters[directory.url] = max(self._counters[directory.url], self.memory.highest)
-        self._counters[directory.url] += 1
-        return self._counters[directory.url]
-
-    def _has_committed_sibling(self, location: Location) -> bool:
-        parent = location.parent()
-        if parent.url not in self._committed_in and committed_checkpoints(parent):
-            self._committed_in.add(parent.url)
-        return parent.url in self._committed_in
 
     def _record(self, started: float, location: Location, what: str) -> None:
         self.last_save_seconds = time.perf_counter() - started
@@ -507,36 +332,9 @@ class Checkpointer:
 
         Collective: call on all ranks when ``collective=True``.
         """
-        path = location.url
         urls = on_rank0(collective, lambda: self._candidates(location))
-        failures: list[tuple[str, CheckpointError]] = []
         prefetched, self._prefetched = self._prefetched, None
-        for url in urls:
-            loaded, failure = None, None
-            try:
-                candidate = self.location(url)
-                fetched = candidate.local and os.path.realpath(candidate.path) == prefetched
-                loaded = load_one(candidate, collective=collective, prefetch=not fetched, **options)
-            except StateDictMismatchError:
-                raise  # about the target, not the checkpoint: an older checkpoint would not fit either
-            except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)
-                failure = checkpoint_failure(err, f"Loading the checkpoint at {url!r} failed")
-            failure = _first_failure(failure, collective)  # every rank moves on together, or none does
-            if failure is None:
-                if failures:
-                    tried = "; ".join(f"{u!r} ({err})" for u, err in failures)
-                    rank_zero_warn(
-                        f"lightning_dcp: the newest checkpoint(s) cannot be loaded: {tried}. Resuming from the newest"
-                        f" valid checkpoint instead: {url!r}."
-                    )
-                return loaded
-            failures.append((url, failure))
-        if len(failures) == 1:
-            raise failures[0][1]
-        raise NotACheckpointError(
-            f"No checkpoint designated by {os.fspath(path)!r} can be loaded; tried, newest first: "
-            + "; ".join(f"{u!r}: {err}" for u, err in failures)
-        )
+        return load_first(location, urls, self.location, prefetched=prefetched, collective=collective, **options)
 
     def _candidates(self, location: Location) -> list[str]:
         return candidates(location) if self.tiers is None else self.tiers.candidates(location)
@@ -630,25 +428,3 @@ class Checkpointer:
 
 
 # --------------------------------------------------------------------------------------------------- helpers
-def _outage(location: Location):
-    """How failures of a save to ``location`` are told to be outages (remote stores only)."""
-    return None if location.local else is_unreachable
-
-
-def _first_failure(failure: CheckpointError | None, collective: bool) -> CheckpointError | None:
-    """The failure of the lowest failing rank (``None`` when every rank succeeded). Collective when ``collective``."""
-    if not distributed(collective):
-        return failure
-    if all_true(failure is None):  # the common case: one small all-reduce, no pickling
-        return None
-    failures: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f is not None), None)
-
-
-def _versions() -> dict[str, str]:
-    try:
-        lightning_version = importlib.metadata.version("lightning")
-    except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
-        lightning_version = importlib.metadata.version("pytorch-lightning")
-    return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}

@@ -9,22 +9,18 @@ and bounded memory (:mod:`~lightning_dcp.engine.storage.remote_read`, off by def
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import io
 import os
-from collections.abc import Iterator
 from typing import IO, Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, StorageReader
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
 from lightning_dcp._compat import FsspecReader, StorageInfo, narrow_tensor_by_index
 from lightning_dcp.engine.catalog.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.format.archive import check_archive
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
@@ -34,13 +30,13 @@ from lightning_dcp.engine.format.marker import (
     parse_commit,
 )
 from lightning_dcp.engine.format.records import record_frame, tensor_record
-from lightning_dcp.engine.load import shared_reads
-from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
-from lightning_dcp.engine.storage.fileout import PIECE
+from lightning_dcp.engine.load.reading import Source
+from lightning_dcp.engine.load.record_checks import RecordChecks, _chunk_sizes, _Whole
+from lightning_dcp.engine.load.shared_reads import SharedRecordReads, _runs
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.storage.options import keep_options
 from lightning_dcp.engine.storage.remote_read import Range, RangedReads, StreamedRecord, address_of, split
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError, describe_load_error
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = ["storage_reader"]
 
@@ -53,7 +49,7 @@ def storage_reader(location: Location) -> StorageReader:
 
 
 # ------------------------------------------------------------------------------------------------------ reading
-class _VerifyingReader:
+class _VerifyingReader(SharedRecordReads, RecordChecks):
     """Read records as DCP's filesystem readers do, checking each record against ``.commit`` first.
 
     A checkpoint with a ``.commit`` marker (lightning_dcp's) must account for every record read: a record that the
@@ -134,81 +130,6 @@ class _VerifyingReader:
         future: Future[None] = Future()
         future.set_result(None)
         return future
-
-    def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, sharing: shared_reads.Sharing) -> LoadPlan:
-        """Read what every rank's plan holds once across the ranks (see :mod:`~lightning_dcp.engine.load.shared_reads`).
-
-        Collective: every rank of ``sharing.group`` calls it with its own plan. Returns the plan of what this rank
-        still reads alone: its own records, and the shared units that failed on their owner.
-        """
-        storage_data, keys = self.storage_data, sharing.keys
-        shared, alone = [], []
-        for item in plan.items:
-            info = storage_data[item.storage_index]
-            (shared if (info.relative_path, info.offset, info.length) in keys else alone).append(item)
-        per_file, _ = self._per_file(LoadPlan(shared))
-        units: list[shared_reads.Unit] = []
-        jobs: list[tuple] = []  # (file, start, checked, tensor layout or None)
-        for name in sorted(per_file):
-            size = self.sizes.get(name, 0)
-            for run, start, end, part in _runs(per_file[name]):
-                checked = self._checked(name, size, part)
-                item = checked[0][2]
-                tensor = not run and item.type == LoadItemType.TENSOR
-                meta = self._tensor_meta.get(item.storage_index.fqn) if tensor else None
-                sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
-                if sizes is None:  # file bytes: small records, or one record that is not a plain tensor chunk
-                    units.append(shared_reads.Unit(end - start, span=True))
-                    jobs.append((name, start, checked, None))
-                else:
-                    layout = tensor_record(meta.properties.dtype, sizes)
-                    units.append(shared_reads.Unit(layout.nbytes, span=False))
-                    jobs.append((name, start, checked, (meta.properties.dtype, sizes, layout)))
-        sources: dict[str, Source] = {}
-        landed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        streams = contextlib.ExitStack()
-
-        def source(name: str) -> Source:
-            if name not in sources:
-                stream = streams.enter_context(self.fs.create_stream(self.fs.concat_path(self.path, name), "rb"))
-                sources[name] = Source(stream)
-                streams.callback(sources[name].close)
-            return sources[name]
-
-        def read(i: int, view: memoryview, address: int) -> torch.Tensor | None:
-            name, start, checked, tensor = jobs[i]
-            if tensor is None:
-                got = source(name).read_into(view, start)
-                self._take_run(name, checked, start, view[:got], address, planner)
-                return None
-            _, info, item, expected = checked[0]
-            dtype, sizes, layout = tensor
-            target, into = _destination(item, dtype, sizes, planner)
-            digest = read_raw(source(name), info.offset, info.length, layout, into)
-            if digest is None or (expected is not None and digest != expected):
-                raise self._corrupt(name, item)  # every rank reads it itself next, and says what is wrong
-            self._land(item, target, into, planner)
-            return into
-
-        def receive(i: int) -> torch.Tensor:
-            name, _, checked, (dtype, sizes, _) = jobs[i]
-            item = checked[0][2]
-            landed[i] = self._guarded_value(name, item, _destination, item, dtype, sizes, planner)
-            return landed[i][1]
-
-        def apply(i: int, view: memoryview | None, address: int) -> None:
-            name, start, checked, tensor = jobs[i]
-            if tensor is None:
-                self._take_run(name, checked, start, view, address, planner)
-            else:
-                target, into = landed.pop(i)
-                self._guarded(name, checked[0][2], self._land, checked[0][2], target, into, planner)
-
-        with streams:
-            failed, errors = shared_reads.exchange(units, sharing, read=read, receive=receive, apply=apply)
-        if errors:
-            raise errors[0]
-        return LoadPlan(alone + [entry[2] for i in failed for entry in jobs[i][2]])
 
     def _land(self, item: Any, target: torch.Tensor, into: torch.Tensor, planner: LoadPlanner) -> None:
         """A tensor chunk read (or received) into ``into``: into its target, and committed."""
@@ -337,217 +258,6 @@ class _VerifyingReader:
             raise
         except Exception as err:  # a record that is not what the metadata says it is
             raise self._undecodable(name, item, err) from None
-
-    def _read_item(self, item: Any) -> Any:
-        """``item``, or for a :class:`_Whole` the read item the planner would have made for it."""
-        if type(item) is not _Whole:
-            return item
-        index = item.storage_index
-        return ReadItem(
-            LoadItemType.TENSOR, index, index.offset, index, index.offset, self._tensor_meta[index.fqn].size
-        )
-
-    def _read_one(self, stream, source, name, size, info, item, planner) -> None:
-        expected = self._expected(name, size, info, item)
-
-        def read() -> None:
-            if not self._read_in_place(source, name, info, expected, item, planner):
-                self._apply(self._read_record(stream, name, info, expected, item), item, planner)
-
-        self._guarded(name, item, read)
-
-    def _guarded(self, name: str, item: Any, fn: Any, *args: Any) -> None:
-        try:
-            fn(*args)
-        except CheckpointError:
-            raise
-        except Exception as err:  # a record that is not what the metadata says it is
-            raise self._undecodable(name, item, err) from None
-
-    def _undecodable(self, name: str, item: Any, err: Exception) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-            f" describes it ({describe_load_error(err)}).",
-            file=name,
-        )
-
-    def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
-        target, into = _destination(item, dtype, sizes, planner)
-        direct = into is target
-        if nbytes:
-            ctypes.memmove(into.data_ptr(), address, nbytes)
-        if not direct:
-            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
-        planner.commit_tensor(item, target)
-
-    def _read_in_place(
-        self, source: Source, name: str, info: StorageInfo, expected: int | None, item: Any, planner: LoadPlanner
-    ) -> bool:
-        """Read a tensor record in our layout straight into its target (:mod:`lightning_dcp.engine.load.reading`).
-
-        Returns False when the record is not in that layout (the general path then reads it).
-        """
-        if item.type != LoadItemType.TENSOR:
-            return False
-        meta = self._tensor_meta.get(item.storage_index.fqn)
-        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
-        if sizes is None:
-            return False
-        dtype = meta.properties.dtype
-        target, into = _destination(item, dtype, sizes, planner)
-        direct = into is target
-        digest = read_raw(source, info.offset, info.length, tensor_record(dtype, sizes), into)
-        if digest is None:
-            return False
-        if expected is not None and digest != expected:
-            raise self._corrupt(name, item)
-        if not direct:
-            target.copy_(narrow_tensor_by_index(into, item.storage_offsets, item.lengths))
-        planner.commit_tensor(item, target)
-        return True
-
-    def _apply(self, record: bytes, item: Any, planner: LoadPlanner) -> None:
-        if item.type == LoadItemType.BYTE_IO:
-            planner.load_bytes(item, io.BytesIO(record))
-            return
-        meta = self._tensor_meta.get(item.storage_index.fqn)
-        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
-        if sizes is None:
-            raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
-        check_archive(record)  # nothing the archive claims is allocated beyond what it holds
-        tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
-        del record  # at most two copies of the largest record alive: decoded tensor and target
-        if not isinstance(tensor, torch.Tensor):
-            raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")
-        if tuple(tensor.size()) != sizes or tensor.dtype != meta.properties.dtype:
-            raise TypeError(
-                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata's chunk is {meta.properties.dtype}{sizes}"
-            )
-        tensor = narrow_tensor_by_index(tensor, item.storage_offsets, item.lengths)
-        target = planner.resolve_tensor(item).detach()
-        if target.size() != tensor.size() or target.dtype != tensor.dtype:
-            raise TypeError(
-                f"it holds {tensor.dtype}{tuple(tensor.size())}, the metadata says {target.dtype}{tuple(target.size())}"
-            )
-        target.copy_(tensor)
-        planner.commit_tensor(item, target)
-
-    def _expected(self, name: str, size: int, info: StorageInfo, item: Any) -> int | None:
-        """The checksum ``.commit`` records for this record (``None`` without a marker).
-
-        Raises ``CorruptCheckpointError`` when the record lies outside its file or the marker does not list it.
-        """
-        fqn = item.storage_index.fqn
-        if info.offset + info.length > size:
-            raise CorruptCheckpointError(
-                f"{self.path}/{name} is truncated: record {fqn!r} needs bytes"
-                f" {info.offset}..{info.offset + info.length}, the file ends at {size}.",
-                file=name,
-            )
-        if self.checksums is None:
-            return None
-        expected = self.checksums.get((name, info.offset))
-        if expected is None or expected[0] != info.length:
-            raise CorruptCheckpointError(
-                f"{self.path}/{name}: record {fqn!r} (bytes {info.offset}..{info.offset + info.length}) is not listed"
-                f" in {COMMIT_FILE}; the checkpoint's files and its commit marker disagree.",
-                file=name,
-            )
-        return expected[1]
-
-    def _read_record(self, stream: IO[bytes], name: str, info: StorageInfo, expected: int | None, item: Any) -> bytes:
-        stream.seek(info.offset)
-        record = stream.read(info.length)
-        self._check_record(record, name, info, expected, item)
-        return record
-
-    def _check_record(self, record: Any, name: str, info: StorageInfo, expected: int | None, item: Any) -> None:
-        """A record read whole (``info.length`` bytes) whose checksum matches ``.commit`` (when it records one)."""
-        if len(record) != info.length:
-            raise CorruptCheckpointError(
-                f"{self.path}/{name} is truncated: record {item.storage_index.fqn!r} needs bytes"
-                f" {info.offset}..{info.offset + info.length}, the file ends earlier.",
-                file=name,
-            )
-        if expected is not None and checksum(record) != expected:
-            raise self._corrupt(name, item)
-
-    def _corrupt(self, name: str, item: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded at"
-            " save. Restore the file or resume from another checkpoint.",
-            file=name,
-        )
-
-
-class _Whole:
-    """The read item of a lean plan's ``direct`` target: its whole tensor's one record (see :meth:`_per_file`).
-
-    It has what the reading loop needs of a read item (``type``, ``storage_index``); anything else gets the full
-    read item from :meth:`_VerifyingReader._read_item`.
-    """
-
-    __slots__ = ("storage_index",)
-    type = LoadItemType.TENSOR
-
-    def __init__(self, storage_index: MetadataIndex) -> None:
-        self.storage_index = storage_index
-
-
-def _destination(
-    item: Any, dtype: torch.dtype, sizes: tuple, planner: LoadPlanner
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(target, into)`` for a tensor record of ``sizes``: the planner's target and where the record's bytes go.
-
-    ``into`` is the target itself when the record is its whole, contiguous CPU memory; else a new chunk to copy from.
-
-    Raises:
-        TypeError: The target's dtype or shape differs from what the record holds.
-    """
-    target = planner.resolve_tensor(item).detach()
-    if target.dtype != dtype or tuple(target.size()) != tuple(item.lengths):
-        raise TypeError(f"it holds {dtype}{tuple(item.lengths)}, the target is {target.dtype}{tuple(target.size())}")
-    whole = tuple(item.lengths) == sizes and not any(item.storage_offsets)
-    direct = whole and target.device.type == "cpu" and target.is_contiguous()
-    return target, target if direct else torch.empty(sizes, dtype=dtype)
-
-
-def _chunk_sizes(meta: TensorStorageMetadata, index: MetadataIndex) -> tuple[int, ...] | None:
-    """The shape of the saved chunk of ``meta`` that starts at ``index.offset`` (its ``index`` hint tried first)."""
-    chunks, hint, offset = meta.chunks, index.index, index.offset
-    if offset is not None and hint is not None and 0 <= hint < len(chunks):
-        chunk = chunks[hint]
-        if chunk.offsets == offset:  # torch.Size and tuples compare by value
-            return tuple(chunk.sizes)
-    key = tuple(offset) if offset is not None else (0,) * len(meta.size)
-    for chunk in chunks:
-        if tuple(chunk.offsets) == key:
-            return tuple(chunk.sizes)
-    return None
-
-
-_GAP = 64 << 10
-"""Records this close together are read with the ones before them (the bytes between are read and skipped)."""
-
-
-def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
-    """``(run, start, end, entries)``: runs of small records close together (at most ``PIECE`` bytes), or one record."""
-    count, i = len(entries), 0
-    while i < count:
-        offset, info, _ = entries[i]
-        if info.length > SMALL_RECORD:
-            yield False, offset, offset + info.length, entries[i : i + 1]
-            i += 1
-            continue
-        j, end = i, offset
-        while j < count:
-            start_j, info_j, _ = entries[j]
-            if info_j.length > SMALL_RECORD or start_j - end > _GAP or start_j + info_j.length - offset > PIECE:
-                break
-            end = max(end, start_j + info_j.length)
-            j += 1
-        yield True, offset, end, entries[i:j]
-        i = j
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):

@@ -24,13 +24,20 @@ pending. Other records (each rank's own state, pickled objects) are read by the 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import xxhash
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+
+from lightning_dcp.engine.format.records import tensor_record
+from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
+from lightning_dcp.engine.load.record_checks import _chunk_sizes, _destination
+from lightning_dcp.engine.storage.fileout import PIECE
 
 __all__ = ["MIN_SHARED_BYTES", "ROUND_BYTES", "Sharing", "Unit", "agree", "exchange", "owners", "rounds"]
 
@@ -264,3 +271,107 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor's memory as a flat ``uint8`` tensor (a view)."""
     flat = tensor.reshape(-1)
     return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+
+
+# ------------------------------------------------------------------------ the verifying reader's shared reads
+class SharedRecordReads:
+    """The verifying reader's shared reads (mixed into it): what several ranks' plans hold, read once and broadcast."""
+
+    def _read_shared(self, plan: LoadPlan, planner: LoadPlanner, sharing: Sharing) -> LoadPlan:
+        """Read what every rank's plan holds once across the ranks (see :mod:`~lightning_dcp.engine.load.shared_reads`).
+
+        Collective: every rank of ``sharing.group`` calls it with its own plan. Returns the plan of what this rank
+        still reads alone: its own records, and the shared units that failed on their owner.
+        """
+        storage_data, keys = self.storage_data, sharing.keys
+        shared, alone = [], []
+        for item in plan.items:
+            info = storage_data[item.storage_index]
+            (shared if (info.relative_path, info.offset, info.length) in keys else alone).append(item)
+        per_file, _ = self._per_file(LoadPlan(shared))
+        units: list[Unit] = []
+        jobs: list[tuple] = []  # (file, start, checked, tensor layout or None)
+        for name in sorted(per_file):
+            size = self.sizes.get(name, 0)
+            for run, start, end, part in _runs(per_file[name]):
+                checked = self._checked(name, size, part)
+                item = checked[0][2]
+                tensor = not run and item.type == LoadItemType.TENSOR
+                meta = self._tensor_meta.get(item.storage_index.fqn) if tensor else None
+                sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+                if sizes is None:  # file bytes: small records, or one record that is not a plain tensor chunk
+                    units.append(Unit(end - start, span=True))
+                    jobs.append((name, start, checked, None))
+                else:
+                    layout = tensor_record(meta.properties.dtype, sizes)
+                    units.append(Unit(layout.nbytes, span=False))
+                    jobs.append((name, start, checked, (meta.properties.dtype, sizes, layout)))
+        sources: dict[str, Source] = {}
+        landed: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        streams = contextlib.ExitStack()
+
+        def source(name: str) -> Source:
+            if name not in sources:
+                stream = streams.enter_context(self.fs.create_stream(self.fs.concat_path(self.path, name), "rb"))
+                sources[name] = Source(stream)
+                streams.callback(sources[name].close)
+            return sources[name]
+
+        def read(i: int, view: memoryview, address: int) -> torch.Tensor | None:
+            name, start, checked, tensor = jobs[i]
+            if tensor is None:
+                got = source(name).read_into(view, start)
+                self._take_run(name, checked, start, view[:got], address, planner)
+                return None
+            _, info, item, expected = checked[0]
+            dtype, sizes, layout = tensor
+            target, into = _destination(item, dtype, sizes, planner)
+            digest = read_raw(source(name), info.offset, info.length, layout, into)
+            if digest is None or (expected is not None and digest != expected):
+                raise self._corrupt(name, item)  # every rank reads it itself next, and says what is wrong
+            self._land(item, target, into, planner)
+            return into
+
+        def receive(i: int) -> torch.Tensor:
+            name, _, checked, (dtype, sizes, _) = jobs[i]
+            item = checked[0][2]
+            landed[i] = self._guarded_value(name, item, _destination, item, dtype, sizes, planner)
+            return landed[i][1]
+
+        def apply(i: int, view: memoryview | None, address: int) -> None:
+            name, start, checked, tensor = jobs[i]
+            if tensor is None:
+                self._take_run(name, checked, start, view, address, planner)
+            else:
+                target, into = landed.pop(i)
+                self._guarded(name, checked[0][2], self._land, checked[0][2], target, into, planner)
+
+        with streams:
+            failed, errors = exchange(units, sharing, read=read, receive=receive, apply=apply)
+        if errors:
+            raise errors[0]
+        return LoadPlan(alone + [entry[2] for i in failed for entry in jobs[i][2]])
+
+
+_GAP = 64 << 10
+"""Records this close together are read with the ones before them (the bytes between are read and skipped)."""
+
+
+def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
+    """``(run, start, end, entries)``: runs of small records close together (at most ``PIECE`` bytes), or one record."""
+    count, i = len(entries), 0
+    while i < count:
+        offset, info, _ = entries[i]
+        if info.length > SMALL_RECORD:
+            yield False, offset, offset + info.length, entries[i : i + 1]
+            i += 1
+            continue
+        j, end = i, offset
+        while j < count:
+            start_j, info_j, _ = entries[j]
+            if info_j.length > SMALL_RECORD or start_j - end > _GAP or start_j + info_j.length - offset > PIECE:
+                break
+            end = max(end, start_j + info_j.length)
+            j += 1
+        yield True, offset, end, entries[i:j]
+        i = j

@@ -6,7 +6,7 @@ directories, ...) unless the environment variable ``LIGHTNING_DCP_LIGHTNING_HOOK
 live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
 """
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_hooks
 from lightning_dcp.engine import add_safe_globals, verify_checkpoint
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
@@ -78,5 +78,5 @@ __all__ = [
 
 register_strategies()
 register_fabric_strategies()
-if _compat.hooks_enabled_by_env():
+if lightning_hooks.hooks_enabled_by_env():
     install_lightning_hooks()

@@ -26,7 +26,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_dcp._compat import flatten_state_dict
+from lightning_dcp._compat.torch_dcp import flatten_state_dict
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict
 from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries

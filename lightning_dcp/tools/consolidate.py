@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from lightning_dcp._compat import set_element
+from lightning_dcp._compat.torch_dcp import set_element
 from lightning_dcp.engine import Location, Source, TensorEntry, designated, layout
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.tools.output import atomic_directory, atomic_file, refuse_existing

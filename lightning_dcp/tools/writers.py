@@ -24,7 +24,7 @@ from typing import IO, Any
 
 import torch
 
-from lightning_dcp._compat import rebuild_tensor, storage_type_name
+from lightning_dcp._compat.torch_dcp import rebuild_tensor, storage_type_name
 
 __all__ = ["CkptWriter", "SAFETENSORS_DTYPES", "SafetensorsWriter", "TensorRef"]
 

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from typing_extensions import override
 
-from lightning_dcp._compat import restart_train_iterator, shift_epoch_batches
+from lightning_dcp._compat.lightning_run import restart_train_iterator, shift_epoch_batches
 from lightning_dcp.engine import INFO_KEY
 from lightning_dcp.engine.state.loaders import refuse, reshards_itself
 from lightning_dcp.errors import NotACheckpointError

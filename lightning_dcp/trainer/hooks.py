@@ -2,8 +2,8 @@
 
 Importing lightning_dcp installs them (unless the environment variable ``LIGHTNING_DCP_LIGHTNING_HOOKS=0`` is set);
 :func:`uninstall_lightning_hooks` puts Lightning's functions back, :func:`install_lightning_hooks` installs them again.
-Lightning offers no public hook for any of these, so they go through :mod:`lightning_dcp._compat` (checked against
-Lightning 2.6.6; a Lightning whose functions differ is left alone, with a warning):
+Lightning offers no public hook for any of these, so they go through :mod:`lightning_dcp._compat.lightning_hooks`
+(checked against Lightning 2.6.6; a Lightning whose functions differ is left alone, with a warning):
 
 - ``MyModel.load_from_checkpoint(<checkpoint directory>)`` and ``LightningDataModule.load_from_checkpoint``: the
   directory is read by :func:`lightning_dcp.load_checkpoint` (model weights and Trainer state, no optimizer states,
@@ -24,7 +24,7 @@ from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_hooks, lightning_run
 from lightning_dcp.engine import Location, load_stock_file
 from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
@@ -33,7 +33,7 @@ from lightning_dcp.trainer.strategies import DCPStrategyMixin
 
 __all__ = ["HOOKS_ENV", "install_lightning_hooks", "installed_lightning_hooks", "uninstall_lightning_hooks"]
 
-HOOKS_ENV = _compat.HOOKS_ENV
+HOOKS_ENV = lightning_hooks.HOOKS_ENV
 
 _DCP_STRATEGY_NAMES = {"FSDPStrategy": "dcp_fsdp", "ModelParallelStrategy": "dcp_model_parallel"}
 _WARNED = "_lightning_dcp_warned_checkpoint_io"
@@ -48,10 +48,10 @@ def install_lightning_hooks() -> list[str]:
     Returns:
         The dotted names of the Lightning functions now routed through lightning_dcp.
     """
-    _compat.install_load_from_checkpoint_hook(_read_directory, _load_file)
-    _compat.install_upgrade_hook(_upgrade)
-    _compat.install_strategy_setup_hook(_check_strategy)
-    return _compat.lightning_hooks_installed()
+    lightning_hooks.install_load_from_checkpoint_hook(_read_directory, _load_file)
+    lightning_hooks.install_upgrade_hook(_upgrade)
+    lightning_hooks.install_strategy_setup_hook(_check_strategy)
+    return lightning_hooks.lightning_hooks_installed()
 
 
 def uninstall_lightning_hooks() -> None:
@@ -60,12 +60,12 @@ def uninstall_lightning_hooks() -> None:
     ``load_from_checkpoint(<checkpoint directory>)`` then fails in Lightning (``IsADirectoryError``); load with
     ``lightning_dcp.load_checkpoint(path)``, or consolidate into one file first.
     """
-    _compat.uninstall_lightning_hooks()
+    lightning_hooks.uninstall_lightning_hooks()
 
 
 def installed_lightning_hooks() -> list[str]:
     """The dotted names of the Lightning functions currently routed through lightning_dcp."""
-    return _compat.lightning_hooks_installed()
+    return lightning_hooks.lightning_hooks_installed()
 
 
 def _read_directory(
@@ -104,7 +104,7 @@ def _check_strategy(strategy: Any) -> None:
     """Warn (once per strategy) when a stock FSDP/ModelParallel strategy holds a ``DCPCheckpointIO`` it never uses."""
     if isinstance(strategy, DCPStrategyMixin) or getattr(strategy, _WARNED, False):
         return
-    if not isinstance(_compat.unwrap_checkpoint_io(strategy.checkpoint_io), DCPCheckpointIO):
+    if not isinstance(lightning_run.unwrap_checkpoint_io(strategy.checkpoint_io), DCPCheckpointIO):
         return
     setattr(strategy, _WARNED, True)
     stock = next((c.__name__ for c in type(strategy).__mro__ if c.__name__ in _DCP_STRATEGY_NAMES), "")

@@ -22,7 +22,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import Location, distributed
 from lightning_dcp.engine.tiers import housekeeping, memory_io
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier, area_error
@@ -113,7 +113,7 @@ class MemoryCheckpoint(DCPModelCheckpoint):
         return os.path.join(self.tier.memory_dir, LAST_ENTRY)
 
     def _io(self, trainer: pl.Trainer) -> DCPCheckpointIO:
-        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
         if not isinstance(io, DCPCheckpointIO) or not getattr(trainer.strategy, "_dcp_sharded", False):
             raise CheckpointError(
                 "`MemoryCheckpoint` needs every rank to write its part: use one of the `dcp_*` strategies (e.g."
@@ -215,4 +215,4 @@ def is_memory_sentinel(path: Any) -> bool:
     )
 
 
-setattr(MemoryCheckpoint, _compat.MODEL_CHECKPOINT_FIND_LAST, MemoryCheckpoint._find_last)
+setattr(MemoryCheckpoint, lightning_run.MODEL_CHECKPOINT_FIND_LAST, MemoryCheckpoint._find_last)

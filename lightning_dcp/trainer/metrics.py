@@ -25,7 +25,7 @@ import logging
 
 import lightning.pytorch as pl
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import save_metrics
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 
@@ -42,7 +42,7 @@ def log_checkpoint_metrics(trainer: pl.Trainer) -> int:
     Returns:
         How many records were logged (0 on other ranks, without a ``DCPCheckpointIO`` or without loggers).
     """
-    io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+    io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
     if not isinstance(io, DCPCheckpointIO):
         return 0
     saves = io.checkpointer.saves

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import (
     COMMIT_FILE,
     STAGING_INFIX,
@@ -49,11 +49,11 @@ from lightning_dcp.trainer.metrics import log_checkpoint_metrics
 __all__ = ["DCPModelCheckpoint"]
 
 _PRIVATE = (
-    _compat.MODEL_CHECKPOINT_FIND_LAST,
-    _compat.MODEL_CHECKPOINT_LINK,
-    _compat.MODEL_CHECKPOINT_RESOLVE_DIR,
+    lightning_run.MODEL_CHECKPOINT_FIND_LAST,
+    lightning_run.MODEL_CHECKPOINT_LINK,
+    lightning_run.MODEL_CHECKPOINT_RESOLVE_DIR,
 )
-_compat.check_private_api(ModelCheckpoint, _PRIVATE)
+lightning_run.check_private_api(ModelCheckpoint, _PRIVATE)
 
 log = logging.getLogger(__name__)
 
@@ -106,11 +106,11 @@ class DCPModelCheckpoint(ModelCheckpoint):
     def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
         if self._storage_options is not None:
             return self._storage_options
-        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
         return dict(io.storage_options) if isinstance(io, DCPCheckpointIO) else {}
 
     def _tiers(self, trainer: pl.Trainer) -> Tiers | None:
-        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
         return io.tiers if isinstance(io, DCPCheckpointIO) else None
 
     def _committed(self, trainer: pl.Trainer, directory: Location) -> list[tuple[float, Location]]:
@@ -119,7 +119,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
         return committed_checkpoints(directory) if tiers is None else tiers.checkpoints(directory)
 
     def _directory(self, trainer: pl.Trainer) -> Location:
-        dirpath = getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
+        dirpath = getattr(self, lightning_run.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
         return Location(os.fspath(dirpath), storage_options=self._options(trainer))
 
     def _is_last_name(self, name: str) -> bool:
@@ -210,7 +210,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
         Collective: call on all ranks (Lightning does).
         """
         self._stat_defaults.restore()
-        io = _compat.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
         if not isinstance(io, DCPCheckpointIO) and not hasattr(trainer.strategy, "_dcp_sharded"):
             rank_zero_warn(
                 f"`DCPModelCheckpoint` saves through the Trainer's `{type(io).__name__}` under"
@@ -218,7 +218,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 " directories. Add `plugins=[lightning_dcp.DCPCheckpointIO()]` to the Trainer, or use a `dcp_*`"
                 " strategy (e.g. `strategy='dcp_ddp'`)."
             )
-        self.dirpath = trainer.strategy.broadcast(getattr(self, _compat.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
+        self.dirpath = trainer.strategy.broadcast(getattr(self, lightning_run.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer))
         directory = self._directory(trainer)
         self._fs = directory.fs
         if trainer.is_global_zero and stage == "fit":
@@ -411,5 +411,5 @@ def _symlink(target: str, link: str) -> bool:
 
 
 # Lightning's private names are bound here, through _compat, so that a rename in Lightning fails at import above.
-setattr(DCPModelCheckpoint, _compat.MODEL_CHECKPOINT_LINK, DCPModelCheckpoint._link)
-setattr(DCPModelCheckpoint, _compat.MODEL_CHECKPOINT_FIND_LAST, DCPModelCheckpoint._find_last)
+setattr(DCPModelCheckpoint, lightning_run.MODEL_CHECKPOINT_LINK, DCPModelCheckpoint._link)
+setattr(DCPModelCheckpoint, lightning_run.MODEL_CHECKPOINT_FIND_LAST, DCPModelCheckpoint._find_last)

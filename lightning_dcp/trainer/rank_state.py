@@ -28,7 +28,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_dcp._compat import (
+from lightning_dcp._compat.lightning_run import (
     fit_loop_loader_states,
     on_iterator_created,
     replace_fit_loop_loader_states,

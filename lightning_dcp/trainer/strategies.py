@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
-from lightning_dcp._compat import (
+from lightning_dcp._compat.lightning_run import (
     restore_modules_and_callbacks,
     trainer_run_arguments,
     unwrap_checkpoint_io,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.migration import migrate_checkpoint, pl_legacy_patch
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import lightning_hooks
 from lightning_dcp.engine import COMMIT_FILE, LIGHTNING_META_FILE, METADATA_FILE, Location
 from lightning_dcp.errors import CheckpointError, checkpoint_not_found, describe_load_error
 from lightning_dcp.tools.output import atomic_file
@@ -82,7 +82,7 @@ def upgrade_checkpoints(
     root = Location(path, storage_options=storage_options)
     if not root.exists():
         raise checkpoint_not_found(root.url)
-    upgrade_file = lightning_upgrade or _compat.lightning_upgrade()
+    upgrade_file = lightning_upgrade or lightning_hooks.lightning_upgrade()
     results = []
     for kind, location in _walk(root, extension):
         try:

@@ -32,7 +32,8 @@ import torch
 from hypothesis import strategies as st
 from torch.distributed.checkpoint.metadata import Metadata
 
-from lightning_dcp import DCPCheckpointIO, _compat, add_safe_globals, consolidate, inspect_checkpoint, verify_checkpoint
+from lightning_dcp import DCPCheckpointIO, add_safe_globals, consolidate, inspect_checkpoint, verify_checkpoint
+from lightning_dcp._compat import omegaconf_hydra
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.metadata import load_metadata
 from lightning_dcp.engine.format import allowlist, codec
@@ -429,7 +430,7 @@ class CodecReader(Reader):
         if kind in (dict, list, tuple, set, frozenset):
             items = list(value.values()) + list(value) if kind is dict else list(value)
         elif isinstance(value, (omegaconf.DictConfig, omegaconf.ListConfig)):
-            items = [_compat.omegaconf_tree(value)]
+            items = [omegaconf_hydra.omegaconf_tree(value)]
         elif isinstance(value, functools.partial):
             self._named(value.func)
             items = [value.args, value.keywords, vars(value)]

@@ -101,7 +101,7 @@ def test_load_from_checkpoint_hooks_on_and_off(tmp_path):
 
 
 def test_hooks_switch_follows_the_environment(monkeypatch):
-    from lightning_dcp._compat import HOOKS_ENV, hooks_enabled_by_env
+    from lightning_dcp._compat.lightning_hooks import HOOKS_ENV, hooks_enabled_by_env
 
     monkeypatch.delenv(HOOKS_ENV, raising=False)
     assert hooks_enabled_by_env()

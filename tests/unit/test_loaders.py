@@ -6,7 +6,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, DistributedSampler, SequentialSampler
 
-from lightning_dcp._compat import fit_loop_loader_states, on_iterator_created, replace_fit_loop_loader_states
+from lightning_dcp._compat.lightning_run import (
+    fit_loop_loader_states,
+    on_iterator_created,
+    replace_fit_loop_loader_states,
+)
 from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.global_order import global_order_sampler, is_distributed_sampler

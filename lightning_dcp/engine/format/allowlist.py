@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import omegaconf_hydra
 
 __all__ = ["OMEGACONF_CLASSES", "add_safe_globals", "installed", "lookup", "name_of", "stock_pickle_globals"]
 
@@ -61,7 +61,7 @@ def stock_pickle_globals() -> list[Any]:
     through this codec).
     """
     found: list[Any] = [functools.partial, argparse.Namespace, *_PATHS, datetime.datetime, datetime.date, datetime.time]
-    hydra_partial = _compat.hydra_partial_class(load=installed("hydra"))
+    hydra_partial = omegaconf_hydra.hydra_partial_class(load=installed("hydra"))
     found += [hydra_partial] if hydra_partial is not None else []
     found += [datetime.timedelta, datetime.timezone, frozenset, *_partial_callables().values(), *_registered.values()]
     if installed("omegaconf"):

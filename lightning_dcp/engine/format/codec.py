@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from lightning_dcp import _compat
+from lightning_dcp._compat import omegaconf_hydra
 from lightning_dcp.engine.format import allowlist
 
 try:  # numpy is optional for lightning_dcp
@@ -169,7 +169,7 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
         return _tag("enum", _allowed(kind, "enum class", isinstance(kind, type)), value.name)
     if isinstance(value, type):
         return _tag("type", _allowed(value, "class", True), None)
-    if kind is functools.partial or (kind is _compat.hydra_partial_class() and kind is not None):
+    if kind is functools.partial or (kind is omegaconf_hydra.hydra_partial_class() and kind is not None):
         return _partial_tag(value)
     if kind is argparse.Namespace:
         return _tag("namespace", None, encode(dict(vars(value))))
@@ -201,7 +201,7 @@ def _encode_object(value: Any) -> dict[str, Any] | None:
         )
     if _is_omegaconf(value):
         try:
-            tree, node_path = _compat.omegaconf_tree(value)
+            tree, node_path = omegaconf_hydra.omegaconf_tree(value)
         except Exception as err:  # omegaconf raises its own types for configs it cannot walk
             raise UnstorableValue("", type(value).__name__, f"Its tree cannot be read ({err}).") from None
         return _tag("omegaconf", None, (encode(tree), encode(node_path)))
@@ -212,7 +212,7 @@ def _partial_tag(value: functools.partial) -> dict[str, Any]:
     """``(args, keywords)``, plus ``{"hydra": {attribute: str}}`` for Hydra's own partial (``_partial_: true``)."""
     hydra = type(value) is not functools.partial
     attributes = dict(value.__dict__)
-    extras = {"hydra": {a: attributes.pop(a, None) for a in _compat.HYDRA_PARTIAL_ATTRIBUTES}} if hydra else {}
+    extras = {"hydra": {a: attributes.pop(a, None) for a in omegaconf_hydra.HYDRA_PARTIAL_ATTRIBUTES}} if hydra else {}
     if attributes or not all(isinstance(v, str) for v in extras.get("hydra", {}).values()):
         raise UnstorableValue(
             "", allowlist.name_of(type(value)), "A partial with attributes set on it cannot be stored."
@@ -344,8 +344,8 @@ def _decode_partial(name: Any, payload: Any) -> Any:
     hydra = _need(extras[0], dict, 1)["hydra"] if extras else None
     if hydra is None:
         return functools.partial(func, *decode(_need(args, tuple)), **keywords)
-    cls = _compat.hydra_partial_class(load=True)
-    names = _compat.HYDRA_PARTIAL_ATTRIBUTES
+    cls = omegaconf_hydra.hydra_partial_class(load=True)
+    names = omegaconf_hydra.HYDRA_PARTIAL_ATTRIBUTES
     if cls is None:
         raise MalformedTag("a Hydra partial (hydra-core >= 1.3.8), but Hydra is not installed")
     if type(hydra) is not dict or sorted(hydra) != sorted(names) or not all(type(v) is str for v in hydra.values()):
@@ -425,7 +425,7 @@ def _decode_omegaconf(name: Any, payload: Any) -> Any:
     except ImportError:
         raise MalformedTag("an OmegaConf config, but omegaconf is not installed: `pip install omegaconf`") from None
     try:
-        return _compat.omegaconf_build(decode(tree), decode(_need(path, list)))
+        return omegaconf_hydra.omegaconf_build(decode(tree), decode(_need(path, list)))
     except (MalformedTag, DisallowedName):
         raise
     except Exception as err:  # omegaconf raises its own error types for content it refuses

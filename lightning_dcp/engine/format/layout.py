@@ -29,7 +29,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
-from lightning_dcp._compat import set_element
+from lightning_dcp._compat.torch_dcp import set_element
 from lightning_dcp.engine.format.archive import check_archive
 from lightning_dcp.engine.format.blob import encode_extra
 from lightning_dcp.errors import CheckpointError, NotACheckpointError

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from lightning_dcp._compat import StorageInfo
+from lightning_dcp._compat.torch_dcp import StorageInfo
 from lightning_dcp.engine.format.marker import is_plain_name
 
 __all__ = ["metadata_problem"]

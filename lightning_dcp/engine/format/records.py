@@ -29,7 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
-from lightning_dcp._compat import rebuild_tensor, rebuild_tensor_v3, storage_type_name
+from lightning_dcp._compat.torch_dcp import rebuild_tensor, rebuild_tensor_v3, storage_type_name
 
 __all__ = ["RecordLayout", "cpu_contiguous", "raw_bytes", "record_frame", "tensor_record"]
 

@@ -19,7 +19,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.futures import Future
 
-from lightning_dcp._compat import FsspecReader, StorageInfo, narrow_tensor_by_index
+from lightning_dcp._compat.torch_dcp import FsspecReader, StorageInfo, narrow_tensor_by_index
 from lightning_dcp.engine.catalog.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import xxhash
 
-from lightning_dcp._compat import set_element
+from lightning_dcp._compat.torch_dcp import set_element
 from lightning_dcp.engine.agreement import agree
 from lightning_dcp.engine.dist import all_true
 from lightning_dcp.engine.format.archive import check_archive

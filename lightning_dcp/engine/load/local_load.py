@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, cre
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 
-from lightning_dcp._compat import ShardedTensor
+from lightning_dcp._compat.torch_dcp import ShardedTensor
 from lightning_dcp.engine.agreement import agree
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.layout import SafeLoadPlanner

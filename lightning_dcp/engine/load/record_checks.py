@@ -16,7 +16,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
-from lightning_dcp._compat import StorageInfo, narrow_tensor_by_index
+from lightning_dcp._compat.torch_dcp import StorageInfo, narrow_tensor_by_index
 from lightning_dcp.engine.format.archive import check_archive
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,

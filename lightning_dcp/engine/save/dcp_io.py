@@ -29,11 +29,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_dcp._compat import (
-    DCP_METADATA_VERSION,
-    FsspecWriter,
-    StorageInfo,
-)
+from lightning_dcp._compat.torch_dcp import DCP_METADATA_VERSION, FsspecWriter, StorageInfo
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
     DATA_SUFFIX,

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItem
 
-from lightning_dcp._compat import tensor_version
+from lightning_dcp._compat.torch_dcp import tensor_version
 from lightning_dcp.engine.save.staging import Deferred, Stager, StagingRaceError
 
 __all__ = ["LiveWrite"]

@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_dcp._compat import ShardedTensor
+from lightning_dcp._compat.torch_dcp import ShardedTensor
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.save.datafiles import item_nbytes
 from lightning_dcp.engine.save.memo import PlanMemo

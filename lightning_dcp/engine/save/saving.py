@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 from torch.distributed.checkpoint.planner import SavePlan
 from torch.distributed.checkpoint.storage import WriteResult
 
-from lightning_dcp._compat import StorageInfo
+from lightning_dcp._compat.torch_dcp import StorageInfo
 from lightning_dcp.engine.agreement import RankFailure, _portable, _raise_first, agree
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.save.dcp_io import compact_result

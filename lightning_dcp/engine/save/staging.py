@@ -20,7 +20,13 @@ from torch.distributed.checkpoint.planner import WriteItem
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
-from lightning_dcp._compat import ShardedTensor, dtensor_over, foreach_copy, sharded_tensor_over, tensor_version
+from lightning_dcp._compat.torch_dcp import (
+    ShardedTensor,
+    dtensor_over,
+    foreach_copy,
+    sharded_tensor_over,
+    tensor_version,
+)
 from lightning_dcp.engine.save.stream_copies import StreamCopies
 
 __all__ = ["Deferred", "Stager", "StagingRaceError"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_dcp._compat import tensor_version
+from lightning_dcp._compat.torch_dcp import tensor_version
 
 __all__ = ["StreamCopies"]
 

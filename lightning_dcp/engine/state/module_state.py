@@ -28,7 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dcp._compat import ShardedTensor, optimizer_load_hooked, own_state_tensors
+from lightning_dcp._compat.torch_dcp import ShardedTensor, optimizer_load_hooked, own_state_tensors
 from lightning_dcp.engine.state.optimizer_target import PendingState, no_init_step
 
 __all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
@@ -238,7 +238,7 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
 
     Each value must be a plain tensor of the dtype and over the very memory (storage, offset, sizes, strides) of the
     module tensor ``module.state_dict()`` gives for its key, in a module that saves and loads its state the stock way
-    (:func:`~lightning_dcp._compat.own_state_tensors`).
+    (:func:`~lightning_dcp._compat.torch_dcp.own_state_tensors`).
     """
     keys = _MODELS.get(module)
     if keys is None or not isinstance(state, dict) or len(state) != len(keys):

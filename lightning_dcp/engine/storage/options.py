@@ -5,9 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_dcp._compat import (
-    DCPFsspecFileSystem,
-)
+from lightning_dcp._compat.torch_dcp import DCPFsspecFileSystem
 
 
 class _OptionsFileSystem(DCPFsspecFileSystem):

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from lightning_dcp._compat import tensor_version
+from lightning_dcp._compat.torch_dcp import tensor_version
 from lightning_dcp.engine.format.marker import parse_commit
 from lightning_dcp.engine.save.staging import StagingRaceError
 from lightning_dcp.engine.save.step_gate import STEP_GATE

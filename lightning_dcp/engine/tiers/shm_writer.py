@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from lightning_dcp._compat import StorageInfo
+from lightning_dcp._compat.torch_dcp import StorageInfo
 from lightning_dcp.engine.format.marker import DATA_SUFFIX, METADATA_FILE, encode_commit
 from lightning_dcp.engine.format.records import cpu_contiguous, tensor_record
 from lightning_dcp.engine.save.dcp_io import compact_result

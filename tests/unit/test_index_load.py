@@ -16,8 +16,9 @@ from hypothesis import strategies as st
 
 from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMismatchError, verify_checkpoint
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.format import plain_values
 from lightning_dcp.engine.format.record_index import parse_index
-from lightning_dcp.engine.load import index_load, local_load
+from lightning_dcp.engine.load import local_load
 from lightning_dcp.engine.load.dcp_reader import storage_reader
 from lightning_dcp.engine.load.reading import SMALL_RECORD
 from lightning_dcp.engine.save import planning
@@ -278,13 +279,13 @@ def test_plain_objects_decode_as_torch_load_does_and_others_go_to_torch_load():
     for value in plain:
         data = io.BytesIO()
         torch.save(value, data)
-        assert index_load._plain_value(data.getvalue()) == torch.load(io.BytesIO(data.getvalue()), weights_only=True)
+        assert plain_values.plain_value(data.getvalue()) == torch.load(io.BytesIO(data.getvalue()), weights_only=True)
     for value in (collections.OrderedDict(a=1), torch.ones(2), bytearray(b"x"), {1, 2}):  # classes: torch.load
         data = io.BytesIO()
         torch.save(value, data)
-        assert index_load._plain_value(data.getvalue()) is index_load._NOT_PLAIN
-    assert index_load._plain_value(b"not a zip") is index_load._NOT_PLAIN
-    assert index_load._plain_value(pickle.dumps([1, 2])) is index_load._NOT_PLAIN  # a pickle, not an archive
+        assert plain_values.plain_value(data.getvalue()) is plain_values.NOT_PLAIN
+    assert plain_values.plain_value(b"not a zip") is plain_values.NOT_PLAIN
+    assert plain_values.plain_value(pickle.dumps([1, 2])) is plain_values.NOT_PLAIN  # a pickle, not an archive
 
 
 _MUTATIONS = st.lists(

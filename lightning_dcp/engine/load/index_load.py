@@ -23,9 +23,7 @@ from __future__ import annotations
 import ctypes
 import io
 import os
-import pickle
 import sys
-import zipfile
 from typing import Any
 
 import torch
@@ -38,6 +36,7 @@ from lightning_dcp.engine.format.archive import check_archive
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.layout import EXTRA_KEY, RANK_KEY
 from lightning_dcp.engine.format.marker import checksum
+from lightning_dcp.engine.format.plain_values import NOT_PLAIN, plain_value
 from lightning_dcp.engine.format.record_index import IndexedRecord, IndexEntry
 from lightning_dcp.engine.format.records import record_frame, tensor_record
 from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
@@ -399,65 +398,14 @@ def _land_object(
 ) -> None:
     """A bytes entry: unpickled as DCP's planner does (``weights_only``), into its place in ``state``."""
     data = record.tobytes()
-    value = _plain_value(data)
-    if value is _NOT_PLAIN:
+    value = plain_value(data)
+    if value is NOT_PLAIN:
         try:
             check_archive(data)  # nothing the archive claims is allocated beyond what it holds
             value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
         except Exception as err:  # as the general path: a record that is not what the index says
             raise _undecodable(where, name, fqn, err) from None
     set_element(state, mappings[fqn], value)
-
-
-_NOT_PLAIN = object()
-
-
-class _NotPlain(Exception):
-    pass
-
-
-def _latin1(text: Any, encoding: Any = "utf-8") -> bytes:
-    """``_codecs.encode`` as pickle protocol 2 uses it for ``bytes`` (a str and ``"latin1"``), and nothing else."""
-    if type(text) is not str or encoding != "latin1":
-        raise _NotPlain
-    return text.encode("latin1")
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles what names no class and holds no storage: numbers, strings, bytes, lists, tuples, dicts, sets.
-
-    ``bytes`` in a protocol 2 pickle (``torch.save``'s) are ``_codecs.encode(str, "latin1")``: that one call is
-    allowed, with those arguments only.
-    """
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) == ("_codecs", "encode"):
-            return _latin1
-        raise _NotPlain
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise _NotPlain
-
-
-def _plain_value(data: bytes) -> Any:
-    """The object of a ``torch.save`` archive whose pickle is plain (:class:`_PlainUnpickler`), else ``_NOT_PLAIN``.
-
-    The Trainer-state blobs and the optimizers' hyperparameters are such archives: read with the C unpickler, they
-    cost microseconds where ``torch.load``'s ``weights_only`` unpickler (Python) takes a millisecond for a list of
-    1,200 parameter names. Such a pickle can build only literal values, which ``weights_only`` loading builds alike;
-    anything else (a class, a storage, a malformed archive) goes to ``torch.load`` as before, which decides.
-    """
-    try:
-        archive = zipfile.ZipFile(io.BytesIO(data))
-        pickles = [info for info in archive.infolist() if info.filename.endswith("/data.pkl")]
-        if len(pickles) != 1 or pickles[0].compress_type != zipfile.ZIP_STORED:
-            return _NOT_PLAIN
-        pickles[0].CRC = None  # the record's checksum in .commit was checked
-        with archive.open(pickles[0]) as f:
-            pickled = f.read()
-        return _PlainUnpickler(io.BytesIO(pickled)).load()
-    except Exception:  # _NotPlain, or bytes that are no such archive: torch.load's checks say what is wrong
-        return _NOT_PLAIN
 
 
 def _land_decoded(where: str, name: str, fqn: str, record: memoryview, target: torch.Tensor) -> None:

@@ -81,11 +81,10 @@ from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.planner import WriteItem
 
 from lightning_dcp.engine.dist import own_group
-from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.save import saving
 from lightning_dcp.engine.save.inflight import InFlight, Stage
 from lightning_dcp.engine.save.live_write import LiveWrite
-from lightning_dcp.engine.save.planning import BalancedSavePlanner
+from lightning_dcp.engine.save.planning import BalancedSavePlanner, flatten
 from lightning_dcp.engine.save.staging import Deferred, Stager, StagingRaceError
 from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.storage.location import Location

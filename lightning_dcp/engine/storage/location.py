@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 from collections.abc import Iterator
 from typing import Any
 
@@ -32,16 +31,13 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
-    MAX_MARKER_BYTES,
     METADATA_FILE,
-    MarkerError,
-    is_plain_name,
-    order_key,
-    parse_commit,
 )
 from lightning_dcp.engine.storage import localfs
+from lightning_dcp.engine.storage.commit_reads import permission_message, read_commit, unreadable
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir
 from lightning_dcp.engine.storage.paths import canonical_url
+from lightning_dcp.engine.storage.pointers import POINTER_HEADER, Pointers
 from lightning_dcp.engine.storage.stores import (
     access_message,
     bucket_message,
@@ -76,74 +72,13 @@ __all__ = [
     "unreadable",
 ]
 
-POINTER_HEADER = b"lightning_dcp pointer v1\n"
-"""First line of a pointer object; the second line is the relative name of the checkpoint it designates."""
-_POINTER_MAX_BYTES = 4096
-_MAX_HOPS = 8
-
-
-def read_commit(location: Location) -> dict[str, Any] | None:
-    """The validated ``.commit`` marker of ``location``, or ``None`` when the checkpoint was never committed.
-
-    Raises:
-        CorruptCheckpointError: The marker exists but is not a valid lightning_dcp marker, or a local marker cannot
-            be read (a symlink loop, a name too long; the message says why).
-    """
-    try:
-        with location.open(COMMIT_FILE) as f:
-            data = f.read(MAX_MARKER_BYTES + 1)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except IsADirectoryError as err:
-        raise CorruptCheckpointError(f"{location.url!r}: {COMMIT_FILE} is a directory.", file=COMMIT_FILE) from err
-    except OSError as err:
-        raise unreadable(location, COMMIT_FILE, err) from err
-    try:
-        return parse_commit(data)
-    except MarkerError as err:
-        raise CorruptCheckpointError(
-            f"{location.url!r}: {COMMIT_FILE} is not a valid lightning_dcp commit marker: {err}. Resume from another"
-            " checkpoint, or restore this directory.",
-            file=COMMIT_FILE,
-        ) from None
-
-
-def unreadable(location: Location, name: str, err: OSError) -> CheckpointError:
-    """The error for the file ``name`` of a local checkpoint that exists but cannot be read.
-
-    A symlink loop or a name too long is a fact about the checkpoint (``CorruptCheckpointError``); a permission the
-    user lacks is not (``StorageAccessError``, "permission denied"); a remote store's failure is raised again as it
-    is.
-    """
-    if not location.local or isinstance(err, CheckpointError):
-        raise err
-    if isinstance(err, PermissionError):
-        return StorageAccessError(permission_message(f"{location.url}/{name}", reading=True))
-    return CorruptCheckpointError(f"{location.url!r}: {name} cannot be read ({err}).", file=name)
-
-
-def permission_message(path: str, *, reading: bool | None = None) -> str:
-    """The message of a ``StorageAccessError`` for a local path the operating system refused (``EACCES``).
-
-    ``reading``: the refused access was a read (``True``), a write (``False``) or either (``None``).
-    """
-    need = {
-        True: "read every file of the checkpoint",
-        False: "write into the checkpoint directory",
-        None: "read and write the checkpoint directory",
-    }[reading]
-    return (
-        f"Permission denied: {path!r}. The user running this process (on every rank) must be able to {need}: check"
-        " the permissions of that path and of the directories above it."
-    )
-
 
 def new_token() -> str:
     """A fresh random token (12 hex characters) that names one save's staging directory."""
     return localfs.new_token()
 
 
-class Location:
+class Location(Pointers):
     """One checkpoint path resolved through fsspec.
 
     Every method is a plain (non-collective) storage call: run it where the caller decided (rank 0 for anything
@@ -295,87 +230,6 @@ class Location:
         if self.local or self.fs.root_marker:
             return None
         return self.path.lstrip("/").split("/", 1)[0] or None
-
-    # ------------------------------------------------------------------------------------------- pointers
-    def read_pointer(self) -> str | None:
-        """The name held by the pointer object at this path, or ``None`` when this is no pointer.
-
-        Raises:
-            NotACheckpointError: A pointer whose target is not a plain name in the same directory (``../x``,
-                ``/abs``, ``a/b``): a pointer never leads out of its directory.
-        """
-        with self._translated():
-            try:
-                if not self.fs.isfile(self.path) or self.fs.size(self.path) > _POINTER_MAX_BYTES:
-                    return None
-                data = self.fs.cat_file(self.path)
-            except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-                return None
-        if not data.startswith(POINTER_HEADER):
-            return None
-        try:
-            name = data[len(POINTER_HEADER) :].decode().strip()
-        except UnicodeDecodeError:
-            name = None
-        if not is_plain_name(name):
-            raise NotACheckpointError(
-                f"The checkpoint pointer {self.url!r} names {name!r}, which is not a checkpoint in the same directory;"
-                " pointers written by lightning_dcp never leave their directory. Delete or rewrite it."
-            )
-        return name
-
-    def write_pointer(self, target: Location) -> None:
-        """Make this path a pointer object to ``target`` (a sibling), replacing what is here.
-
-        The pointer holds ``target``'s name relative to this path's directory; one object write (atomic on object
-        stores, a rename of a temporary file on local disks). Rank 0 only.
-        """
-        data = POINTER_HEADER + target.name.encode() + b"\n"
-        if self.local:
-            tmp = self.sibling(f".{self.name}{STAGING_INFIX}{new_token()}").path
-            os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
-            if os.path.isdir(self.path) and not os.path.islink(self.path):
-                shutil.rmtree(self.path)
-            os.replace(tmp, self.path)
-            return
-        with self._translated():
-            if self.fs.isdir(self.path):
-                self.remove()
-            self.fs.pipe_file(self.path, data)
-
-    def resolve(self) -> Location:
-        """The checkpoint this path designates: itself, or the target of a pointer object (followed in chains).
-
-        A path to a checkpoint's ``.commit`` marker designates that checkpoint directory. An uncommitted directory
-        whose overwrite was interrupted mid-commit resolves to the complete staging prefix it was being replaced
-        with (roll forward). Local symlinks are left to the operating system. Rank 0 only (its result is broadcast).
-
-        Raises:
-            NotACheckpointError: Pointers form a cycle or a chain longer than 8.
-        """
-        location: Location = self
-        if location.name == COMMIT_FILE:  # a checkpoint referred to by its commit marker (an object with a mtime)
-            location = location.parent()
-        for _ in range(_MAX_HOPS):
-            name = location.read_pointer()
-            if name is None:
-                return location._rolled_forward()
-            location = location.sibling(name)
-        raise NotACheckpointError(f"{self.url!r}: checkpoint pointers form a chain longer than {_MAX_HOPS}.")
-
-    def _rolled_forward(self) -> Location:
-        if self.local or not self.isdir() or self.is_committed():
-            return self
-        prefix = f".{self.name}{STAGING_INFIX}"
-        committed = []
-        for name, kind in self.sibling("").entries():
-            if kind == "directory" and name.startswith(prefix):
-                marker = read_commit(self.sibling(name))
-                if marker is not None:
-                    committed.append((order_key(marker), name))
-        return self.sibling(max(committed)[1]) if committed else self
 
     # ------------------------------------------------------------------------------------------------ changes
     def remove(self) -> None:

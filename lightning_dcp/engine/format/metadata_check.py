@@ -8,7 +8,7 @@ A checkpoint holds thousands of small entries: the common layout (every tensor o
 DCP writes) is checked first with C-level passes over all entries at once (:func:`_plainly_valid`, ~5x faster than
 the per-entry checks on 7,600 tensors); anything else, valid or not, goes through the per-entry checks
 (:func:`_problem`), which name what is wrong. The fast pass only ever accepts what the per-entry checks accept
-(property-tested in ``tests/unit/test_metadata_check.py``).
+(property-tested in ``tests/unit/engine/format/test_metadata_check.py``).
 """
 
 from __future__ import annotations

@@ -181,11 +181,11 @@ def _blob_of(value) -> bytes:
         ("partial", "builtins.eval", (("1",), {})),
         ("type", "subprocess.Popen", None),
         ("enum", "signal.Signals", "SIGKILL"),
-        ("dataclass", "tests.unit.test_codec.Unregistered", {"a": 1}),
+        ("dataclass", "tests.unit.engine.format.test_codec.Unregistered", {"a": 1}),
         ("namedtuple", "os.stat_result", [1]),
         ("omegaconf", None, (("dict", {}, [["a", ("value", {}, "${oc.env:HOME}")]]), ["b"])),
         ("path", "Path", "/x"),
-        ("dataclass", "tests.unit.test_codec.Schedule", {"warmup": 1}),
+        ("dataclass", "tests.unit.engine.format.test_codec.Schedule", {"warmup": 1}),
         ("partial", "torch.optim.sgd.SGD", ((), {1: 2})),
         ("datetime", None, (1, 1, 1, 99, 0, 0, 0, 0, None)),
         ("weird", None, None),
@@ -202,8 +202,10 @@ def test_crafted_tags_fail_with_a_checkpoint_error_and_import_nothing(tag):
 
 
 def test_a_name_outside_the_allow_list_says_how_to_allow_it():
-    blob = _blob_of({codec.TAG: ("dataclass", "tests.unit.test_codec.Unregistered", {"a": 1})})
-    with pytest.raises(CheckpointError, match=r"add_safe_globals\(\[tests.unit.test_codec.Unregistered\]\)") as info:
+    blob = _blob_of({codec.TAG: ("dataclass", "tests.unit.engine.format.test_codec.Unregistered", {"a": 1})})
+    with pytest.raises(
+        CheckpointError, match=r"add_safe_globals\(\[tests.unit.engine.format.test_codec.Unregistered\]\)"
+    ) as info:
         decode_extra(blob, path="ckpt", entry="lightning")
     assert not isinstance(info.value, CorruptCheckpointError)
     lightning_dcp.add_safe_globals([Unregistered])

@@ -24,7 +24,7 @@ from lightning_dcp.engine.save.planning import BalancedSavePlanner, balanced_ded
 from lightning_dcp.engine.storage.fileout import DIRECT_MIN
 from lightning_dcp.engine.storage.location import Location
 
-DATA = os.path.join(os.path.dirname(os.path.dirname(__file__)), "data")
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))), "data")
 
 CASES = [
     torch.randn(3, 4),

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -25,6 +27,7 @@ __all__ = [
     "on_rank0",
     "own_group",
     "rank_and_world",
+    "settle_threads",
     "single_process_ok",
 ]
 
@@ -122,3 +125,69 @@ def destroy_own_groups() -> None:
         with contextlib.suppress(Exception):  # already destroyed with the default group (Lightning's NCCL exit)
             if dist.is_initialized():
                 dist.destroy_process_group(group)
+
+
+_QUIET_THREADS = frozenset({"gloo_tcp_loop", "pt_tcpstore_uv"})
+"""Threads that wake on their own timers (gloo's and the store's event loops) and never touch Python objects."""
+
+
+def _busy_threads() -> int:
+    """How many other threads of this process are running or runnable (state ``R`` in ``/proc``); ``-1``: unknown."""
+    me = threading.get_native_id()
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return -1
+    busy = 0
+    for tid in tids:
+        if tid == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm", "rb") as f:
+                name = f.read().strip().decode(errors="replace")
+        except OSError:  # the thread ended meanwhile
+            continue
+        end = stat.rfind(b")")  # the name in parentheses may hold spaces: the state follows the last ')'
+        if stat[end + 2 : end + 3] == b"R" and name not in _QUIET_THREADS:
+            busy += 1
+    return busy
+
+
+def settle_threads(*, limit: float = 0.5, poll: float = 0.002, quiet_polls: int = 5) -> float:
+    """Let the process's native threads finish what they hold before the interpreter is torn down; seconds waited.
+
+    A gloo process group's worker threads drop each finished collective a moment after the ranks see it complete,
+    and with it the last references to the tensors it held: dropping those takes the GIL (torch decrements the
+    Python objects of such tensors). Process groups stay alive while anything references them, even after
+    ``destroy_process_group`` (which does not join gloo's threads), so a worker held off the CPU on a loaded machine
+    can do this after interpreter teardown began: CPython then ends that thread with ``pthread_exit``, its unwinding
+    crosses a ``noexcept`` frame, and the process aborts ("terminate called without an active exception", exit
+    134) after a successful run. Sleeping with the GIL released until no other thread is runnable for
+    ``quiet_polls`` polls in a row lets them finish first (at most ``limit`` seconds). Linux only (``/proc``);
+    elsewhere it returns at once.
+
+    Runs at exit when this process created a process group (:func:`_settle_at_exit`); each process alone.
+    """
+    start = time.monotonic()
+    quiet = 0
+    while quiet < quiet_polls and time.monotonic() - start < limit:
+        time.sleep(poll)
+        busy = _busy_threads()
+        if busy < 0:
+            break
+        quiet = quiet + 1 if busy == 0 else 0
+    return time.monotonic() - start
+
+
+def _settle_at_exit() -> None:
+    """Registered at import, so it runs after every exit handler registered later (``atexit`` runs them last-first)."""
+    with contextlib.suppress(Exception):
+        from torch.distributed import distributed_c10d
+
+        if dist.is_available() and getattr(distributed_c10d._world, "group_count", 1) > 0:
+            settle_threads()
+
+
+atexit.register(_settle_at_exit)

@@ -123,3 +123,33 @@ def test_every_committed_checkpoint_holds_the_weights_of_its_save_step(tmp_path)
     assert result["wrong"] == [], f"checkpoints of steps {result['wrong']} hold weights from after their save"
     messages = result["messages"]
     assert len(messages) == 1 and "_HookFreeSGD" in messages[0], messages  # said once, naming the optimizer
+
+
+class _Scheduled(_Model):
+    """AdamW under a StepLR: the scheduler wraps ``optimizer.step`` on the instance, which still runs the hooks."""
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return {"optimizer": optimizer, "lr_scheduler": torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)}
+
+
+def _scheduled_worker(rank: int, world_size: int, tmp: str, out: str) -> None:
+    seed()
+    io = DCPCheckpointIO(async_save=True)
+    ckpt = ModelCheckpoint(dirpath=tmp, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    trainer = make_trainer(world_size, strategy="dcp_single_device", max_steps=4, callbacks=[ckpt], plugins=[io])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(_Scheduled(), train_dataloaders=DataLoader(TensorDataset(torch.randn(16, 8)), batch_size=4))
+    messages = [str(w.message) for w in caught if "step hooks" in str(w.message)]
+    save_result(out, "result", rank, {"messages": messages, "deferred": io.checkpointer._async.last_deferred})
+
+
+def test_an_optimizer_under_an_lr_scheduler_keeps_deferred_staging(tmp_path):
+    """torch's LR schedulers shadow ``optimizer.step`` with a wrapper of the hooked method: not a bypass."""
+    work = str(tmp_path / "ckpts")
+    os.makedirs(work)
+    spawn(_scheduled_worker, 1, work, str(tmp_path))
+    result = load_result(str(tmp_path), "result")
+    assert result["messages"] == []
+    assert "state_dict.big" in result["deferred"], result["deferred"]  # copied after the call, behind the gate

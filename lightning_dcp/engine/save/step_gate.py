@@ -27,6 +27,25 @@ from torch.optim.optimizer import Optimizer, register_optimizer_step_pre_hook
 __all__ = ["STEP_GATE"]
 
 
+def _reaches(optimizer: Any, step: Callable) -> bool:
+    """Whether ``optimizer.step`` ends in its class's wrapped ``step``.
+
+    An instance attribute may shadow the method. torch's LR schedulers set one (``LRScheduler.__init__`` wraps
+    ``optimizer.step`` with :func:`functools.wraps` to track the call order): such wrappers, followed down their
+    ``__wrapped__`` chain or bound ``__func__``, still call the class's ``step`` and so its hooks.
+    """
+    own = vars(optimizer).get("step") if hasattr(optimizer, "__dict__") else None
+    for _ in range(16):  # a chain of wrappers, never a cycle
+        if own is None or own is step:
+            return True
+        if getattr(own, "__func__", None) is step and getattr(own, "__self__", None) is optimizer:
+            return True
+        own = getattr(own, "__wrapped__", False) or False
+        if own is False:
+            return False
+    return False
+
+
 class _StepGate:
     """A global optimizer pre-step hook that holds steps while staging copies are pending.
 
@@ -54,7 +73,7 @@ class _StepGate:
         first of its class is warned about.
         """
         step = getattr(type(optimizer), "step", None)
-        if isinstance(optimizer, Optimizer) and getattr(step, "hooked", False) and "step" not in vars(optimizer):
+        if isinstance(optimizer, Optimizer) and getattr(step, "hooked", False) and _reaches(optimizer, step):
             return True
         try:
             self._unhooked.add(optimizer)

@@ -267,6 +267,9 @@ def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at
     param = torch.nn.Parameter(torch.ones(4))
     hooked = torch.optim.AdamW([param])
     assert STEP_GATE.check(hooked) and not STEP_GATE.bypassed()
+    scheduled = torch.optim.AdamW([param])
+    torch.optim.lr_scheduler.StepLR(scheduled, step_size=1)  # wraps `scheduled.step` on the instance
+    assert "step" in vars(scheduled) and STEP_GATE.check(scheduled) and not STEP_GATE.bypassed()
     shadowed = torch.optim.SGD([param], lr=0.1)
     shadowed.step = lambda closure=None: None  # an instance attribute shadows the wrapped method
     assert not STEP_GATE.check(shadowed) and STEP_GATE.bypassed()

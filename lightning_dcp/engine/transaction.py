@@ -187,8 +187,8 @@ def next_counter(cp: Any, location: Location) -> int:
     """The save counter of the next save into ``location``'s directory: one more than any this process saw.
 
     The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
-    as far as the tier knows (no remote call in the training loop: :meth:`Tiers.known_checkpoints`). Later saves
-    count on from there. Rank 0 only.
+    as far as the tier knows (no remote call in the training loop:
+    :meth:`~lightning_dcp.engine.tiers.local.Tiers.known_checkpoints`). Later saves count on from there. Rank 0 only.
     """
     directory = location.parent()
     if directory.url not in cp._counters:

@@ -1,9 +1,10 @@
 """``fabric.save`` / ``fabric.load`` / ``fabric.load_raw`` on the engine, with Fabric's semantics.
 
-A save writes every rank's part of the state as one committed, checksummed DCP checkpoint (:mod:`.state` says what
-goes where) plus each rank's RNG states. A load reads lightning_dcp checkpoints (written through Fabric or the
-Trainer; resharding to the current world size) and single ``torch.save`` files (Fabric's own format, or the
-``.pt`` that ``python -m lightning_dcp.consolidate`` writes), and follows ``Strategy.load_checkpoint``:
+A save writes every rank's part of the state as one committed, checksummed DCP checkpoint
+(:mod:`lightning_dcp.fabric.state` says what goes where) plus each rank's RNG states. A load reads lightning_dcp
+checkpoints (written through Fabric or the Trainer; resharding to the current world size) and single ``torch.save``
+files (Fabric's own format, or the ``.pt`` that ``python -m lightning_dcp.consolidate`` writes), and follows
+``Strategy.load_checkpoint``:
 
 - ``state=None`` or ``{}``: the whole checkpoint with full CPU tensors (optimizer state in
   ``optimizer.state_dict()`` layout, as in a ``torch.save`` checkpoint);

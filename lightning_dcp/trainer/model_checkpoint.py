@@ -322,7 +322,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
         Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads
         a ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
-        (:func:`lightning_dcp.engine.load.loading.candidates`). So the candidate is a local ``last*.ckpt`` entry when
+        (:func:`lightning_dcp.engine.catalog.lookup.candidates`). So the candidate is a local ``last*.ckpt`` entry when
         one resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
         object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
         resumes: a run never starts from scratch while a committed checkpoint exists. With a local tier, the newest

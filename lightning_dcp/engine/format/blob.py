@@ -140,10 +140,11 @@ def load_stock_file(load: Callable[[], Any], *, path: str) -> Any:
 
     A plain ``torch.save`` pickles a Hydra config as OmegaConf's internal node classes and a partial optimizer as
     ``functools.partial``; ``weights_only`` loading refuses them. For the duration of ``load`` they (and what
-    :func:`codec.stock_pickle_globals` lists) are added to torch's safe globals (those not already there, removed
-    again after; torch keeps one process-wide list), so nothing else can be named by the file. The objects it gives
-    are then encoded and decoded by the codec: what comes back is rebuilt from checked plain values, and a value the
-    codec would not store (a partial of a function outside the allow-list) fails like a crafted blob.
+    :func:`~lightning_dcp.engine.format.allowlist.stock_pickle_globals` lists) are added to torch's safe globals (those
+    not already there, removed again after; torch keeps one process-wide list), so nothing else can be named by the
+    file. The objects it gives are then encoded and decoded by the codec: what comes back is rebuilt from checked plain
+    values, and a value the codec would not store (a partial of a function outside the allow-list) fails like a crafted
+    blob.
 
     Raises:
         CheckpointError: The file names or holds something outside the allow-list (``load``'s other errors pass

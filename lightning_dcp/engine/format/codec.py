@@ -22,8 +22,8 @@ callable is never called. Everything else passes through unchanged when ``torch.
 back (tensors, plain values, classes registered with ``torch.serialization.add_safe_globals``), and is refused
 otherwise (:class:`UnstorableValue`, naming the key path).
 
-The allow-list: the built-ins above, plus what :func:`add_safe_globals` registered, plus what
-``torch.serialization.add_safe_globals`` registered.
+The allow-list: the built-ins above, plus what :func:`~lightning_dcp.engine.format.allowlist.add_safe_globals`
+registered, plus what ``torch.serialization.add_safe_globals`` registered.
 """
 
 from __future__ import annotations

@@ -25,7 +25,9 @@ except ImportError:  # pragma: no cover - numpy ships with Lightning's dependenc
 
 
 def decode(value: Any) -> Any:
-    """Objects back from :func:`encode`'s output: every tag checked and rebuilt, everything else unchanged.
+    """Objects back from the output of :func:`~lightning_dcp.engine.format.codec.encode`: every tag checked and rebuilt.
+
+    Everything else is returned unchanged.
 
     Raises:
         MalformedTag: A tag with a shape, kind or payload the codec never writes.
@@ -215,7 +217,7 @@ _DECODERS: dict[str, Callable[[Any, Any], Any]] = {
 
 
 def _numpy_value(tag: Any) -> Any:
-    """The numpy value :func:`_numpy_tag` encoded as ``(kind, dtype, payload)``."""
+    """The numpy value :func:`~lightning_dcp.engine.format.codec._numpy_tag` encoded as ``(kind, dtype, payload)``."""
     if not (type(tag) is tuple and len(tag) == 3 and tag[0] in ("ndarray", "scalar") and isinstance(tag[1], str)):
         raise MalformedTag(f"a numpy entry is {type(tag).__name__} {str(tag)[:60]!r}, not (kind, dtype, payload)")
     kind, dtype, payload = tag

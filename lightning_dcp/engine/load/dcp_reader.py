@@ -104,7 +104,9 @@ class _VerifyingReader(SharedRecordReads, RecordChecks):
                 self.checksums[(name, offset)] = (length, digest)
 
     def share_keys(self, plan: LoadPlan) -> list[tuple[str, int, int]] | None:
-        """``(file, offset, length)`` of each tensor record ``plan`` reads, for :func:`shared_reads.agree`.
+        """``(file, offset, length)`` of each tensor record ``plan`` reads.
+
+        For :func:`~lightning_dcp.engine.load.shared_reads.agree`.
 
         ``None`` (this rank reads alone) for a checkpoint without our ``.commit``: its files' sizes and records'
         checksums, which every receiver checks against, are unknown.

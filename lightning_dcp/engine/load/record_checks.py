@@ -173,10 +173,12 @@ class RecordChecks:
 
 
 class _Whole:
-    """The read item of a lean plan's ``direct`` target: its whole tensor's one record (see :meth:`_per_file`).
+    """The read item of a lean plan's ``direct`` target: its whole tensor's one record.
+
+    See :meth:`_VerifyingReader._per_file <lightning_dcp.engine.load.dcp_reader._VerifyingReader._per_file>`.
 
     It has what the reading loop needs of a read item (``type``, ``storage_index``); anything else gets the full
-    read item from :meth:`_VerifyingReader._read_item`.
+    read item from :meth:`~lightning_dcp.engine.load.record_checks.RecordChecks._read_item`.
     """
 
     __slots__ = ("storage_index",)

@@ -43,7 +43,7 @@ __all__ = ["Loaded", "load_one"]
 
 @dataclasses.dataclass
 class Loaded:
-    """What :meth:`Checkpointer.load` read.
+    """What :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load` read.
 
     Attributes:
         url: The checkpoint actually loaded (after pointers and a fallback from a broken ``last``).

@@ -12,11 +12,11 @@ while it was in flight: a checkpoint is never removed before its successor is sa
 **Deferred staging** (``defer=True``, the default of the front ends). Between a save call and the next optimizer
 step a training loop runs a forward and a backward pass: they change buffers in place (BatchNorm statistics, buffers
 DDP broadcasts), not parameters or optimizer state. So CPU tensors are copied by the background thread after the
-call returned, while every optimizer step waits until those copies are made (:class:`_StepGate`, a global optimizer
+call returned, while every optimizer step waits until those copies are made (:data:`STEP_GATE`, a global optimizer
 pre-step hook; front ends also wait before other code that may change weights, such as Lightning's validation, where
 weight-averaging callbacks swap weights in place). Lightning's Trainer runs the forward and backward passes inside
 ``optimizer.step(closure)``, after the pre-step hooks: its strategies wait after the closure instead
-(:meth:`_StepGate.after_closure`), or the copies would never overlap them. The tensors a front end names *volatile*
+(:meth:`STEP_GATE.after_closure`), or the copies would never overlap them. The tensors a front end names *volatile*
 (module buffers, values that are neither a module's nor an optimizer's), GPU tensors (copied into pinned buffers at
 once) and the non-tensor state are copied before the call returns, the CPU ones in one batched copy. Planning moves
 to the background thread too (its collectives run over the save's own group), from a run's first save on (the

@@ -192,9 +192,10 @@ def _write_records(
     """Each record hashed right before it is written; small ones framed in the output's buffer, in place.
 
     A small record (a tensor under :data:`~lightning_dcp.engine.storage.fileout.DIRECT_MIN` bytes, a blob) is laid out
-    directly in a region the output hands out (:meth:`frame`): header by slice assignment, tensor bytes by
-    ``memmove`` from the tensor's memory, then hashed there; a few microseconds of Python per record and no write
-    call of its own. A large record is written from its own memory, read once (hashed, then written) piece by piece.
+    directly in a region the output hands out (:meth:`~lightning_dcp.engine.storage.fileout.DirectOut.frame`): header by
+    slice assignment, tensor bytes by ``memmove`` from the tensor's memory, then hashed there; a few microseconds of
+    Python per record and no write call of its own. A large record is written from its own memory, read once (hashed,
+    then written) piece by piece.
     """
     results: list[RecordResult] = []
     name = job.name

@@ -1,4 +1,4 @@
-"""The DCP storage writer lightning_dcp uses: checksummed writes (the reader: :mod:`.dcp_reader`).
+"""The checksumming DCP storage writer lightning_dcp uses (its reader: :mod:`lightning_dcp.engine.load.dcp_reader`).
 
 Files stay exactly DCP's (``__{rank}_{n}.distcp`` records written with ``torch.save``, ``.metadata``), so any DCP
 reader loads them. On top of that:

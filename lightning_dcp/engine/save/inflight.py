@@ -180,7 +180,7 @@ class InFlight:
 
 
 Stage = Callable[[Callable[[], None]], tuple[saving.PreparedSave, BaseException | None, LiveWrite | None]]
-"""What a save's background thread runs first (see :meth:`_InFlight.run`)."""
+"""What a save's background thread runs first (see :meth:`InFlight.run`)."""
 
 
 def quietly(fn: Callable[[], None]) -> None:

@@ -9,7 +9,7 @@ through one page-aligned bounce buffer written with the same descriptor. Where `
 some network filesystems) the file is written by :class:`BufferedOut` instead, which gathers pieces into one
 ``pwritev`` per :data:`PIECE` bytes and asks the kernel to start write-back every :data:`KICK` bytes.
 
-Small records are not handed over piece by piece: :meth:`frame` gives the writer a region of the output's own
+Small records are not handed over piece by piece: :meth:`DirectOut.frame` gives the writer a region of the output's own
 buffer at the current position, which the writer fills in place (headers, tensor bytes) and hashes there; the
 output writes it with what follows. A framed region is valid until the next call on the output.
 """

@@ -18,9 +18,9 @@ A save (collective: every rank calls :meth:`MemoryTier.save`) runs in these step
    (or the first after ``persist_every_seconds``) is persisted to the durable tiers
    (:mod:`~lightning_dcp.engine.tiers.persist`). :meth:`MemoryTier.wait` returns after this step.
 
-At most one save is in flight; the next save, :meth:`wait`, a load and :meth:`close` wait for it and raise its error.
-:meth:`close` (the strategy's teardown, or at interpreter exit) then leaves the tier's gloo group in a defined order
-(:func:`~lightning_dcp.engine.tiers.nodes.leave`).
+At most one save is in flight; the next save, :meth:`MemoryTier.wait`, a load and :meth:`MemoryTier.close` wait for it
+and raise its error. :meth:`MemoryTier.close` (the strategy's teardown, or at interpreter exit) then leaves the tier's
+gloo group in a defined order (:func:`~lightning_dcp.engine.tiers.nodes.leave`).
 Restores are in :mod:`~lightning_dcp.engine.tiers.recovery`.
 """
 
@@ -76,8 +76,8 @@ class MemoryTier:
         async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait
             for them). ``False``: return once this rank's state is copied into the memory area; the checkpoint is
             committed there behind the call (checksums of the copies, ~55 ms per GiB here; the marker), then
-            replicated. A failure after planning is raised by the next save or :meth:`wait` either way.
-            Either way, :meth:`wait` returns once it is committed and replicated.
+            replicated. A failure after planning is raised by the next save or :meth:`MemoryTier.wait` either way.
+            Either way, :meth:`MemoryTier.wait` returns once it is committed and replicated.
 
     Memory per node: ``(keep + 1) x (1 + replicas) x`` the node's part of a checkpoint (a part of the newest, one
     being written, and as much again for the replicas of other nodes' parts).
@@ -204,7 +204,7 @@ class MemoryTier:
         Raises:
             CheckpointError: The previous save failed (raised at this call), or planning this one failed (nothing of
                 it is committed). A failure after planning (a copy, the commit) is raised by the next save or
-                :meth:`wait`, and nothing of that save is committed.
+                :meth:`MemoryTier.wait`, and nothing of that save is committed.
         """
         self.wait()
         topology = self.setup(distributed=distributed)
@@ -420,7 +420,7 @@ class MemoryTier:
     def close(self) -> None:
         """Wait for the save in flight, unmap the files (they stay in the area), then leave the tier's group.
 
-        Collective: call on all ranks (a later save joins a new group). Raises like :meth:`wait`.
+        Collective: call on all ranks (a later save joins a new group). Raises like :meth:`MemoryTier.wait`.
         """
         try:
             self.wait()
@@ -431,7 +431,7 @@ class MemoryTier:
 
 
 def area_error(failed: list[str]) -> StorageAccessError:
-    """The error for memory areas that cannot be created or written (``failed``: what :meth:`open_area` said)."""
+    """The error for memory areas that cannot be written (``failed``: what :meth:`MemoryTier.open_area` said)."""
     return StorageAccessError(
         f"The memory area cannot be written: {'; '.join(failed)}. Give `memory_dir` a directory on a tmpfs that every"
         " rank of the node can create and write (e.g. `/dev/shm/<user>-<run>`)."

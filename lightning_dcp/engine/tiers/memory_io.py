@@ -111,7 +111,7 @@ def load_newest(checkpointer: Checkpointer, location: Location, *, collective: b
 
     Raises:
         CheckpointNotFoundError: Nothing is committed in any tier.
-        CheckpointError: As :meth:`Checkpointer.load`, for the durable candidates.
+        CheckpointError: As :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load`, for the durable candidates.
     """
     memory = checkpointer.memory
     memory.wait()

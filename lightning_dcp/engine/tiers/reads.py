@@ -114,7 +114,7 @@ def exists(tiers: Tiers, remote: Location) -> bool:
 
 
 def candidates(tiers: Tiers, location: Location) -> list[str]:
-    """:func:`lightning_dcp.engine.load.loading.candidates` over both tiers: what a load of ``location`` tries.
+    """:func:`lightning_dcp.engine.catalog.lookup.candidates` over both tiers: what a load of ``location`` tries.
 
     A ``last*`` name or a ``.commit`` (in either tier's directory): every committed checkpoint of both tiers, newest
     first, local copies first. An explicit checkpoint: its committed copies, newest first, local first.

@@ -7,8 +7,8 @@ file :data:`RUN_FILE` of that directory, unless the file is there already (a res
 there), and every part it commits in a memory area records the token (``.part``). A restore reads the token of the
 directory it resumes from and takes only the parts that carry it: parts of another run (another ``dirpath``, or the
 same path emptied and started afresh), and parts written before tokens existed, are ignored, with a warning naming
-them and the area. They are never deleted (another live job may own them); :meth:`MemoryTier.close` with
-``free_at_end`` frees this run's own parts only.
+them and the area. They are never deleted (another live job may own them);
+:meth:`~lightning_dcp.engine.tiers.memory.MemoryTier.close` with ``free_at_end`` frees this run's own parts only.
 
 A directory whose token cannot be read or written (a store that is down) gives a run without a token: its saves
 still work; its restores then ignore every memory part (they resume from the durable tiers), with the warning.

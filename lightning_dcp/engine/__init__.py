@@ -5,7 +5,9 @@ This module is the engine's face: the names the front ends (:mod:`lightning_dcp.
 they import only these, :mod:`lightning_dcp.engine.state` and :mod:`lightning_dcp.engine.tiers`. Nothing here
 imports them. The rooms, each importing only the ones below it:
 
-- :mod:`~lightning_dcp.engine.checkpointer`: the verbs (save, load, remove, wait), over
+- :mod:`~lightning_dcp.engine.config` (:class:`~lightning_dcp.engine.config.CheckpointerConfig`, every option), over
+- :mod:`~lightning_dcp.engine.checkpointer`: the verbs (save, load, remove, wait), and its save
+  :mod:`~lightning_dcp.engine.transaction`, over
 - :mod:`~lightning_dcp.engine.tiers`: memory, local and remote tiers, over
 - :mod:`~lightning_dcp.engine.save` and :mod:`~lightning_dcp.engine.load` (which never import each other), over
 - :mod:`~lightning_dcp.engine.catalog`: which checkpoints exist, which one a path means, whether they are whole, over
@@ -21,6 +23,7 @@ from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_c
 from lightning_dcp.engine.catalog.lookup import designated, designates_last, source_of, verify_checkpoint
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine.config import CheckpointerConfig
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, single_process_ok
 from lightning_dcp.engine.elastic import init_strategy_attempt_group
 from lightning_dcp.engine.format import layout
@@ -46,6 +49,7 @@ __all__ = [
     "STAGING_INFIX",
     "STEP_GATE",
     "Checkpointer",
+    "CheckpointerConfig",
     "Loaded",
     "Location",
     "RestoreRecord",

@@ -52,37 +52,21 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Save, load and remove committed, checksummed DCP checkpoints; the engine under both front ends.
 
+    The options are those of :class:`~lightning_dcp.engine.config.CheckpointerConfig` (documented there, field by
+    field), which the front ends build and which makes this object (:meth:`CheckpointerConfig.build
+    <lightning_dcp.engine.config.CheckpointerConfig.build>`).
+
     Args:
-        storage_options: fsspec filesystem options (credentials, endpoint, region) used for every read, write, list
-            and delete; per-call ``storage_options`` are merged on top.
-        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
-        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
-        async_save: Write in the background (over a dedicated gloo group): :meth:`save` returns once this rank's
-            part of the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight; the
-            next save, a load, a removal of that checkpoint and :meth:`close` wait for it and raise its error.
-        defer_staging: With ``async_save`` (the default there): the tensors only optimizer steps change (the
-            parameters an optimizer holds, its state) are copied into the staging buffers in the background after
-            :meth:`save` returned, while the next optimizer step waits for the copies; everything else (buffers such
-            as BatchNorm statistics, parameters no optimizer holds, GPU tensors) is copied before it returns. A
-            tensor found changed outside optimizer steps is copied at the call from then on; one changed before its
-            background copy was made drops that save with a warning naming it (never a checkpoint mixing two
-            steps). On local disks those tensors may instead be written where they are, with no copy (live writes,
-            chosen save by save; a step that comes before the writer is done copies the rest and goes on: see
-            :mod:`lightning_dcp.engine.save.live_write`). ``False``: copy everything before returning (see
-            :mod:`lightning_dcp.engine.save.async_save`).
-        when_busy: With ``async_save``: what a save does when called while the previous one is still being written
-            (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is committed,
-            then save. ``"skip"``: return at once without saving, with a warning naming the step and path skipped
-            (recorded in :attr:`skipped`); removals requested after it are held until a newer save commits. A save
-            of the same step as the one in flight always waits. See :mod:`lightning_dcp.engine.save.when_busy`.
-        tiers: A local fast tier for remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`): a save to a remote
-            path is committed in the local tier, then uploaded in the background; loads and removals cover both.
-        incremental: Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest
-            committed checkpoint of the same directory when its bytes are unchanged (local disks; see
-            :mod:`lightning_dcp.engine.save.incremental`). Every checkpoint stays complete on its own.
-        memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): saves made inside
-            :meth:`into_memory` go to host shared memory (replicated, persisted every Mth to the save's directory),
-            and a load of ``last`` in that directory takes the newest checkpoint across memory and the durable tiers.
+        storage_options: fsspec options of every storage call (see the config's field).
+        thread_count: Writer threads per rank.
+        sync_files: ``fsync`` local data files before the commit.
+        async_save: Write in the background; :meth:`save` returns once this rank's part is staged.
+        defer_staging: With ``async_save``: copy what only optimizer steps change after :meth:`save` returned.
+        when_busy: With ``async_save``: ``"wait"`` or ``"skip"`` when the previous save is still being written.
+        tiers: The local tier of remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`; the config's
+            ``local_dir``).
+        incremental: Hard-link unchanged large records from the newest committed checkpoint of the directory.
+        memory: The memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`) of :meth:`into_memory`.
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer, or ``when_busy`` is neither ``"wait"`` nor

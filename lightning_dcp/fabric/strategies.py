@@ -29,7 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_dcp.engine import Checkpointer, init_strategy_attempt_group
+from lightning_dcp.engine import CheckpointerConfig, init_strategy_attempt_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 from lightning_dcp.fabric.preemption import Preemption
@@ -98,7 +98,7 @@ class DCPStrategyMixin:
         **kwargs: Any,
     ) -> None:
         self._refuse_plugin(kwargs.pop("checkpoint_io", None))
-        self.checkpointer = Checkpointer(
+        self.checkpointer = CheckpointerConfig(
             storage_options=storage_options,
             thread_count=thread_count,
             sync_files=sync_files,
@@ -106,7 +106,7 @@ class DCPStrategyMixin:
             defer_staging=defer_staging,
             when_busy=when_busy,
             memory=memory,
-        )
+        ).build()
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
         self._preemption = Preemption()
         super().__init__(*args, **kwargs)

@@ -12,7 +12,14 @@ from lightning.pytorch.plugins.io.checkpoint_plugin import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from lightning_dcp.engine import COMMIT_FILE, Checkpointer, RestoreRecord, check_storage_options, layout, source_of
+from lightning_dcp.engine import (
+    COMMIT_FILE,
+    CheckpointerConfig,
+    RestoreRecord,
+    check_storage_options,
+    layout,
+    source_of,
+)
 from lightning_dcp.engine.tiers import Tiers
 
 __all__ = ["DCPCheckpointIO"]
@@ -36,7 +43,7 @@ class DCPCheckpointIO(CheckpointIO):
             list and delete. Per-call ``storage_options`` given to ``save_checkpoint`` are merged on top.
         thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
         sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
-        async_save: Write in the background (``dcp.async_save`` over a dedicated gloo group): ``save_checkpoint``
+        async_save: Write in the background (over a dedicated gloo group): ``save_checkpoint``
             returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
             flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
             is raised there. Removals requested while it is in flight run after it commits.
@@ -101,19 +108,17 @@ class DCPCheckpointIO(CheckpointIO):
         incremental: bool = False,
     ) -> None:
         check_storage_options(storage_options)
-        tiers = None
-        if local_dir is not None:
-            tiers = Tiers(local_dir, keep=local_keep, storage_options=storage_options)
-        self.checkpointer = Checkpointer(
+        self.checkpointer = CheckpointerConfig(
             storage_options=storage_options,
             thread_count=thread_count,
             sync_files=sync_files,
             async_save=async_save,
             defer_staging=defer_staging,
             when_busy=when_busy,
-            tiers=tiers,
+            local_dir=local_dir,
+            local_keep=local_keep,
             incremental=incremental,
-        )
+        ).build()
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
 
     @property

@@ -1,0 +1,63 @@
+"""``CheckpointerConfig``: one keyword-only set of the engine's options, checked when made, that builds the engine."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from lightning_dcp import DCPCheckpointIO
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
+from lightning_dcp.engine.tiers import Tiers
+
+
+def test_the_config_is_keyword_only_and_frozen():
+    with pytest.raises(TypeError):
+        CheckpointerConfig({"anon": True})  # type: ignore[misc]
+    config = CheckpointerConfig(thread_count=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.thread_count = 3  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"thread_count": 0}, "`thread_count` must be a positive integer, got 0."),
+        ({"thread_count": 1.5}, "`thread_count` must be a positive integer, got 1.5."),
+        ({"when_busy": "later"}, "`when_busy` must be one of ('wait', 'skip'), got 'later'."),
+        ({"local_dir": "/tmp/x", "local_keep": 0}, "`local_keep` must be a positive integer, got 0."),
+        ({"local_dir": "s3://bucket/x"}, "`local_dir` must be a directory on a local disk, got 's3://bucket/x'."),
+    ],
+)
+def test_bad_options_are_refused_when_the_config_is_made(options, message):
+    with pytest.raises(ValueError) as info:
+        CheckpointerConfig(**options)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize(
+    ("options", "message"), [({"thread_count": 0}, "thread_count"), ({"when_busy": "x"}, "when_busy")]
+)
+def test_the_front_end_refuses_them_with_the_same_error(options, message):
+    with pytest.raises(ValueError, match=message):
+        DCPCheckpointIO(**options)
+
+
+def test_build_makes_the_checkpointer_of_those_options(tmp_path):
+    config = CheckpointerConfig(
+        storage_options={"anon": True}, thread_count=3, sync_files=False, when_busy="skip", local_dir=tmp_path / "fast"
+    )
+    checkpointer = config.build()
+    assert isinstance(checkpointer, Checkpointer)
+    assert checkpointer.storage_options == {"anon": True}
+    assert (checkpointer.thread_count, checkpointer.sync_files, checkpointer.async_save) == (3, False, False)
+    assert checkpointer.when_busy == "skip"
+    assert isinstance(checkpointer.tiers, Tiers) and checkpointer.tiers.keep == 2
+    assert checkpointer.incremental is None and checkpointer.memory is None
+    assert CheckpointerConfig().build().tiers is None
+
+
+def test_the_trainer_plugin_builds_its_engine_from_a_config(tmp_path):
+    io = DCPCheckpointIO(thread_count=2, local_dir=tmp_path / "fast", local_keep=3, incremental=True)
+    assert io.checkpointer.thread_count == 2
+    assert io.checkpointer.tiers.keep == 3 and io.checkpointer.incremental is not None

@@ -17,7 +17,9 @@ import re
 import zipfile
 from typing import Any
 
-__all__ = ["UnsafeArchiveError", "check_archive"]
+import torch
+
+__all__ = ["UnsafeArchiveError", "check_archive", "load_checked"]
 
 _SIZED = re.compile(r"^(builtins|__builtin__) bytearray$|^torch(\.cuda|\.sparse|\.storage)? \w*(Storage|Tensor)$")
 """Allowed callables of ``weights_only`` unpickling that allocate what an integer argument says."""
@@ -57,6 +59,22 @@ def check_archive(data: bytes | memoryview) -> None:
             except Exception as err:  # a local header that disagrees with the directory, a truncated entry
                 raise UnsafeArchiveError(f"its entry {entry.filename!r} is unreadable ({err})") from None
             _check_pickle(pickled)
+
+
+def load_checked(data: bytes | memoryview | io.BytesIO, *, weights_only: bool = True) -> Any:
+    """The one door to ``torch.load`` for bytes read from a checkpoint: :func:`check_archive`, then the load.
+
+    Nothing the archive claims is allocated beyond what it holds; the load maps every tensor to the CPU.
+
+    Raises:
+        UnsafeArchiveError: The archive claims more than it holds (or is malformed the way the check sees).
+        Exception: What ``torch.load`` raises for bytes it refuses (the callers name the file).
+    """
+    if isinstance(data, io.BytesIO):
+        check_archive(data.getbuffer())
+        return torch.load(data, map_location="cpu", weights_only=weights_only)
+    check_archive(data)
+    return torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
 
 
 def _check_pickle(data: bytes) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from lightning_dcp.engine.format import allowlist, codec
-from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.archive import load_checked
 from lightning_dcp.engine.format.codec import UnstorableValue
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
 
@@ -90,8 +90,7 @@ def decode_extra(blob: bytes, *, path: str, entry: str, weights_only: bool = Tru
             writes it.
     """
     try:
-        check_archive(blob)
-        state = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=weights_only)
+        state = load_checked(blob, weights_only=weights_only)
     except Exception as err:  # a crafted or damaged archive: zip, pickle or tensor errors of many types
         if isinstance(err, pickle.UnpicklingError) and "Unsupported global" in str(err):
             raise _refused(

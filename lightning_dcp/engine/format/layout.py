@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, TensorStorageMetadata
 
 from lightning_dcp._compat.torch_dcp import set_element
-from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.archive import load_checked
 from lightning_dcp.engine.format.blob import encode_extra
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 
@@ -307,8 +307,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         self.weights_only = weights_only
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:  # noqa: D102 (DCP's planner contract)
-        check_archive(value.getbuffer())  # nothing the archive claims is allocated beyond what it holds
-        obj = torch.load(value, map_location="cpu", weights_only=self.weights_only)
+        obj = load_checked(value, weights_only=self.weights_only)  # nothing allocated beyond what it holds
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

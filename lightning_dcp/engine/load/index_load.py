@@ -21,7 +21,6 @@ Measured (``small`` mix, 4,815 records, 73 MB, 2 ranks, warm page cache; ``bench
 from __future__ import annotations
 
 import ctypes
-import io
 import os
 import sys
 from typing import Any
@@ -32,7 +31,7 @@ import xxhash
 from lightning_dcp._compat.torch_dcp import set_element
 from lightning_dcp.engine.agreement import agree
 from lightning_dcp.engine.dist import all_true
-from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.archive import load_checked
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.layout import EXTRA_KEY, RANK_KEY
 from lightning_dcp.engine.format.marker import checksum
@@ -401,8 +400,7 @@ def _land_object(
     value = plain_value(data)
     if value is NOT_PLAIN:
         try:
-            check_archive(data)  # nothing the archive claims is allocated beyond what it holds
-            value = torch.load(io.BytesIO(data), map_location="cpu", weights_only=weights_only)
+            value = load_checked(data, weights_only=weights_only)  # nothing allocated beyond what it holds
         except Exception as err:  # as the general path: a record that is not what the index says
             raise _undecodable(where, name, fqn, err) from None
     set_element(state, mappings[fqn], value)
@@ -412,8 +410,7 @@ def _land_decoded(where: str, name: str, fqn: str, record: memoryview, target: t
     """A tensor record in another framing: ``torch.load`` it and copy it into ``target`` if it is what was indexed."""
     data = record.tobytes()
     try:
-        check_archive(data)
-        tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = load_checked(data)
     except Exception as err:
         raise _undecodable(where, name, fqn, err) from None
     if not isinstance(tensor, torch.Tensor) or tensor.dtype != target.dtype or tensor.shape != target.shape:

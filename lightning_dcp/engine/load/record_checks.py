@@ -17,7 +17,7 @@ from torch.distributed.checkpoint.metadata import MetadataIndex, TensorStorageMe
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlanner, ReadItem
 
 from lightning_dcp._compat.torch_dcp import StorageInfo, narrow_tensor_by_index
-from lightning_dcp.engine.format.archive import check_archive
+from lightning_dcp.engine.format.archive import load_checked
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
     checksum,
@@ -106,8 +106,7 @@ class RecordChecks:
         sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
         if sizes is None:
             raise TypeError("the metadata lists no chunk of this tensor at the record's offsets")
-        check_archive(record)  # nothing the archive claims is allocated beyond what it holds
-        tensor = torch.load(io.BytesIO(record), map_location="cpu", weights_only=True)
+        tensor = load_checked(record)  # nothing the archive claims is allocated beyond what it holds
         del record  # at most two copies of the largest record alive: decoded tensor and target
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"the record holds a {type(tensor).__name__}, not a tensor")

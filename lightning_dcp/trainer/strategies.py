@@ -139,12 +139,15 @@ class DCPStrategyMixin:
         running ``Trainer._run`` cannot be found, Lightning's late restore applies unchanged.
         """
         self._dcp_restored_at_setup = False
+        arguments = trainer_run_arguments(trainer) if self._dcp_sharded else None
+        if arguments and arguments[0] and isinstance(self, (DDPStrategy, SingleDeviceStrategy)):
+            # every rank reads every byte: from the disk while DDP broadcasts the weights, before the restore below
+            self._dcp_io.checkpointer.prefetch(arguments[0])
         super().setup(trainer)
         if not self._dcp_sharded:
             return
         if not any(isinstance(c, _WaitForStagingAtTrainEnd) for c in trainer.callbacks):
             trainer.callbacks.insert(0, _WaitForStagingAtTrainEnd(self))  # before every other callback's hook
-        arguments = trainer_run_arguments(trainer)
         if arguments is not None and arguments[0]:
             if is_memory_sentinel(arguments[0]) and not self._dcp_io.checkpointer.resumable(collective=True):
                 rank_zero_warn(  # what Lightning says when "last" finds nothing: a first run starts fresh

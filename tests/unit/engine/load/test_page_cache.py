@@ -106,7 +106,7 @@ def test_one_prefetch_per_directory_at_a_time_and_none_for_what_is_no_local_dire
     assert not checkpointer.prefetch("s3://bucket//c.ckpt")  # refused path: the load reports it, not the prefetch
 
 
-def test_a_trainer_resume_prefetches_the_checkpoint_before_it_restores(tmp_path, filled):
+def test_a_trainer_resume_prefetches_the_checkpoint_before_the_strategy_sets_up(tmp_path, filled, monkeypatch):
     def trainer(**kwargs) -> Trainer:
         return Trainer(
             accelerator="cpu",
@@ -125,12 +125,22 @@ def test_a_trainer_resume_prefetches_the_checkpoint_before_it_restores(tmp_path,
     path = str(tmp_path / "resume.ckpt")
     first.save_checkpoint(path)
     saved = {k: v.clone() for k, v in first.lightning_module.state_dict().items()}
+    events: list[str] = []
+    start = page_cache.prefetch
+    monkeypatch.setattr(page_cache, "prefetch", lambda *a, **k: events.append("prefetch") or start(*a, **k))
+
+    class Recording(TinyModel):
+        def configure_optimizers(self):
+            events.append("configure_optimizers")
+            return super().configure_optimizers()
+
     resumed = trainer(max_steps=2)
-    model = TinyModel()
+    model = Recording()
     resumed.fit(model, datamodule=RandomDataModule(n=16, batch_size=4), ckpt_path=path)
     assert page_cache.wait(path, timeout=10)
     data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
     assert [_names(files) for files in filled] == [[".commit", ".metadata", *data]]  # one, from the strategy
+    assert events[:2] == ["prefetch", "configure_optimizers"], events  # the disk reads while the strategy sets up
     assert resumed.global_step == 2  # restored (step 2 of max_steps=2: nothing left to train)
     for key, value in model.state_dict().items():
         assert torch.equal(value, saved[key]), key

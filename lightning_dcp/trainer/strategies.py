@@ -141,8 +141,7 @@ class DCPStrategyMixin:
         self._dcp_restored_at_setup = False
         arguments = trainer_run_arguments(trainer) if self._dcp_sharded else None
         if arguments and arguments[0] and isinstance(self, (DDPStrategy, SingleDeviceStrategy)):
-            # every rank reads every byte: from the disk while DDP broadcasts the weights, before the restore below
-            self._dcp_io.checkpointer.prefetch(arguments[0])
+            self._dcp_io.checkpointer.prefetch(arguments[0])  # every rank reads all: while DDP broadcasts weights
         super().setup(trainer)
         if not self._dcp_sharded:
             return

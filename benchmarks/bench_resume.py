@@ -113,8 +113,8 @@ def _timing_callback(instrument: bool):
 
 def task_resume(rank: int, world_size: int, workdir: str, mix: str, scale: float, ckpt: str, strategy: str) -> dict:
     """One resume in these fresh processes: ``Trainer.fit(model, ckpt_path=ckpt)`` with ``strategy``."""
-    from benchmarks.bench_trainer import make_trainer
     from benchmarks.mixes import make_module
+    from benchmarks.trainer_runs import make_trainer
 
     module = make_module(mix, scale=scale)
     timing = _timing_callback(instrument=strategy == "dcp_ddp")
@@ -129,7 +129,7 @@ def task_resume(rank: int, world_size: int, workdir: str, mix: str, scale: float
 
 def run_rounds(world_size: int, loaddir: str, *, saved: int, repeats: int, mix: str, scale: float) -> dict:
     """``repeats`` rounds of (our resume, stock's resume, a cold read of our files); see the module docstring."""
-    from benchmarks.bench_trainer import dir_bytes, evict, read_files, spawn
+    from benchmarks.trainer_runs import dir_bytes, evict, read_files, spawn
 
     ours = os.path.join(loaddir, f"resume-ws{saved}.ckpt")
     stock = os.path.join(loaddir, f"stock-ws{saved}.ckpt")
@@ -138,7 +138,7 @@ def run_rounds(world_size: int, loaddir: str, *, saved: int, repeats: int, mix: 
     for _ in range(repeats):
         for method, path, name in (("load", ours, "dcp_ddp"), ("stock", stock, "ddp")):
             cold = evict(path) and cold
-            res = spawn("resume", world_size, loaddir, mix=mix, scale=scale, ckpt=path, strategy=name)
+            res = spawn(task_resume, world_size, loaddir, mix=mix, scale=scale, ckpt=path, strategy=name)
             runs[method].append(res["seconds"])
             if "phases" in res:
                 runs["phases"].append(res["phases"])

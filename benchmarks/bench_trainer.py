@@ -36,108 +36,43 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import logging
 import os
 import shutil
-import statistics
 import tempfile
 import time
-import warnings
 from typing import Any
-
-import torch
-import torch.distributed as dist
 
 try:
     from benchmarks.bench_resume import run_rounds
     from benchmarks.bench_save import disk_write
     from benchmarks.mixes import MIXES, make_module
+    from benchmarks.trainer_runs import (
+        _barrier,
+        _max_over_ranks,
+        _remove,
+        _timed,
+        dir_bytes,
+        make_trainer,
+        spawn,
+        summary,
+    )
 except ImportError:  # run as a script
     from bench_resume import run_rounds
     from bench_save import disk_write
     from mixes import MIXES, make_module
+    from trainer_runs import (
+        _barrier,
+        _max_over_ranks,
+        _remove,
+        _timed,
+        dir_bytes,
+        make_trainer,
+        spawn,
+        summary,
+    )
 
 TASKS = ("save", "stock", "fit", "load")
 ASYNC = ("async", "plain")
-BLOCK = 64 << 20
-
-
-# ---------------------------------------------------------------------------------------------- helpers
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _max_over_ranks(value: float) -> float:
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor([value], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
-
-
-def _timed(fn: Any) -> tuple[float, float]:
-    """``(this rank's seconds, slowest rank's seconds)`` of ``fn()``, from a barrier."""
-    _barrier()
-    start = time.perf_counter()
-    fn()
-    mine = time.perf_counter() - start
-    return mine, _max_over_ranks(mine)
-
-
-def _remove(path: str) -> None:
-    if os.path.isdir(path) and not os.path.islink(path):
-        shutil.rmtree(path, ignore_errors=True)
-    elif os.path.lexists(path):
-        os.unlink(path)
-
-
-def dir_bytes(path: str) -> int:
-    """Bytes of every file in ``path`` (a file's own size when ``path`` is a file)."""
-    if os.path.isfile(path):
-        return os.path.getsize(path)
-    return sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(path) for f in files)
-
-
-def read_files(path: str) -> int:
-    """Read every file under ``path`` sequentially in 64 MiB blocks into one reused buffer; returns the bytes."""
-    buffer = bytearray(BLOCK)
-    total = 0
-    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    for name in sorted(files):
-        with open(name, "rb", buffering=0) as f:
-            while n := f.readinto(buffer):
-                total += n
-    return total
-
-
-def evict(path: str) -> bool:
-    """Drop ``path``'s files (a file or a directory tree) from the page cache, after writing them back.
-
-    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each file: the next read comes from the disk, like after
-    ``echo 3 > /proc/sys/vm/drop_caches``, without evicting other processes' pages (or the libraries this process
-    still has to page in). Returns False when the kernel kept some of the pages (checked with ``mincore``-free
-    means: a second call is harmless, so this only reports ``posix_fadvise`` failures).
-    """
-    files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    ok = True
-    for name in files:
-        fd = os.open(name, os.O_RDONLY)
-        try:
-            os.fdatasync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            ok = False
-        finally:
-            os.close(fd)
-    return ok
-
-
-def make_trainer(world_size: int, *, strategy: str = "dcp_ddp", **kwargs: Any):
-    """The tests' CPU Trainer (no logger, progress bar or validation)."""
-    from tests._trainer import make_trainer as trainer_for_tests
-
-    return trainer_for_tests(world_size, strategy=strategy, limit_val_batches=0, **kwargs)
 
 
 def _timed_checkpoint_class():
@@ -350,34 +285,6 @@ def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale:
     return {}
 
 
-# ---------------------------------------------------------------------------------------------- runner
-def _entry(rank: int, world_size: int, task: str, workdir: str, kwargs: dict) -> None:
-    warnings.filterwarnings("ignore")
-    logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
-    from benchmarks.bench_resume import task_resume
-
-    fn = {"save": task_save, "stock": task_stock, "fit": task_fit, "resume": task_resume, "prepare": task_prepare_load}
-    result = fn[task](rank, world_size, workdir, **kwargs)
-    if rank == 0:
-        with open(os.path.join(workdir, f"{task}.json"), "w") as f:
-            json.dump(result, f)
-
-
-def spawn(task: str, world_size: int, workdir: str, **kwargs: Any) -> dict:
-    """Run one task on ``world_size`` fresh processes (the tests' spawn helper); returns rank 0's result."""
-    from tests._spawn import spawn as spawn_ranks
-
-    os.makedirs(workdir, exist_ok=True)
-    spawn_ranks(_entry, world_size, task, workdir, kwargs, timeout=3600.0)
-    with open(os.path.join(workdir, f"{task}.json")) as f:
-        return json.load(f)
-
-
-def summary(values: list[float]) -> dict[str, float]:
-    """Median, min and max of ``values`` (seconds)."""
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def run(
     mix: str,
     workdir: str,
@@ -395,16 +302,16 @@ def run(
     common = {"mix": mix, "scale": scale}
     out: dict[str, Any] = {"mix": mix, "world_size": world_size, "repeats": repeats, "scale": scale}
     if "save" in tasks:
-        res = spawn("save", world_size, os.path.join(workdir, "save"), repeats=repeats, **common)
+        res = spawn(task_save, world_size, os.path.join(workdir, "save"), repeats=repeats, **common)
         out["bytes"] = res["bytes"]
         out["save"] = {m: {k: summary(v) for k, v in r.items()} for m, r in res["runs"].items()}
     if "stock" in tasks:
-        res = spawn("stock", world_size, os.path.join(workdir, "stock"), repeats=repeats, **common)
+        res = spawn(task_stock, world_size, os.path.join(workdir, "stock"), repeats=repeats, **common)
         out["stock_bytes"] = res["bytes"]
         out["stock"] = {m: {k: summary(v) for k, v in r.items()} for m, r in res["runs"].items()}
     if "fit" in tasks:
         res = spawn(
-            "fit",
+            task_fit,
             world_size,
             os.path.join(workdir, "fit"),
             repeats=repeats,
@@ -441,7 +348,7 @@ def run(
         out["load"] = {}
         loaddir = os.path.join(workdir, "load")
         for saved in sorted(set(load_world_sizes)):
-            spawn("prepare", saved, loaddir, **common)
+            spawn(task_prepare_load, saved, loaddir, **common)
         for saved in load_world_sizes:
             res = run_rounds(world_size, loaddir, saved=saved, repeats=repeats, **common)
             runs = res["runs"]

@@ -196,18 +196,8 @@ def _copy_in_place(src: str, dst: str) -> None:
     A crash leaves ``dst`` without a marker (no checkpoint: never taken by a resume, removed by the next save to that
     name) and ``src`` whole.
     """
-    os.makedirs(dst)
     marker = os.path.join(src, COMMIT_FILE)
-    for entry in os.scandir(src):
-        if entry.name == COMMIT_FILE:
-            continue
-        target = os.path.join(dst, entry.name)
-        if entry.is_symlink():
-            os.symlink(os.readlink(entry.path), target)
-        elif entry.is_dir():
-            _copy_tree(entry.path, target)
-        else:
-            shutil.copyfile(entry.path, target)
+    _copy_tree(src, dst, skip=COMMIT_FILE)
     _fsync_tree(dst)
     if os.path.exists(marker):
         shutil.copyfile(marker, os.path.join(dst, COMMIT_FILE))
@@ -219,13 +209,15 @@ def _copy_in_place(src: str, dst: str) -> None:
         fsync_dir(dst)
 
 
-def _copy_tree(src: str, dst: str) -> None:
-    """Copy the directory ``src`` to the new ``dst``: file data and links only.
+def _copy_tree(src: str, dst: str, *, skip: str | None = None) -> None:
+    """Copy the directory ``src`` to the new ``dst``: file data and links only, all but the entry named ``skip``.
 
     No modes or times: ``shutil.copytree`` sets both, and fails where ``chmod`` is refused.
     """
     os.makedirs(dst)
     for entry in os.scandir(src):
+        if entry.name == skip:
+            continue
         target = os.path.join(dst, entry.name)
         if entry.is_symlink():
             os.symlink(os.readlink(entry.path), target)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 __all__ = [
+    "DeviceFromConnector",
     "MODEL_CHECKPOINT_FIND_LAST",
     "MODEL_CHECKPOINT_LINK",
     "MODEL_CHECKPOINT_RESOLVE_DIR",
@@ -216,3 +217,29 @@ def on_iterator_created(loader: Any, callback: Callable[[], None]) -> Callable[[
 
     loader._get_iterator = get_iterator
     return undo
+
+
+class DeviceFromConnector:
+    """Mixin of a single-device strategy: ``device=None`` takes the device Lightning's connector picks.
+
+    The accelerator connector fills an empty ``parallel_devices`` with the devices of ``accelerator`` and
+    ``devices`` (``devices=[k]`` on a GPU gives ``cuda:k``; CPU stays ``cpu``), as it does for ``strategy="auto"``;
+    a device given at construction is kept. Put it before the strategy class in the bases (its ``__init__`` takes
+    ``device`` and passes the rest on).
+    """
+
+    def __init__(self, device: Any = None, **kwargs: Any) -> None:
+        self._device_given = device is not None
+        super().__init__(device="cpu" if device is None else device, **kwargs)  # type: ignore[call-arg]
+
+    @property
+    def parallel_devices(self) -> list[Any]:
+        """The device given at construction (none yet when the connector is to choose it)."""
+        return [self.root_device] if self._device_given else []  # type: ignore[attr-defined]
+
+    @parallel_devices.setter
+    def parallel_devices(self, devices: list[Any]) -> None:
+        if devices and not self._device_given:
+            import torch
+
+            self._root_device = torch.device(devices[0])

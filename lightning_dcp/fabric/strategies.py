@@ -29,6 +29,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_dcp._compat.lightning_run import DeviceFromConnector
 from lightning_dcp.engine import CheckpointerConfig, init_strategy_attempt_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
@@ -235,27 +236,13 @@ class DCPStrategyMixin:
             super().teardown()
 
 
-class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
+class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDeviceStrategy):
     """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
 
     ``device=None`` (the default) takes the device Fabric picks for its ``accelerator``.
     """
 
     strategy_name = "dcp_single_device"
-
-    def __init__(self, device: Any = None, **kwargs: Any) -> None:
-        self._device_given = device is not None
-        super().__init__(device="cpu" if device is None else device, **kwargs)
-
-    @property
-    def parallel_devices(self) -> list[torch.device]:
-        """The device given at construction (none yet when Fabric is to choose it)."""
-        return [self.root_device] if self._device_given else []
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device]) -> None:
-        if devices and not self._device_given:
-            self._root_device = torch.device(devices[0])
 
 
 class _ElasticAttempt:

@@ -37,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
 from typing_extensions import override
 
 from lightning_dcp._compat.lightning_run import (
+    DeviceFromConnector,
     restore_modules_and_callbacks,
     trainer_run_arguments,
     unwrap_checkpoint_io,
@@ -367,7 +368,7 @@ class _WaitForStagingAtTrainEnd(Callback):
         self._strategy._dcp_io.checkpointer.wait_for_staging()
 
 
-class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
+class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDeviceStrategy):
     """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
 
     ``device=None`` (the default, and ``"dcp_single_device"``) takes the first of the Trainer's ``devices`` as
@@ -375,20 +376,6 @@ class DCPSingleDeviceStrategy(DCPStrategyMixin, SingleDeviceStrategy):
     """
 
     strategy_name = "dcp_single_device"
-
-    def __init__(self, device: Any = None, **kwargs: Any) -> None:
-        self._device_given = device is not None
-        super().__init__(device="cpu" if device is None else device, **kwargs)
-
-    @property
-    def parallel_devices(self) -> list[torch.device]:
-        """The device given at construction (none yet when the Trainer is to choose it)."""
-        return [self.root_device] if self._device_given else []
-
-    @parallel_devices.setter
-    def parallel_devices(self, devices: list[torch.device]) -> None:
-        if devices and not self._device_given:
-            self._root_device = torch.device(devices[0])
 
 
 class DCPDDPStrategy(DCPStrategyMixin, ElasticAttempt, DDPStrategy):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -81,6 +82,13 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env
     if dist.is_initialized():  # leave together and in order: a peer exiting first can abort gloo's threads
         dist.barrier()
         dist.destroy_process_group()
+    # The test's work is done and checked; skip the interpreter's teardown. In it, a gloo worker of a group that is
+    # still referenced (DDP modules, meshes) can drop a finished collective's tensors after teardown began and abort
+    # the process (exit 134; a torch/CPython race, see engine.dist.settle_threads). The exit path itself is tested
+    # in real interpreters by tests/distributed/test_clean_exit.py and test_memory_exit.py.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, env: dict | None = None) -> None:

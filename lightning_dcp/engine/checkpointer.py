@@ -298,11 +298,14 @@ class Checkpointer:
         a pointer) starts nothing, and what is wrong with it is for the load to report.
 
         Returns:
-            Whether a thread started.
+            Whether a thread started: ``False`` also when this Checkpointer started one for ``path`` since its last
+            load (the Trainer's strategies start it at ``setup`` and again in ``load_checkpoint``).
         """
         try:
             location = self.location(path)
             if not location.local or (self.memory is not None and memory_io.covers(self, location)):
+                return False
+            if self._prefetched == os.path.realpath(location.path):  # started for the coming load already
                 return False
             started = page_cache.prefetch(location.path)
         except Exception:  # the load reports it

@@ -127,7 +127,14 @@ def test_a_trainer_resume_prefetches_the_checkpoint_before_the_strategy_sets_up(
     saved = {k: v.clone() for k, v in first.lightning_module.state_dict().items()}
     events: list[str] = []
     start = page_cache.prefetch
-    monkeypatch.setattr(page_cache, "prefetch", lambda *a, **k: events.append("prefetch") or start(*a, **k))
+
+    def prefetch(path, **kwargs):  # each prefetch runs to its end before the caller goes on
+        events.append("prefetch")
+        started = start(path, **kwargs)
+        page_cache.wait(path, timeout=10)
+        return started
+
+    monkeypatch.setattr(page_cache, "prefetch", prefetch)
 
     class Recording(TinyModel):
         def configure_optimizers(self):
@@ -139,7 +146,7 @@ def test_a_trainer_resume_prefetches_the_checkpoint_before_the_strategy_sets_up(
     resumed.fit(model, datamodule=RandomDataModule(n=16, batch_size=4), ckpt_path=path)
     assert page_cache.wait(path, timeout=10)
     data = sorted(n for n in os.listdir(path) if n.endswith(".distcp"))
-    assert [_names(files) for files in filled] == [[".commit", ".metadata", *data]]  # one, from the strategy
+    assert [_names(files) for files in filled] == [[".commit", ".metadata", *data]]  # one, never read twice
     assert events[:2] == ["prefetch", "configure_optimizers"], events  # the disk reads while the strategy sets up
     assert resumed.global_step == 2  # restored (step 2 of max_steps=2: nothing left to train)
     for key, value in model.state_dict().items():

@@ -3,10 +3,14 @@
 Each trial runs ``torchrun --nproc-per-node 2 --max-restarts 1`` on CPU (``dcp_ddp``, gloo) with
 ``MemoryCheckpoint(every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``; in the first attempt rank 1 (``--kill
 rank``) or every rank (``--kill job``) SIGKILLs itself after step ``--kill-at``; the agent restarts both workers and
-they resume from the newest memory checkpoint. Phases, from the workers' and the agent's clocks (one machine):
+they resume from the newest memory checkpoint. With ``--kill node`` two simulated nodes (one ``torchrun --nnodes 2``
+agent of one worker each, c10d rendezvous, a memory area each) run instead; at ``--kill-at`` one node (``a`` and
+``b`` in turn) wipes its memory area and SIGKILLs its agent and worker, and a new node ``c`` (a fresh area) joins:
+the lost node's part comes from the survivor's replica. Phases, from the workers' and the agent's clocks (one machine):
 
 - detection: the kill to the agent's "failed" log line;
-- restart: from there to the restarted worker's interpreter running this module;
+- restart: from there to the restarted worker's interpreter running this module (a node loss: the survivor's
+  agent waits in the rendezvous until the lost node's heartbeats have lapsed and the new node has joined);
 - imports: torch, Lightning, lightning_dcp;
 - process group: the strategy's ``setup_distributed``;
 - find: ``Checkpointer.resumable`` (is anything committed, across memory and the durable directory);
@@ -20,6 +24,7 @@ Every trial also checks that the resumed state is the newest memory save's (its 
 
     python -m benchmarks.bench_recovery --trials 10 --gb 0.6          # one rank's death, ~0.6 GB of state per rank
     python -m benchmarks.bench_recovery --trials 4 --kill job         # every rank killed at once
+    python -m benchmarks.bench_recovery --trials 4 --kill node        # a node lost (its memory too), a new one joins
 """
 
 from __future__ import annotations
@@ -53,8 +58,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     from lightning_dcp import DCPDDPStrategy, MemoryCheckpoint
 
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+    # a replacement node's agent counts its restarts from 0: its first attempt is the job's second
+    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + int(os.environ.get("BENCH_FIRST_ATTEMPT", "0"))
     rank = int(os.environ["RANK"])
+    node = os.environ.get("BENCH_NODE")  # --kill node: this simulated node's name (its own memory area)
     path = os.path.join(args.workdir, f"times-{rank}.jsonl")
 
     def note(event: str, **extra) -> None:
@@ -110,7 +117,12 @@ def _worker(args: argparse.Namespace) -> None:
                 note("first_step", step=step)
             if step % args.every == 0:
                 note("saved", step=step, hash=digest(module))
-            if attempt == 0 and step == args.kill_at and (args.kill == "job" or rank == 1):
+            if attempt == 0 and step == args.kill_at and args.kill == "node" and node == args.lose:
+                note("kill", step=step, node=node)
+                shutil.rmtree(area, ignore_errors=True)  # the node's memory goes with it
+                os.kill(os.getppid(), signal.SIGKILL)  # its agent
+                os.kill(os.getpid(), signal.SIGKILL)
+            if attempt == 0 and step == args.kill_at and (args.kill == "job" or (args.kill == "rank" and rank == 1)):
                 note("kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
 
@@ -130,15 +142,17 @@ def _worker(args: argparse.Namespace) -> None:
             return torch.optim.AdamW(self.parameters(), lr=1e-5)
 
     data = DataLoader(TensorDataset(torch.randn(64 * args.max_steps, width)), batch_size=4)
+    area = _area(args.workdir, node)
     memory = MemoryCheckpoint(
-        os.path.join("/dev/shm", os.path.basename(args.workdir)),
+        area,
         every_n_train_steps=args.every,
         persist_every=0,
         dirpath=os.path.join(args.workdir, "durable"),
     )
     trainer = Trainer(
         accelerator="cpu",
-        devices=2,
+        devices=1 if node else 2,
+        num_nodes=2 if node else 1,
         strategy=Timed(),
         max_steps=args.max_steps,
         callbacks=[memory, Probe()],
@@ -149,6 +163,11 @@ def _worker(args: argparse.Namespace) -> None:
     )
     trainer.fit(Module(), data, ckpt_path="last")
     note("done", step=trainer.global_step)
+
+
+def _area(workdir: str, node: str | None) -> str:
+    """The memory area of a trial's node (one area for ``--kill rank`` and ``job``: one node)."""
+    return os.path.join("/dev/shm", os.path.basename(workdir) + (f"-{node}" if node else ""))
 
 
 def _agent_failed_at(log: str, year: int) -> float | None:
@@ -175,22 +194,89 @@ def _events(workdir: str, rank: int) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+_STORE_HOST = (  # the rendezvous store, outside both nodes (as on a cluster's head node): either node can be lost
+    "import sys, time, torch.distributed as d\n"
+    "s = d.TCPStore('127.0.0.1', int(sys.argv[1]), is_master=True)\n"
+    "while True: time.sleep(60)"
+)
+
+
+def _run_one(args: argparse.Namespace, workdir: str, env: dict, worker: list[str]) -> tuple[int | str, str]:
+    """``--kill rank`` and ``job``: one ``torchrun`` of 2 workers; its exit code ("hang" past ``--timeout``), log."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
+    command += ["--master-port", str(_free_port()), *worker]
+    try:
+        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+        return done.returncode, done.stderr
+    except subprocess.TimeoutExpired as hang:
+        return "hang", (hang.stderr or b"").decode(errors="replace")
+
+
+def _run_nodes(args: argparse.Namespace, workdir: str, env: dict, worker: list[str], lose: str) -> tuple:
+    """``--kill node``: two simulated nodes ``a`` and ``b`` (one ``torchrun`` agent of 1 worker each, c10d
+    rendezvous on a store outside both), node ``lose`` killed with its agent and its memory area wiped at
+    ``--kill-at``, and a replacement node ``c`` started then. The survivor's and the replacement's exit codes
+    ("hang" past ``--timeout``) and the survivor agent's log."""
+    port = _free_port()
+    store = subprocess.Popen([sys.executable, "-c", _STORE_HOST, str(port)], start_new_session=True)
+    rendezvous = ["--nnodes", "2", "--nproc-per-node", "1", "--max-restarts", "1", "--rdzv-backend", "c10d"]
+    conf = f"is_host=0,keep_alive_interval={args.keep_alive},keep_alive_max_attempt=3"
+    rendezvous += ["--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "bench", "--rdzv-conf", conf]
+    if args.agent_store == "fresh":
+        env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    agents: dict[str, subprocess.Popen] = {}
+
+    def start(name: str, first_attempt: int) -> None:
+        node_env = {**env, "BENCH_NODE": name, "BENCH_FIRST_ATTEMPT": str(first_attempt)}
+        with open(os.path.join(workdir, f"agent-{name}.log"), "w") as log:
+            command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *worker]
+            agents[name] = subprocess.Popen(
+                command, env=node_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+
+    deadline = time.monotonic() + args.timeout
+    survivor = "a" if lose == "b" else "b"
+    try:
+        start("a", 0)
+        start("b", 0)
+        while time.monotonic() < deadline and agents[lose].poll() is None:
+            time.sleep(0.02)
+        start("c", 1)
+        codes: list[int | str] = []
+        for name in (survivor, "c"):
+            try:
+                codes.append(agents[name].wait(timeout=max(0.1, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                codes.append("hang")
+    finally:
+        for process in (*agents.values(), store):
+            if process.poll() is None:
+                os.killpg(process.pid, 9)
+            process.wait()
+        for name in ("a", "b", "c"):
+            shutil.rmtree(_area(workdir, name), ignore_errors=True)
+    with open(os.path.join(workdir, f"agent-{survivor}.log")) as f:
+        log = f.read()
+    failed = [code for code in codes if code != 0]
+    return (failed[0] if failed else 0), log
+
+
 def trial(args: argparse.Namespace, index: int) -> dict:
-    """One torchrun with a kill and a restart; the phases in seconds (see the module docstring)."""
+    """One elastic run with a kill and a restart; the phases in seconds (see the module docstring)."""
     workdir = tempfile.mkdtemp(prefix=f"bench_recovery_{index}_", dir=args.dir)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     env["TZ"] = "UTC"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "1"]
-    command += ["--master-port", str(_free_port()), "-m", "benchmarks.bench_recovery", "--worker"]
-    command += ["--workdir", workdir, "--kill", args.kill, "--kill-at", str(args.kill_at), "--every", str(args.every)]
-    command += ["--max-steps", str(args.max_steps), "--width", str(args.width), "--layers", str(args.layers)]
+    lose = "b" if index % 2 == 0 else "a"  # --kill node: the node lost, in turn
+    worker = ["-m", "benchmarks.bench_recovery", "--worker", "--workdir", workdir, "--kill", args.kill, "--lose", lose]
+    worker += ["--kill-at", str(args.kill_at), "--every", str(args.every)]
+    worker += ["--max-steps", str(args.max_steps), "--width", str(args.width), "--layers", str(args.layers)]
     result: dict = {"trial": index}
-    try:
-        done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-        result["rc"], log = done.returncode, done.stderr
-    except subprocess.TimeoutExpired as hang:
-        result["rc"], log = "hang", (hang.stderr or b"").decode(errors="replace")
+    if args.kill == "node":
+        result["lost"] = lose
+        result["rc"], log = _run_nodes(args, workdir, env, worker, lose)
+    else:
+        result["rc"], log = _run_one(args, workdir, env, worker)
     events = [_events(workdir, rank) for rank in range(2)]
     shutil.rmtree(os.path.join("/dev/shm", os.path.basename(workdir)), ignore_errors=True)
     if not args.keep:
@@ -237,7 +323,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--kill", choices=("rank", "job"), default="rank")
+    parser.add_argument("--kill", choices=("rank", "job", "node"), default="rank")
+    parser.add_argument("--lose", default="b", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--agent-store",
+        choices=("fresh", "shared"),
+        default="fresh",
+        help="--kill node: a store per rendezvous round (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1) or torch's default",
+    )
+    parser.add_argument(
+        "--keep-alive",
+        type=int,
+        default=1,
+        help="--kill node: seconds between the agents' rendezvous heartbeats (torch's default: 5); a node is dead"
+        " after 3 missed",
+    )
     parser.add_argument("--kill-at", type=int, default=13)
     parser.add_argument("--every", type=int, default=5)
     parser.add_argument("--max-steps", type=int, default=16)

@@ -58,8 +58,10 @@ def _worker(args: argparse.Namespace) -> None:
 
     from lightning_dcp import DCPDDPStrategy, MemoryCheckpoint
 
-    # a replacement node's agent counts its restarts from 0: its first attempt is the job's second
-    attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"]) + int(os.environ.get("BENCH_FIRST_ATTEMPT", "0"))
+    # 0 before the kill, 1 after: not TORCHELASTIC_RESTART_COUNT, which a replacement node's agent counts from 0 and
+    # a restart for a node joining does not advance
+    marker = os.path.join(args.workdir, "killed")
+    attempt = 1 if os.path.exists(marker) else 0
     rank = int(os.environ["RANK"])
     node = os.environ.get("BENCH_NODE")  # --kill node: this simulated node's name (its own memory area)
     path = os.path.join(args.workdir, f"times-{rank}.jsonl")
@@ -119,11 +121,13 @@ def _worker(args: argparse.Namespace) -> None:
                 note("saved", step=step, hash=digest(module))
             if attempt == 0 and step == args.kill_at and args.kill == "node" and node == args.lose:
                 note("kill", step=step, node=node)
+                open(marker, "w").close()
                 shutil.rmtree(area, ignore_errors=True)  # the node's memory goes with it
                 os.kill(os.getppid(), signal.SIGKILL)  # its agent
                 os.kill(os.getpid(), signal.SIGKILL)
             if attempt == 0 and step == args.kill_at and (args.kill == "job" or (args.kill == "rank" and rank == 1)):
                 note("kill", step=step)
+                open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
 
     width = args.width
@@ -226,8 +230,8 @@ def _run_nodes(args: argparse.Namespace, workdir: str, env: dict, worker: list[s
         env = {**env, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     agents: dict[str, subprocess.Popen] = {}
 
-    def start(name: str, first_attempt: int) -> None:
-        node_env = {**env, "BENCH_NODE": name, "BENCH_FIRST_ATTEMPT": str(first_attempt)}
+    def start(name: str) -> None:
+        node_env = {**env, "BENCH_NODE": name}
         with open(os.path.join(workdir, f"agent-{name}.log"), "w") as log:
             command = [sys.executable, "-m", "torch.distributed.run", *rendezvous, *worker]
             agents[name] = subprocess.Popen(
@@ -237,11 +241,11 @@ def _run_nodes(args: argparse.Namespace, workdir: str, env: dict, worker: list[s
     deadline = time.monotonic() + args.timeout
     survivor = "a" if lose == "b" else "b"
     try:
-        start("a", 0)
-        start("b", 0)
+        start("a")
+        start("b")
         while time.monotonic() < deadline and agents[lose].poll() is None:
             time.sleep(0.02)
-        start("c", 1)
+        start("c")
         codes: list[int | str] = []
         for name in (survivor, "c"):
             try:
@@ -282,8 +286,8 @@ def trial(args: argparse.Namespace, index: int) -> dict:
     if not args.keep:
         shutil.rmtree(workdir, ignore_errors=True)
 
-    def at(rank: int, event: str, attempt: int) -> dict | None:
-        return next((e for e in events[rank] if e["event"] == event and e["attempt"] == attempt), None)
+    def at(rank: int, event: str, attempt: int) -> dict | None:  # the last: a restart may be restarted again
+        return next((e for e in reversed(events[rank]) if e["event"] == event and e["attempt"] == attempt), None)
 
     kills = [e["t"] for r in range(2) for e in events[r] if e["event"] == "kill"]
     if result["rc"] != 0 or not kills:
@@ -311,6 +315,7 @@ def trial(args: argparse.Namespace, index: int) -> dict:
         total=max(at(r, "first_step", 1)["t"] for r in range(2)) - kill,
         resumed_step=resumed["step"],
         exact=resumed["step"] == newest and resumed["hash"] == saved[newest],
+        starts=sum(e["event"] == "start" and e["attempt"] == 1 for e in events[0]),  # > 1: restarted again
     )
     return result
 

@@ -190,3 +190,22 @@ def optimizer_load_hooked(optimizer: Any) -> bool:
     if not isinstance(pre, dict) or not isinstance(post, dict):
         return True
     return bool(pre) or bool(post)
+
+
+def sync_module_states(module: torch.nn.Module, *, process_group: Any, skip: frozenset[str]) -> None:
+    """What ``DistributedDataParallel`` does at wrapping when ``init_sync=True`` (torch 2.13), minus ``skip``.
+
+    Checks that every rank's parameters have the same shapes, then broadcasts from rank 0, in buckets of 250 MiB as
+    DDP does, every parameter and buffer (non-persistent ones included) whose name is not in ``skip``.
+    Collective: call on all ranks of ``process_group``.
+    """
+    from torch.distributed.utils import _sync_module_states, _verify_param_shape_across_processes
+
+    _verify_param_shape_across_processes(process_group, list(module.parameters()))
+    _sync_module_states(
+        module=module,
+        process_group=process_group,
+        broadcast_bucket_size=250 * 1024 * 1024,
+        src=0,
+        params_and_buffers_to_ignore=skip,
+    )

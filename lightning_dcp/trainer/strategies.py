@@ -51,6 +51,7 @@ from lightning_dcp.engine.state.module_state import (
 )
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.ddp_resume import SyncAfterRestore
 from lightning_dcp.trainer.elastic import ElasticAttempt
 from lightning_dcp.trainer.memory import is_memory_sentinel
 from lightning_dcp.trainer.preemption import install_preemption
@@ -142,7 +143,7 @@ class DCPStrategyMixin:
         self._dcp_restored_at_setup = False
         arguments = trainer_run_arguments(trainer) if self._dcp_sharded else None
         if arguments and arguments[0] and isinstance(self, (DDPStrategy, SingleDeviceStrategy)):
-            self._dcp_io.checkpointer.prefetch(arguments[0])  # every rank reads all: while DDP broadcasts weights
+            self._dcp_io.checkpointer.prefetch(arguments[0])  # every rank reads all: while the strategy sets up
         super().setup(trainer)
         if not self._dcp_sharded:
             return
@@ -320,6 +321,8 @@ class DCPStrategyMixin:
         """Sharded: apply the model state with ``set_model_state_dict`` (full state from a single file)."""
         if not self._dcp_sharded:
             return super().load_model_state_dict(checkpoint, strict=strict)
+        # what this restore writes on every rank alike (strict: every entry of the module's state_dict, or it raised)
+        self._dcp_restored_names = frozenset(checkpoint[layout.MODEL_KEY]) if strict else frozenset()
         if _is_single_file(checkpoint):
             options = StateDictOptions(full_state_dict=True, strict=strict)
             set_model_state_dict(self._dcp_module(), checkpoint[layout.MODEL_KEY], options=options)
@@ -378,8 +381,11 @@ class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDevic
     strategy_name = "dcp_single_device"
 
 
-class DCPDDPStrategy(DCPStrategyMixin, ElasticAttempt, DDPStrategy):
-    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
+class DCPDDPStrategy(SyncAfterRestore, DCPStrategyMixin, ElasticAttempt, DDPStrategy):
+    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`.
+
+    A resume skips DDP's broadcast of the weights it restores (:class:`~lightning_dcp.trainer.ddp_resume.SyncAfterRestore`).
+    """
 
     strategy_name = "dcp_ddp"
 

@@ -384,7 +384,8 @@ class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDevic
 class DCPDDPStrategy(SyncAfterRestore, DCPStrategyMixin, ElasticAttempt, DDPStrategy):
     """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`.
 
-    A resume skips DDP's broadcast of the weights it restores (:class:`~lightning_dcp.trainer.ddp_resume.SyncAfterRestore`).
+    A resume skips DDP's broadcast of the weights it restores
+    (:class:`~lightning_dcp.trainer.ddp_resume.SyncAfterRestore`).
     """
 
     strategy_name = "dcp_ddp"

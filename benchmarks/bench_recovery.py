@@ -120,9 +120,9 @@ def _worker(args: argparse.Namespace) -> None:
             if step % args.every == 0:
                 note("saved", step=step, hash=digest(module))
             if attempt == 0 and step == args.kill_at and args.kill == "node" and node == args.lose:
-                note("kill", step=step, node=node)
+                shutil.rmtree(area, ignore_errors=True)  # the node's memory goes with it (in no time, for a real node)
                 open(marker, "w").close()
-                shutil.rmtree(area, ignore_errors=True)  # the node's memory goes with it
+                note("kill", step=step, node=node)
                 os.kill(os.getppid(), signal.SIGKILL)  # its agent
                 os.kill(os.getpid(), signal.SIGKILL)
             if attempt == 0 and step == args.kill_at and (args.kill == "job" or (args.kill == "rank" and rank == 1)):

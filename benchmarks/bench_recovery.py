@@ -70,6 +70,8 @@ def _worker(args: argparse.Namespace) -> None:
         with open(path, "a") as f:
             f.write(json.dumps({"event": event, "t": time.time(), "attempt": attempt, **extra}) + "\n")
 
+    import faulthandler
+
     note("start", t0=START)
     note("imported")
 
@@ -113,6 +115,8 @@ def _worker(args: argparse.Namespace) -> None:
             note("train_start", step=trainer.global_step, hash=digest(module))
 
         def on_train_batch_end(self, trainer, module, *rest) -> None:
+            # a step that has not ended 15 s after this one (steps take 1-2 s here): where every thread is, in the log
+            faulthandler.dump_traceback_later(15, exit=False)
             step = trainer.global_step
             if self.first:
                 self.first = False

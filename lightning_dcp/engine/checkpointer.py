@@ -378,6 +378,13 @@ class Checkpointer:
         if self._async is not None:
             self._async.wait_for_staging()
 
+    def give_up(self, *, after: float) -> bool:
+        """After a failed run: give the memory tier's save in flight ``after`` seconds, then leave it unfinished.
+
+        See :meth:`~lightning_dcp.engine.tiers.memory.MemoryTier.give_up`. Returns whether a save was left.
+        """
+        return self.memory.give_up(after=after) if self.memory is not None else False
+
     def close(self) -> None:
         """Wait for the background save in flight (if any), release the staging buffers, then wait for the uploads.
 

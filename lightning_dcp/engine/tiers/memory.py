@@ -123,6 +123,7 @@ class MemoryTier:
         """Seconds of each step of the last save: ``stage`` (a synchronous save's planning and copy, in the call),
         ``write`` (from the call's planning to the commit), ``replicate``, ``persist``."""
         self._inflight: InFlight | None = None
+        self._abandoned = False  # :meth:`give_up` left a save unfinished: the tier is not used again
         self._saves = 0
         self._persisted_at = time.monotonic()
 
@@ -417,11 +418,34 @@ class MemoryTier:
                 inflight.error, f"The memory-tier save of {inflight.name!r} failed in the background"
             ) from None
 
+    def give_up(self, *, after: float) -> bool:
+        """After a failed run: wait at most ``after`` seconds for the save in flight, then leave it unfinished.
+
+        A transfer to a peer that died waits for good (gloo's point-to-point waits, unlike its collectives, do not
+        fail when the connection closes). A save left keeps its files mapped and the group alive (the waiting thread
+        uses them); :meth:`close` then does nothing. What was committed stays. Returns whether a save was left.
+        """
+        inflight = self._inflight
+        if inflight is None or inflight.finished.wait(after):
+            return False
+        self._inflight, self._abandoned = None, True
+        self.group, self.topology = None, None
+        log.warning(
+            "lightning_dcp: the run failed; the memory-tier save of %r was left unfinished after %.0f s (a peer gone?)",
+            inflight.name,
+            after,
+        )
+        return True
+
     def close(self) -> None:
         """Wait for the save in flight, unmap the files (they stay in the area), then leave the tier's group.
 
+        Does nothing after :meth:`give_up` left a save unfinished.
+
         Collective: call on all ranks (a later save joins a new group). Raises like :meth:`MemoryTier.wait`.
         """
+        if self._abandoned:
+            return
         try:
             self.wait()
         finally:

@@ -1,12 +1,13 @@
 """Time to recover from a dead rank under ``torchrun --max-restarts``, phase by phase, with the memory tier.
 
 Each trial runs ``torchrun --nproc-per-node 2 --max-restarts 1`` on CPU (``dcp_ddp``, gloo) with
-``MemoryCheckpoint(every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``; in the first attempt rank 1 (``--kill
-rank``) or every rank (``--kill job``) SIGKILLs itself after step ``--kill-at``; the agent restarts both workers and
-they resume from the newest memory checkpoint. With ``--kill node`` two simulated nodes (one ``torchrun --nnodes 2``
-agent of one worker each, c10d rendezvous, a memory area each) run instead; at ``--kill-at`` one node (``a`` and
-``b`` in turn) wipes its memory area and SIGKILLs its agent and worker, and a new node ``c`` (a fresh area) joins:
-the lost node's part comes from the survivor's replica. Phases, from the workers' and the agent's clocks (one machine):
+``MemoryCheckpoint(every_n_train_steps=EVERY)`` and ``fit(ckpt_path="last")``; in the first attempt rank
+``--victim`` (``--kill rank``) or every rank (``--kill job``) SIGKILLs itself after step ``--kill-at``; the agent
+restarts both workers and they resume from the newest memory checkpoint. With ``--kill node`` two simulated nodes
+(one ``torchrun --nnodes 2`` agent of one worker each, c10d rendezvous, a memory area each) run instead; at
+``--kill-at`` one node (``a`` and ``b`` in turn) wipes its memory area and SIGKILLs its agent and worker, and a new
+node ``c`` (a fresh area) joins: the lost node's part comes from the survivor's replica. ``--kill mixed`` draws
+each trial's kind, rank and step (``--seed``). Phases, from the workers' and the agent's clocks (one machine):
 
 - detection: the kill to the agent's "failed" log line;
 - restart: from there to the restarted worker's interpreter running this module (a node loss: the survivor's
@@ -25,6 +26,7 @@ Every trial also checks that the resumed state is the newest memory save's (its 
     python -m benchmarks.bench_recovery --trials 10 --gb 0.6          # one rank's death, ~0.6 GB of state per rank
     python -m benchmarks.bench_recovery --trials 4 --kill job         # every rank killed at once
     python -m benchmarks.bench_recovery --trials 4 --kill node        # a node lost (its memory too), a new one joins
+    python -m benchmarks.bench_recovery --trials 30 --kill mixed --kill-at 11 --kill-at-max 14 --seed 1
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import argparse
 import datetime
 import json
 import os
+import random
 import re
 import shutil
 import socket
@@ -129,7 +132,8 @@ def _worker(args: argparse.Namespace) -> None:
                 note("kill", step=step, node=node)
                 os.kill(os.getppid(), signal.SIGKILL)  # its agent
                 os.kill(os.getpid(), signal.SIGKILL)
-            if attempt == 0 and step == args.kill_at and (args.kill == "job" or (args.kill == "rank" and rank == 1)):
+            killed = args.kill == "job" or (args.kill == "rank" and rank == args.victim)
+            if attempt == 0 and step == args.kill_at and killed:
                 note("kill", step=step)
                 open(marker, "w").close()
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -269,18 +273,21 @@ def _run_nodes(args: argparse.Namespace, workdir: str, env: dict, worker: list[s
     return (failed[0] if failed else 0), log
 
 
-def trial(args: argparse.Namespace, index: int) -> dict:
-    """One elastic run with a kill and a restart; the phases in seconds (see the module docstring)."""
+def trial(args: argparse.Namespace, index: int, *, kind: str, victim: int, kill_at: int) -> dict:
+    """One elastic run with a ``kind`` kill (of rank ``victim`` for ``rank``) after step ``kill_at`` and a restart;
+    the phases in seconds (see the module docstring)."""
     workdir = tempfile.mkdtemp(prefix=f"bench_recovery_{index}_", dir=args.dir)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH")]))
     env["TZ"] = "UTC"
     lose = "b" if index % 2 == 0 else "a"  # --kill node: the node lost, in turn
-    worker = ["-m", "benchmarks.bench_recovery", "--worker", "--workdir", workdir, "--kill", args.kill, "--lose", lose]
-    worker += ["--kill-at", str(args.kill_at), "--every", str(args.every)]
+    worker = ["-m", "benchmarks.bench_recovery", "--worker", "--workdir", workdir, "--kill", kind, "--lose", lose]
+    worker += ["--victim", str(victim), "--kill-at", str(kill_at), "--every", str(args.every)]
     worker += ["--max-steps", str(args.max_steps), "--width", str(args.width), "--layers", str(args.layers)]
-    result: dict = {"trial": index}
-    if args.kill == "node":
+    result: dict = {"trial": index, "kill": kind, "kill_at": kill_at}
+    if kind == "rank":
+        result["victim"] = victim
+    if kind == "node":
         result["lost"] = lose
         result["rc"], log = _run_nodes(args, workdir, env, worker, lose)
     else:
@@ -307,7 +314,7 @@ def trial(args: argparse.Namespace, index: int) -> dict:
 
     saved = {e["step"]: e["hash"] for e in events[0] if e["event"] == "saved" and e["attempt"] == 0}
     resumed = at(0, "train_start", 1)
-    newest = max(s for s in saved if s <= args.kill_at)
+    newest = max(s for s in saved if s <= kill_at)
     result.update(
         detection=(failed - kill) if failed else None,
         restart=starts[last]["t0"] - (failed or kill),
@@ -319,6 +326,9 @@ def trial(args: argparse.Namespace, index: int) -> dict:
         total=max(at(r, "first_step", 1)["t"] for r in range(2)) - kill,
         resumed_step=resumed["step"],
         exact=resumed["step"] == newest and resumed["hash"] == saved[newest],
+        # the state of the step resumed equals that step's save (an older one after a node loss that took the only
+        # copy of the newest save's part: its replication had not finished)
+        state_ok=resumed["hash"] == saved.get(resumed["step"]),
         starts=sum(e["event"] == "start" and e["attempt"] == 1 for e in events[0]),  # > 1: restarted again
     )
     return result
@@ -332,7 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--trials", type=int, default=10)
-    parser.add_argument("--kill", choices=("rank", "job", "node"), default="rank")
+    parser.add_argument(
+        "--kill",
+        choices=("rank", "job", "node", "mixed"),
+        default="rank",
+        help="mixed: each trial draws rank, job or node, the rank killed and the step (--kill-at to --kill-at-max)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="--kill mixed: the draws' seed")
+    parser.add_argument("--kill-at-max", type=int, default=None, help="--kill mixed: the latest kill step")
+    parser.add_argument("--victim", type=int, default=1, help="--kill rank: the rank killed")
     parser.add_argument("--lose", default="b", help=argparse.SUPPRESS)
     parser.add_argument(
         "--agent-store",
@@ -366,8 +384,14 @@ def main(argv: list[str] | None = None) -> int:
     gb = 12 * args.layers * (args.width * args.width + args.width) / 1e9
     print(f"{args.trials} trials, kill={args.kill}, {gb:.2f} GB of state per rank ({args.layers} x {args.width}^2)")
     results = []
+    draws = random.Random(args.seed)
     for index in range(args.trials):
-        result = trial(args, index)
+        if args.kill == "mixed":
+            kind = draws.choice(("rank", "job", "node"))
+            victim, kill_at = draws.randrange(2), draws.randint(args.kill_at, args.kill_at_max or args.kill_at)
+        else:
+            kind, victim, kill_at = args.kill, args.victim, args.kill_at
+        result = trial(args, index, kind=kind, victim=victim, kill_at=kill_at)
         results.append(result)
         shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in result.items() if k != "log"}
         print(json.dumps(shown), flush=True)
@@ -376,6 +400,7 @@ def main(argv: list[str] | None = None) -> int:
     good = [r for r in results if r.get("rc") == 0 and "total" in r]
     print(
         f"ok {len(good)}/{len(results)}, exact {sum(bool(r.get('exact')) for r in good)}, "
+        f"state of the step resumed {sum(bool(r.get('state_ok')) for r in good)}, "
         f"hangs {sum(r.get('rc') == 'hang' for r in results)}, "
         f"failed {sum(r.get('rc') not in (0, 'hang') for r in results)}"
     )

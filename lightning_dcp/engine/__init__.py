@@ -16,7 +16,8 @@ imports them. The rooms, each importing only the ones below it:
   module, optimizer, RNG and loader state;
 - at the bottom, imported by any room: :mod:`~lightning_dcp.engine.dist` (who takes part in a call),
   :mod:`~lightning_dcp.engine.agreement` (one failure raised on every rank), :mod:`~lightning_dcp.engine.elastic`,
-  :mod:`~lightning_dcp.engine.gc_pause` and :mod:`~lightning_dcp.engine.save_log`.
+  :mod:`~lightning_dcp.engine.gc_pause`, :mod:`~lightning_dcp.engine.save_log` and
+  :mod:`~lightning_dcp.engine.signal_watch` (a rank stuck in a C call when a signal comes).
 """
 
 from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
@@ -37,6 +38,7 @@ from lightning_dcp.engine.load.source import Source, TensorEntry
 from lightning_dcp.engine.save.dcp_io import storage_writer
 from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
+from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, fsync_dir, new_token, read_commit
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
@@ -48,11 +50,13 @@ __all__ = [
     "METADATA_FILE",
     "STAGING_INFIX",
     "STEP_GATE",
+    "STUCK_AFTER_S",
     "Checkpointer",
     "CheckpointerConfig",
     "Loaded",
     "Location",
     "RestoreRecord",
+    "SignalWatch",
     "Source",
     "TensorEntry",
     "add_safe_globals",

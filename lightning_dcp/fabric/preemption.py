@@ -11,7 +11,9 @@ stops the way it would have, a checkpoint later.
 
 What is deferred stays bounded: a second SIGTERM before that save goes to the previous handler at once (a job that
 never saves again still stops), and the strategy's ``teardown`` (or the end of the process) puts the previous handler
-back. A process that ignores SIGTERM (``SIG_IGN``) keeps ignoring it. The Trainer does the same through
+back. A process that ignores SIGTERM (``SIG_IGN``) keeps ignoring it. A main thread stuck inside one C call (a
+collective with a peer whose host vanished) cannot run the handler: ``stuck_after`` seconds after the signal the
+process ends with status 143 (:class:`~lightning_dcp.engine.SignalWatch`). The Trainer does the same through
 :class:`~lightning_dcp.trainer.memory.MemoryCheckpoint` and Lightning's own SIGTERM flag.
 """
 
@@ -24,6 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from lightning_dcp.engine import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.engine.tiers.memory import MemoryTier
 
 __all__ = ["Preemption"]
@@ -32,10 +35,16 @@ log = logging.getLogger(__name__)
 
 
 class Preemption:
-    """Records SIGTERM in the main thread's handler; acts on it at a point where every rank is (a save)."""
+    """Records SIGTERM in the main thread's handler; acts on it at a point where every rank is (a save).
 
-    def __init__(self) -> None:
+    Args:
+        stuck_after: Seconds after a SIGTERM by which the main thread must have run the handler, else the process
+            ends with status 143; ``None``: never.
+    """
+
+    def __init__(self, *, stuck_after: float | None = STUCK_AFTER_S) -> None:
         self.received = False
+        self._watch = SignalWatch(signals=[signal.SIGTERM], after=stuck_after)
         self._previous: Any = None
         self._installed = False
         self._warned = False
@@ -59,15 +68,18 @@ class Preemption:
         self._previous = previous
         signal.signal(signal.SIGTERM, self._on_sigterm)
         self._installed = True
+        self._watch.start()
 
     def uninstall(self) -> None:
         """Put the previous handler back (main thread; a no-op when not installed)."""
         if not self._installed or threading.current_thread() is not threading.main_thread():
             return
         self._installed = False
+        self._watch.stop()
         signal.signal(signal.SIGTERM, self._previous if self._previous is not None else signal.SIG_DFL)
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        self._watch.handler_ran()
         if self.received:  # a second one: no save came to act on the first; stop as the process would have
             self.uninstall()
             signal.raise_signal(signal.SIGTERM)

@@ -21,7 +21,10 @@ Where the checkpoint goes:
   or in ``default_root_dir`` without one.
 
 Repeated signals change nothing (Lightning's launcher forwards SIGTERM to the ranks it started, which may have had
-it already); a job stuck inside a step is ended by the scheduler's SIGKILL after its grace period, as without us.
+it already). A rank stuck inside one C call (a collective with a peer whose host vanished) cannot run a Python
+handler at all: ``stuck_after`` seconds after the signal, :class:`~lightning_dcp.engine.SignalWatch` forwards it to
+the processes Lightning launched and ends the process with status ``128 + signal``, rather than waiting for the
+scheduler's SIGKILL (torchelastic's agent sends it 30 s after its SIGTERM).
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dcp.engine import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.trainer.memory import memory_checkpoint_of
 
 __all__ = ["Preemption", "install_preemption"]
@@ -57,15 +61,22 @@ class Preemption(Callback):
     Installed by the ``dcp_*`` strategies at ``on_train_start`` (:func:`install_preemption`), last among the
     callbacks; at the end of the run Lightning's signal connector gives each signal back to its earlier handler.
     With gradient accumulation the ranks agree at every batch's end (they may stop between a step's micro-batches).
+    To change ``stuck_after``, pass your own instance in the Trainer's ``callbacks``.
+
+    Args:
+        stuck_after: Seconds after a signal by which the main thread must have run the handler, else the process
+            ends with status ``128 + signal`` (:class:`~lightning_dcp.engine.SignalWatch`); ``None``: never.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, *, stuck_after: float | None = STUCK_AFTER_S) -> None:
+        self.stuck_after = stuck_after
         self.received: int | None = None
         """The signal received by this rank since the last step's end, if any."""
         self.stopped_by: int | None = None
         """The signal the ranks stopped for (on every rank), once they did."""
         self._previous: dict[int, Any] = {}
         self._trainer: pl.Trainer | None = None
+        self._watch: SignalWatch | None = None
 
     def signals(self, trainer: pl.Trainer) -> list[int]:
         """SIGTERM and the requeue signal (SLURM's, else SIGUSR1)."""
@@ -87,23 +98,36 @@ class Preemption(Callback):
                 continue  # the process ignores it: nothing to defer
             self._previous[signum] = previous
             signal.signal(signum, self._on_signal)
+        if self._watch is None and self._previous:
+            self._watch = SignalWatch(signals=list(self._previous), after=self.stuck_after, on_stuck=self._forward)
+            self._watch.start()
         return True
 
     def uninstall(self) -> None:
         """Give each signal back to the handler it had before (main thread; a no-op when not installed)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         for signum, previous in self._previous.items():
             if signal.getsignal(signum) == self._on_signal:
                 signal.signal(signum, previous if previous is not None else signal.SIG_DFL)
         self._previous = {}
 
     def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._watch is not None:
+            self._watch.handler_ran()
         first = self.received is None
         self.received = self.received or signum  # a repeat (Lightning's launcher forwards SIGTERM) changes nothing
+        if first:
+            self._forward(signum)
+
+    def _forward(self, signum: int) -> None:
+        """SIGTERM: the processes Lightning launched stop too (as its handler does)."""
         trainer = self._trainer
-        if first and signum == signal.SIGTERM and trainer is not None and trainer.strategy.launcher is not None:
-            trainer.strategy.launcher.kill(signum)  # the processes Lightning launched stop too (as its handler does)
+        if signum == signal.SIGTERM and trainer is not None and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Agree (one all-reduce) whether any rank was signalled; if so, every rank saves and the run stops.

@@ -215,7 +215,13 @@ class DCPStrategyMixin:
             if self._checkpoint_io is not None:
                 self._checkpoint_io.teardown()
         finally:
-            super().teardown()
+            try:
+                super().teardown()
+            finally:
+                preemption = getattr(self, "_dcp_preemption", None)
+                if preemption is not None:  # its handlers and its stuck-rank watch end with the run
+                    self._dcp_preemption = None
+                    preemption.uninstall()
 
     def _dcp_module(self) -> torch.nn.Module:
         """The module whose FQNs name the checkpoint entries (the LightningModule; FSDP1 overrides)."""

@@ -14,6 +14,7 @@ import random
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -69,3 +70,48 @@ def test_a_signal_at_a_random_step_saves_every_rank_and_the_resume_is_exact(
         assert [(e["step"], e["hash"]) for e in resumed[1:]] == [(step + 1, reference[rank][step + 1])]
         after = {e["step"]: e["hash"] for e in log[log.index(resumed[1]) :] if e["event"] == "step"}
         assert after == {s: h for s, h in reference[rank].items() if s > step + 1}, rank
+
+
+def _stopped(pid: int) -> bool:
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+
+
+@pytest.mark.parametrize("stuck_after", ["2", "none"])
+def test_sigterm_on_a_rank_stuck_in_a_collective_ends_it_after_stuck_after(tmp_path, stuck_after):
+    """Rank 1 stops (SIGSTOP: its host vanished, its connections stay open) at step 3's start; rank 0 waits in a gloo
+    collective of that step, where Python's handlers cannot run. SIGTERM to rank 0 (the agent's, at a node loss)
+    ends it ``stuck_after`` seconds later with status 143; with ``stuck_after=None`` it is still waiting 8 s later."""
+    directory = str(tmp_path / "run")
+    os.makedirs(directory)
+    command = [sys.executable, "-m", "tests.integration._preempt_train", directory, str(MAX_STEPS), "3", "1"]
+    pid_file = os.path.join(directory, "pid-1")
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen([*command, "SIGSTOP", stuck_after], env=port_env(), stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120
+        while not (os.path.exists(pid_file) and open(pid_file).read() and _stopped(int(open(pid_file).read()))):
+            assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        time.sleep(1.0)  # rank 0 reaches the step's collective
+        assert [e["step"] for e in _log(directory, 0)][-1] <= 3  # and no further
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        if stuck_after == "none":
+            with pytest.raises(subprocess.TimeoutExpired):
+                process.wait(timeout=8)
+            return
+        process.wait(timeout=60)
+        took = time.monotonic() - sent
+        assert process.returncode == 128 + signal.SIGTERM
+        assert 2.0 <= took < 10.0, took
+        assert "the main thread has not run its handler" in (tmp_path / "stderr").read_text()
+    finally:
+        process.kill()
+        process.wait()
+        if os.path.exists(pid_file):
+            try:
+                os.kill(int(open(pid_file).read()), signal.SIGKILL)  # rank 1, stopped (Lightning's launcher's child)
+            except ProcessLookupError:
+                pass

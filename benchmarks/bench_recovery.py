@@ -113,6 +113,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     class Probe(Callback):
         first = True
+        timings: dict = {}
 
         def on_train_start(self, trainer, module) -> None:
             note("train_start", step=trainer.global_step, hash=digest(module))
@@ -126,6 +127,11 @@ def _worker(args: argparse.Namespace) -> None:
                 note("first_step", step=step)
             if step % args.every == 0:
                 note("saved", step=step, hash=digest(module))
+            memory = trainer.strategy._dcp_io.checkpointer.memory
+            timings = dict(memory.timings) if memory is not None else {}
+            if timings != self.timings:  # the tier's last save, once a step of it is done (write, replicate)
+                self.timings = timings
+                note("tier", step=step, **{k: round(v, 3) for k, v in timings.items()})
             if attempt == 0 and step == args.kill_at and args.kill == "node" and node == args.lose:
                 shutil.rmtree(area, ignore_errors=True)  # the node's memory goes with it (in no time, for a real node)
                 open(marker, "w").close()

@@ -18,6 +18,7 @@ __all__ = [
     "check_private_api",
     "fit_loop_loader_states",
     "install_flag_only_sigterm_handler",
+    "restore_signal_handlers",
     "on_iterator_created",
     "replace_fit_loop_loader_states",
     "restart_train_iterator",
@@ -136,6 +137,21 @@ def install_flag_only_sigterm_handler(trainer: object) -> bool:
         connector.received_sigterm = True
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    return True
+
+
+# Lightning 2.6.6 gives the signals back to the handlers they had before ``fit`` in ``Trainer._teardown``
+# (``trainer._signal_connector.teardown()``, idempotent), after ``strategy.teardown``, which may wait for a save's
+# background thread. A failed run gives them back before that, so that a SIGTERM during that wait ends the process
+# as it would have without the run (Python's default: at once). Checked against Lightning 2.6.6.
+def restore_signal_handlers(trainer: object) -> bool:
+    """Give every signal the handler it had before the Trainer's run; False when the Trainer has no such record."""
+    import threading
+
+    connector = getattr(trainer, "_signal_connector", None)
+    if connector is None or threading.current_thread() is not threading.main_thread():
+        return False
+    connector.teardown()
     return True
 
 

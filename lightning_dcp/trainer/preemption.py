@@ -24,7 +24,10 @@ Repeated signals change nothing (Lightning's launcher forwards SIGTERM to the ra
 it already). A rank stuck inside one C call (a collective with a peer whose host vanished) cannot run a Python
 handler at all: ``stuck_after`` seconds after the signal, :class:`~lightning_dcp.engine.SignalWatch` forwards it to
 the processes Lightning launched and ends the process with status ``128 + signal``, rather than waiting for the
-scheduler's SIGKILL (torchelastic's agent sends it 30 s after its SIGTERM).
+scheduler's SIGKILL (torchelastic's agent sends it 30 s after its SIGTERM). Once the run has failed (``on_exception``,
+before the teardown, which may wait for a save in flight), every signal gets the handler it had before ``fit`` back:
+a SIGTERM then ends a failed run's teardown as it would end any process, instead of being recorded for a step that
+never comes.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_dcp._compat.lightning_run import restore_signal_handlers
 from lightning_dcp.engine import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.trainer.memory import memory_checkpoint_of
 
@@ -128,6 +132,15 @@ class Preemption(Callback):
         trainer = self._trainer
         if signum == signal.SIGTERM and trainer is not None and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """The run failed: every signal gets the handler it had before ``fit`` back.
+
+        Lightning does it later, after the strategy's teardown, which may wait for a save in flight; a SIGTERM then
+        ends the process instead of waiting for a step's end that never comes.
+        """
+        self.uninstall()
+        restore_signal_handlers(trainer)
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         """Agree (one all-reduce) whether any rank was signalled; if so, every rank saves and the run stops.

@@ -115,3 +115,25 @@ def test_sigterm_on_a_rank_stuck_in_a_collective_ends_it_after_stuck_after(tmp_p
                 os.kill(int(open(pid_file).read()), signal.SIGKILL)  # rank 1, stopped (Lightning's launcher's child)
             except ProcessLookupError:
                 pass
+
+
+def test_a_sigterm_after_the_run_failed_ends_the_process_at_once(tmp_path):
+    """The run failed and its teardown waits (tests/integration/_failed_run_train.py: 60 s): SIGTERM now ends the
+    process as it would any other (Python's default), not recorded for a step's end that never comes."""
+    command = [sys.executable, "-m", "tests.integration._failed_run_train", str(tmp_path)]
+    with open(tmp_path / "stderr", "w") as stderr:
+        process = subprocess.Popen(command, env=port_env(), stderr=stderr)
+    try:
+        deadline = time.monotonic() + 120
+        while not os.path.exists(tmp_path / "failed"):
+            assert process.poll() is None, (tmp_path / "stderr").read_text()[-3000:]
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        sent = time.monotonic()
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=30)
+        assert process.returncode == -signal.SIGTERM  # killed by it
+        assert time.monotonic() - sent < 5.0
+    finally:
+        process.kill()
+        process.wait()

@@ -32,6 +32,7 @@ from lightning_dcp.trainer.export import ExportCallback
 from lightning_dcp.trainer.hooks import install_lightning_hooks, uninstall_lightning_hooks
 from lightning_dcp.trainer.memory import MemoryCheckpoint
 from lightning_dcp.trainer.model_checkpoint import DCPModelCheckpoint
+from lightning_dcp.trainer.preemption import Preemption
 from lightning_dcp.trainer.strategies import (
     DCPDDPStrategy,
     DCPFSDPStrategy,
@@ -63,6 +64,7 @@ __all__ = [
     "MemoryTier",
     "NotACheckpointError",
     "OutputExistsError",
+    "Preemption",
     "StateDictMismatchError",
     "StorageAccessError",
     "StorageUnavailableError",

@@ -353,6 +353,12 @@ def trial(args: argparse.Namespace, index: int, *, kind: str, victim: int, kill_
         # the state of the step resumed equals that step's save (an older one after a node loss that took the only
         # copy of the newest save's part: its replication had not finished)
         state_ok=resumed["hash"] == saved.get(resumed["step"]),
+        # a rank's step end logged the newest save's replication as done before the kill (its replica committed)
+        replicated=any(
+            e["event"] == "tier" and "replicate" in e and e["attempt"] == 0 and newest < e["step"] and e["t"] <= kill
+            for r in range(2)
+            for e in events[r]
+        ),
         starts=sum(e["event"] == "start" and e["attempt"] == 1 for e in events[0]),  # > 1: restarted again
     )
     return result
@@ -428,6 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         f"hangs {sum(r.get('rc') == 'hang' for r in results)}, "
         f"failed {sum(r.get('rc') not in (0, 'hang') for r in results)}"
     )
+    nodes = [r for r in good if r["kill"] == "node"]
+    if nodes:  # a node loss resumes the newest save if its replica was committed, else the one before
+        print(
+            f"node losses {len(nodes)}: newest resumed with its replica committed before the kill"
+            f" {sum(r['exact'] and r['replicated'] for r in nodes)}, older resumed without"
+            f" {sum(not r['exact'] and not r['replicated'] for r in nodes)}, neither"
+            f" {sum(r['exact'] != r['replicated'] for r in nodes)}"
+        )
     for phase in PHASES:
         values = [r[phase] for r in good if r.get(phase) is not None]
         if values:

@@ -21,10 +21,16 @@ every round (A B C A B C ...) so that they see the same machine:
   background staging copies). Async fits include the wait for the last save at teardown.
 - ``load``: resumes as users see them (:mod:`benchmarks.bench_resume`): per round, ``Trainer.fit(model,
   ckpt_path=...)`` in fresh processes for our checkpoint (``load``) and for stock Lightning DDP's single ``.ckpt`` of
-  the same state (``stock``), each timed from the ``setup`` hook to ``on_train_start`` with the checkpoint's files
-  dropped from the page cache, and a cold sequential read of our checkpoint's bytes (``read``); ``paired``: each
-  round's ``read`` over its ``load``, ``stock_paired``: each round's ``stock`` over its ``load``; ``phases``: the
-  parts of our restore (target, probe, plan, read, apply), medians over the rounds.
+  the same state (``stock``), the same fits without a ``ckpt_path`` (``fresh``, ``stock_fresh``), each timed from the
+  ``setup`` hook to ``on_train_start`` (and to the end of the first step, ``*_first``) with the checkpoints' files
+  dropped from the page cache, and a cold sequential read of our checkpoint's bytes (``read``). ``paired``: each
+  round's ``read`` over its ``load``; ``stock_paired``: each round's ``stock`` over its ``load``; ``added``: each
+  round's ``load`` minus its ``fresh``, both without the interpreter's full collections inside them (``*_gc``; a
+  fresh process owes one either way, see ``bench_resume``): what the resume itself adds to a fit's start;
+  ``stock_added`` the same for stock; ``added_paired``: ``read`` over ``added``; ``stock_added_paired``:
+  ``stock_added`` over ``added``; ``added_first``: ``load_first`` minus ``fresh_first`` (collections included, and
+  the first step's noise); ``phases``: the parts of our restore (target, probe, plan, read, apply, gc), medians over
+  the rounds.
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -360,10 +366,29 @@ def run(
                 **{m: summary(v) for m, v in runs.items()},
                 "paired": summary([r / t for t, r in zip(runs["load"], runs["read"], strict=True)]),
                 "stock_paired": summary([s / t for t, s in zip(runs["load"], runs["stock"], strict=True)]),
+                **_added(runs),
                 "phases": {p: summary([ph[p] for ph in phases]) for p in phases[0]} if phases else {},
                 "rounds": runs,
             }
     return out
+
+
+def _added(runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
+    """Per round, what a resume adds to a fit's start (see ``bench_resume``), and the ratios the targets use."""
+
+    def own(method: str) -> list[float]:  # the window without the full collections the process owes either way
+        return [t - g for t, g in zip(runs[method], runs[f"{method}_gc"], strict=True)]
+
+    added = [r - f for r, f in zip(own("load"), own("fresh"), strict=True)]
+    stock_added = [r - f for r, f in zip(own("stock"), own("stock_fresh"), strict=True)]
+    added_first = [r - f for r, f in zip(runs["load_first"], runs["fresh_first"], strict=True)]
+    return {
+        "added": summary(added),
+        "stock_added": summary(stock_added),
+        "added_first": summary(added_first),
+        "added_paired": summary([r / a for r, a in zip(runs["read"], added, strict=True) if a > 0] or [float("inf")]),
+        "stock_added_paired": summary([s / a for s, a in zip(stock_added, added, strict=True) if a > 0] or [0.0]),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:

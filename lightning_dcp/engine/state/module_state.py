@@ -13,6 +13,7 @@ its state is empty, as ``optimizer.state_dict()`` gives, and a restore allocates
 
 from __future__ import annotations
 
+import collections
 import copy
 import weakref
 from typing import Any
@@ -186,6 +187,8 @@ def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Op
             set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
     elif _holds_optimizer_tensors(optimizer, split):
         _set_param_groups(optimizer, split["param_groups"])
+    elif (uncast := _uncast_state(optimizer, split)) is not None:
+        _set_param_groups(optimizer, split["param_groups"], state=uncast)
     else:
         optimizer.load_state_dict(split)
 
@@ -217,11 +220,48 @@ def _holds_optimizer_tensors(optimizer: torch.optim.Optimizer, split: dict[str, 
     return True
 
 
-def _set_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]]) -> None:
-    """What ``Optimizer.load_state_dict`` ends with when the state is the optimizer's own.
+def _uncast_state(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> dict[Any, Any] | None:
+    """The state ``optimizer.load_state_dict(split)`` would build when its casts change nothing; else ``None``.
 
-    The saved groups' options (deep-copied) with the optimizer's parameters, handed to ``__setstate__`` with the
-    state unchanged (torch 2.6-2.13's ``load_state_dict``, after its casts that change nothing here).
+    So it is for a fresh optimizer's state that the restore allocated like its parameters
+    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`) and filled: ``load_state_dict`` casts
+    each state tensor to its parameter's dtype and device (``to`` returns the tensor itself when both match) and
+    hands ``step`` on as it is, then keeps each parameter's values in a new dict (about 25 ms for 4,800 state tensors,
+    plus collections over what it allocates). Only for a stock ``load_state_dict`` without hooks, no ``fused`` or
+    ``capturable`` group (whose ``step`` is cast) and state values that are all tensors of the parameter's device
+    (and dtype, for a floating-point parameter).
+    """
+    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict or optimizer_load_hooked(optimizer):
+        return None
+    saved = split["state"]
+    state: dict[Any, Any] = collections.defaultdict(dict)
+    tensor = torch.Tensor
+    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
+        if group.get("fused") or group.get("capturable") or loaded.get("fused") or loaded.get("capturable"):
+            return None
+        for name, param in zip(loaded["params"], group["params"], strict=True):
+            values = saved.get(name)
+            if values is None:
+                continue
+            if type(values) is not dict:
+                return None
+            floating = param.is_floating_point()
+            for key, value in values.items():
+                if not isinstance(value, tensor) or value.device != param.device:
+                    return None
+                if floating and key != "step" and value.dtype != param.dtype:
+                    return None
+            state[param] = dict(values)
+    return state if len(state) == len(saved) else None
+
+
+def _set_param_groups(
+    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], *, state: dict[Any, Any] | None = None
+) -> None:
+    """What ``Optimizer.load_state_dict`` ends with when its casts change nothing.
+
+    The saved groups' options (deep-copied) with the optimizer's parameters, handed to ``__setstate__`` with
+    ``state`` (default: the optimizer's own, unchanged), as torch 2.6-2.13's ``load_state_dict`` does after its casts.
     """
     updated = []
     for group, loaded in zip(optimizer.param_groups, groups, strict=True):
@@ -230,7 +270,7 @@ def _set_param_groups(optimizer: torch.optim.Optimizer, groups: list[dict[str, A
         if "param_names" in group and "param_names" not in new:
             new["param_names"] = group["param_names"]
         updated.append(new)
-    optimizer.__setstate__({"state": optimizer.state, "param_groups": updated})
+    optimizer.__setstate__({"state": optimizer.state if state is None else state, "param_groups": updated})
 
 
 def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:

@@ -188,8 +188,44 @@ def test_an_optimizer_without_state_is_not_stepped_and_its_target_is_built_from_
     assert sorted(target["state"]["0.weight"]) == ["exp_avg", "exp_avg_sq", "step"]
     assert target["state"]["0.weight"]["exp_avg"].shape == net[0].weight.shape
     dcp.load(tree, checkpoint_id=str(tmp_path), no_dist=True)
+    restored = {fqn: dict(values) for fqn, values in target["state"].items()}
+    split = module_state._split_by_fqn(fresh_net, fresh, target)
+    assert split is not None and module_state._uncast_state(fresh, split) is not None  # installed without casts
     load_optimizer_state_dict(fresh_net, fresh, target)
     _assert_same(fresh.state_dict(), saved)  # what stock Lightning's load_state_dict of the saved dict gives
+    assert fresh.state[fresh_net[0].weight]["exp_avg"] is restored["0.weight"]["exp_avg"]  # the restored tensor
+
+
+def test_a_fresh_optimizers_state_takes_load_state_dict_where_it_would_cast():
+    """A state tensor of another dtype than its parameter, or a fused/capturable group: load_state_dict's own casts."""
+    net = _net()
+    trained = _trained(net)
+    model_state_dict(net)
+    saved = copy.deepcopy(optimizer_state_dict(net, trained))
+    saved["state"]["0.weight"]["exp_avg"] = saved["state"]["0.weight"]["exp_avg"].double()
+
+    def fresh(**options: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+        fresh_net = copy.deepcopy(net)
+        groups = [{"params": list(fresh_net[0].parameters())}, {"params": list(fresh_net[1:].parameters()), "lr": 0.5}]
+        optimizer = torch.optim.AdamW(groups, **options)
+        model_state_dict(fresh_net)  # the targets a restore builds first: they map the FQNs
+        optimizer_state_dict(fresh_net, optimizer)
+        return fresh_net, optimizer
+
+    fresh_net, optimizer = fresh()
+    split = module_state._split_by_fqn(fresh_net, optimizer, saved)
+    assert split is not None and module_state._uncast_state(optimizer, split) is None
+    load_optimizer_state_dict(fresh_net, optimizer, copy.deepcopy(saved))
+    assert optimizer.state[fresh_net[0].weight]["exp_avg"].dtype == torch.float32  # cast to the parameter's dtype
+    assert torch.equal(optimizer.state[fresh_net[0].weight]["exp_avg"], trained.state[net[0].weight]["exp_avg"])
+
+    saved["state"]["0.weight"]["exp_avg"] = saved["state"]["0.weight"]["exp_avg"].float()
+    fresh_net, optimizer = fresh()
+    assert module_state._uncast_state(optimizer, module_state._split_by_fqn(fresh_net, optimizer, saved)) is not None
+    fresh_net, optimizer = fresh(capturable=True)
+    assert module_state._uncast_state(optimizer, module_state._split_by_fqn(fresh_net, optimizer, saved)) is None
+    load_optimizer_state_dict(fresh_net, optimizer, copy.deepcopy(saved))
+    assert optimizer.state[fresh_net[0].weight]["step"].dtype == torch.float32  # capturable: step cast
 
 
 def test_pending_state_is_filled_from_ids_and_chunked_records():

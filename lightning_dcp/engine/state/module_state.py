@@ -226,10 +226,10 @@ def _uncast_state(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> di
     So it is for a fresh optimizer's state that the restore allocated like its parameters
     (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`) and filled: ``load_state_dict`` casts
     each state tensor to its parameter's dtype and device (``to`` returns the tensor itself when both match) and
-    hands ``step`` on as it is, then keeps each parameter's values in a new dict (about 25 ms for 4,800 state tensors,
-    plus collections over what it allocates). Only for a stock ``load_state_dict`` without hooks, no ``fused`` or
-    ``capturable`` group (whose ``step`` is cast) and state values that are all tensors of the parameter's device
-    (and dtype, for a floating-point parameter).
+    hands ``step`` on as it is, then keeps each parameter's values in a new dict (skipping that took the ``conv``
+    resume's ``apply`` from 0.045-0.050 s to 0.037 s, 4,800 state tensors). Only for a stock ``load_state_dict``
+    without hooks, no ``fused`` or ``capturable`` group (whose ``step`` is cast) and state values that are all
+    tensors of the parameter's device (and dtype, for a floating-point parameter).
     """
     if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict or optimizer_load_hooked(optimizer):
         return None

@@ -1,5 +1,5 @@
 """Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``,
-``chaos`` (the fault-injection campaign), ``docs`` (the API reference).
+``chaos`` (the fault-injection campaign), ``exits`` (the exit campaign), ``docs`` (the API reference).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -119,6 +119,16 @@ def chaos(session: nox.Session) -> None:
     --fuzz-examples, --seed, --kill-time-limit, --out, ..."""
     _install(session, "test")
     session.run("python", "-m", "tests.chaos", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def exits(session: nox.Session) -> None:
+    """The exit campaign (tests/chaos/exits.py): hundreds of short Trainer and Fabric runs (single device, DDP, FSDP2,
+    sync, async, the memory tier, 1 and 2 ranks; stock Lightning as the baseline) beside a CPU hog, counting non-zero
+    exits after success, aborts at exit, final checkpoints lost at exit and commits that fail ``verify``; summary in
+    outputs/exits/summary.json. Options after ``--`` (``nox -s exits -- --help``): --runs, --cases, --hogs, --seed."""
+    _install(session, "test")
+    session.run("python", "-m", "tests.chaos.exits", *session.posargs)
 
 
 @nox.session(python=PYTHON)

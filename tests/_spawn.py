@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -79,16 +78,11 @@ def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env
     fn(rank, world_size, *args)
     import torch.distributed as dist
 
-    if dist.is_initialized():  # leave together and in order: a peer exiting first can abort gloo's threads
+    if dist.is_initialized():  # leave together and in order, as a user's script ends after its run
         dist.barrier()
         dist.destroy_process_group()
-    # The test's work is done and checked; skip the interpreter's teardown. In it, a gloo worker of a group that is
-    # still referenced (DDP modules, meshes) can drop a finished collective's tensors after teardown began and abort
-    # the process (exit 134; a torch/CPython race, see engine.dist.settle_threads). The exit path itself is tested
-    # in real interpreters by tests/distributed/test_clean_exit.py and test_memory_exit.py.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    # Then the interpreter's own exit, as in a user's process: the exit code is checked by `spawn` (an abort at exit
+    # is a non-zero code, and fails the test).
 
 
 def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, env: dict | None = None) -> None:

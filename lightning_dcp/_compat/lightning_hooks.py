@@ -18,6 +18,7 @@ __all__ = [
     "HOOKS_CHECKED_AGAINST",
     "HOOKS_ENV",
     "hooks_enabled_by_env",
+    "install_find_last_hook",
     "install_load_from_checkpoint_hook",
     "install_strategy_setup_hook",
     "install_upgrade_hook",
@@ -39,6 +40,10 @@ __all__ = [
 #   Namespace with ``path``, ``extension``, ``map_to_cpu``), which only knows files.
 # - ``FSDPStrategy`` / ``ModelParallelStrategy`` never call their CheckpointIO: ``setup`` is where a given
 #   ``DCPCheckpointIO`` can be noticed.
+# - ``Trainer.fit(ckpt_path="last")`` asks each ``ModelCheckpoint`` for its candidates
+#   (``ModelCheckpoint._find_last_checkpoints(self, trainer)``: the ``last*.ckpt`` names in its directory) and loads
+#   nothing when there are none, also beside committed checkpoints (a kill between the removal of ``last.ckpt`` and
+#   its re-creation in ``_link_checkpoint`` leaves exactly that).
 HOOKS_ENV = "LIGHTNING_DCP_LIGHTNING_HOOKS"
 """Set to ``0`` (or ``false``/``no``/``off``) before importing lightning_dcp to leave Lightning's functions alone."""
 
@@ -69,6 +74,9 @@ _STRATEGY_SETUP = (
     ("lightning.pytorch.strategies", "FSDPStrategy"),
     ("lightning.pytorch.strategies", "ModelParallelStrategy"),
 )
+
+
+_FIND_LAST = ("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint", "_find_last_checkpoints")
 
 
 _installed: dict[tuple[Any, str], Any] = {}
@@ -244,6 +252,27 @@ def _checked_setup(original: Callable[..., Any], check: Callable[[Any], None]) -
         original(self, trainer)
 
     return setup
+
+
+def install_find_last_hook(find_last: Callable[[Any, Any, Callable[[Any], set[str]]], set[str]]) -> bool:
+    """Route ``ModelCheckpoint._find_last_checkpoints`` (what ``ckpt_path="last"`` chooses from) through ``find_last``.
+
+    ``find_last(callback, trainer, original)`` returns the candidates; ``original(trainer)`` is Lightning's own answer
+    for that callback. Subclasses that define their own method (``DCPModelCheckpoint``) are not affected. Returns
+    whether the hook is in place.
+    """
+    cls = getattr(importlib.import_module(_FIND_LAST[0]), _FIND_LAST[1])
+    original = _original(cls, _FIND_LAST[2])
+    if not _signature_is(original, ("self", "trainer")):
+        _unchecked("`ModelCheckpoint._find_last_checkpoints`")
+        return False
+
+    @functools.wraps(original)
+    def _find_last_checkpoints(self: Any, trainer: Any) -> set[str]:
+        return find_last(self, trainer, functools.partial(original, self))
+
+    _replace(cls, _FIND_LAST[2], _find_last_checkpoints)
+    return True
 
 
 def uninstall_lightning_hooks() -> None:

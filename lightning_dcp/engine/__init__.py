@@ -32,7 +32,6 @@ from lightning_dcp.engine.format.allowlist import add_safe_globals
 from lightning_dcp.engine.format.blob import load_stock_file
 from lightning_dcp.engine.format.layout import INFO_KEY
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.gc_pause import freeze_heap_at_exit
 from lightning_dcp.engine.load.loading import LIGHTNING_META_FILE, load_torch_file, probe, torch_load_error
 from lightning_dcp.engine.load.restore import Loaded
 from lightning_dcp.engine.load.source import Source, TensorEntry
@@ -68,7 +67,6 @@ __all__ = [
     "designated",
     "designates_last",
     "distributed",
-    "freeze_heap_at_exit",
     "fsync_dir",
     "init_strategy_attempt_group",
     "is_missing_credentials",

@@ -18,13 +18,14 @@ import contextlib
 import logging
 import os
 import time
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_dcp.engine import transaction
+from lightning_dcp.engine import shutdown, transaction
 from lightning_dcp.engine.catalog.lookup import candidates
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
@@ -109,6 +110,9 @@ class Checkpointer:
         self.saves = SaveLog()
         """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
         self._record_of: SaveRecord | None = None  # the save being made (rank 0)
+        self._disagreed: set[tuple[str, str]] = set()  # (this rank's path, rank 0's) already warned about
+        if self._async is not None or tiers is not None:
+            shutdown.on_exit("work", Checkpointer._finish_at_exit, owner=self)
 
     @contextlib.contextmanager
     def into_memory(self) -> Iterator[None]:
@@ -177,6 +181,7 @@ class Checkpointer:
                 snapshots), or the path cannot round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
+        path = self._agreed(path, collective, "saves to")
         if not self._into_memory and self._skip(path, storage_options, collective, step):
             return
         self._await_pending(collective)
@@ -185,6 +190,30 @@ class Checkpointer:
 
     def _save(self, *args: Any) -> None:
         transaction.save(self, *args)
+
+    def _agreed(self, path: str | os.PathLike, collective: bool, what: str) -> str:
+        """Rank 0's ``path`` on every rank: a collective save or removal writes where rank 0 says.
+
+        Lightning's stock strategies write rank 0's name; a metric logged without ``sync_dist`` in
+        ``ModelCheckpoint``'s ``filename`` formats another name on each rank. A rank whose own path differs warns,
+        once per pair of paths.
+
+        Collective: call on all ranks when ``collective`` (one broadcast of the path).
+        """
+        mine = os.fspath(path)
+        if not distributed(collective):
+            return mine
+        chosen = on_rank0(collective, lambda: mine)
+        if chosen != mine and (mine, chosen) not in self._disagreed:
+            self._disagreed.add((mine, chosen))
+            warnings.warn(
+                f"lightning_dcp: rank {dist.get_rank()} {what} {mine!r}, rank 0 {what} {chosen!r}; every rank uses"
+                " rank 0's path, as Lightning saves rank 0's. Ranks format different checkpoint names when"
+                " `ModelCheckpoint(filename=...)` holds a metric logged without `sync_dist=True`: log it with"
+                " `self.log(..., sync_dist=True)` so that names and top-k choices agree.",
+                stacklevel=3,
+            )
+        return chosen
 
     def _skip(self, path: Any, storage_options: dict[str, Any] | None, collective: bool, step: int | None) -> bool:
         """``when_busy="skip"``: whether this save is skipped (the previous one still writing); records the stall."""
@@ -334,9 +363,10 @@ class Checkpointer:
         checkpoint is never deleted before its successor exists. With ``tiers``, a remote path is removed from both
         tiers by the uploader, after the uploads queued before it (:meth:`Tiers.remove`).
 
-        Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it.
+        Collective: call on all ranks when ``collective=True``; rank 0 deletes, the others wait for it. Rank 0's
+        ``path`` is the one removed (as for :meth:`save`).
         """
-        location = self.location(path)
+        location = self.location(self._agreed(path, collective, "removes"))
         if self._busy.hold(location):  # a save was skipped: nothing is removed before a newer save commits
             return
         in_flight = self._async.in_flight if self._async is not None else None
@@ -402,6 +432,28 @@ class Checkpointer:
             finally:
                 if self.tiers is not None:
                     self.tiers.wait()
+
+    def _finish_at_exit(self, deadline: float) -> None:
+        """The exit's ``"work"`` (:mod:`~lightning_dcp.engine.shutdown`): the save in flight, then the uploads.
+
+        A script that ends without waiting (a Fabric loop that never calls ``wait_for_save()``) still gets its last
+        background save committed, as a synchronous save would have been; the local tier's uploads get the time
+        left before ``deadline`` (``time.monotonic()``). What cannot finish is named in an error line; nothing raises.
+        """
+        if self._async is not None:
+            self._async.finish_at_exit(deadline)
+        if self.tiers is not None and self.tiers.pending():
+            started = time.monotonic()
+            try:
+                self.tiers.wait()
+            except CheckpointError as err:
+                log.error("lightning_dcp: uploads of the local tier did not finish at exit: %s", err)
+            else:
+                log.warning(
+                    "lightning_dcp: the process began to exit with uploads of the local tier queued; waited %.2f s"
+                    " for them.",
+                    time.monotonic() - started,
+                )
 
     def _await_pending(self, collective: bool) -> None:
         if self.memory is not None:

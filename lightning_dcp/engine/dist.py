@@ -8,7 +8,6 @@ is decided by rank 0 and broadcast.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import os
 import threading
@@ -19,6 +18,8 @@ from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from lightning_dcp.engine import shutdown
 
 __all__ = [
     "all_true",
@@ -104,15 +105,13 @@ def own_group(*, backend: str = "gloo") -> dist.ProcessGroup:
 
     Process groups left to the interpreter's teardown are destroyed in whatever order its C++ statics go, with
     their worker threads still joinable: one way a process ends in "terminate called without an active exception"
-    (exit 134) after a successful run. :func:`destroy_own_groups` runs at exit (after Python joined its non-daemon
-    threads, so no background save still uses them), before the default group is torn down.
+    (exit 134) after a successful run. :func:`destroy_own_groups` runs in the exit's ``"groups"`` stage
+    (:mod:`~lightning_dcp.engine.shutdown`): after the background saves that use these groups finished.
 
     Collective: call on all ranks (``new_group`` is).
     """
     group = dist.new_group(backend=backend)
     with _OWN_LOCK:
-        if not _OWN:
-            atexit.register(destroy_own_groups)  # after init_process_group: runs before its own exit handlers
         _OWN.append(group)
     return group
 
@@ -168,7 +167,7 @@ def settle_threads(*, limit: float = 0.5, poll: float = 0.002, quiet_polls: int 
     ``quiet_polls`` polls in a row lets them finish first (at most ``limit`` seconds). Linux only (``/proc``);
     elsewhere it returns at once.
 
-    Runs at exit when this process created a process group (:func:`_settle_at_exit`); each process alone.
+    Runs in the exit's ``"threads"`` stage (:mod:`~lightning_dcp.engine.shutdown`); each process alone.
     """
     start = time.monotonic()
     quiet = 0
@@ -182,12 +181,14 @@ def settle_threads(*, limit: float = 0.5, poll: float = 0.002, quiet_polls: int 
 
 
 def _settle_at_exit() -> None:
-    """Registered at import, so it runs after every exit handler registered later (``atexit`` runs them last-first)."""
-    with contextlib.suppress(Exception):
-        from torch.distributed import distributed_c10d
+    """The exit's ``"threads"`` stage, in every process that imported the engine.
 
-        if dist.is_available() and getattr(distributed_c10d._world, "group_count", 1) > 0:
-            settle_threads()
+    A group's threads live on while anything references the group, also after the default group was destroyed; a
+    few quiet polls when none runs.
+    """
+    if dist.is_available():
+        settle_threads()
 
 
-atexit.register(_settle_at_exit)
+shutdown.on_exit("groups", destroy_own_groups)
+shutdown.on_exit("threads", _settle_at_exit)

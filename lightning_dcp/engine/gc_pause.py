@@ -1,19 +1,17 @@
-"""Keeping Python's cyclic garbage collector off the checkpoint path and off a failed worker's exit.
+"""Keeping Python's cyclic garbage collector off the checkpoint path.
 
 Unpickling the ``.metadata`` of 7,600 tensors took 0.28-0.44 s with the collector running and 0.04 s paused, in a
-small process (``conv`` mix); in a training process with a large heap each collection costs more. At exit, the
-interpreter's own collections over a heap that holds torch and Lightning took 1.6-2.1 s (below).
+small process (``conv`` mix); in a training process with a large heap each collection costs more.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import threading
 from collections.abc import Iterator
 
-__all__ = ["freeze_heap_at_exit", "gc_paused"]
+__all__ = ["gc_paused"]
 
 
 @contextlib.contextmanager
@@ -45,26 +43,3 @@ def gc_paused() -> Iterator[None]:
 _PAUSE_LOCK = threading.Lock()
 _PAUSES = 0  # pauses in progress (any thread)
 _REENABLE = False  # whether the collector was enabled when the first of them began
-
-
-def freeze_heap_at_exit() -> None:
-    """At this process's exit, move every live object out of the cyclic garbage collector's reach (:func:`gc.freeze`).
-
-    CPython's finalization (``Py_FinalizeEx``) runs the collector over the whole heap while it tears the modules down.
-    With torch, Lightning and lightning_dcp imported, the process ended 1.57-2.11 s after its first ``atexit``
-    handler on a 2-core machine, and 0.21-0.30 s after it with the heap frozen there (``benchmarks/exit_time.py``). A
-    failed worker spends that time before its elastic agent sees it end and restarts the job; the ``dcp_*``
-    multi-process strategies call this when a run fails. Objects still alive at exit are then freed by reference
-    counting only, which Python's data model allows ("It is not guaranteed that ``__del__()`` methods are called for
-    objects that still exist when the interpreter exits"); every ``atexit`` handler still runs. Idempotent; safe from
-    any thread.
-    """
-    global _FREEZE_AT_EXIT
-    with _PAUSE_LOCK:
-        if _FREEZE_AT_EXIT:
-            return
-        _FREEZE_AT_EXIT = True
-    atexit.register(gc.freeze)
-
-
-_FREEZE_AT_EXIT = False  # whether freeze_heap_at_exit registered its handler in this process

@@ -58,8 +58,10 @@ class DCPStrategyMixin:
         sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
         async_save: ``fabric.save`` returns once the state is staged into reused CPU buffers and writes in the
             background. At most one save is in flight; the next save, a load and :meth:`wait_for_save` wait for
-            it and raise its error. Call :meth:`wait_for_save` before the process exits (Fabric never tears its
-            strategy down), or the last save is not committed.
+            it and raise its error. A script that ends with a save in flight (Fabric never tears its strategy
+            down) gets it finished and committed at the interpreter's exit, with a log line saying how long the exit
+            waited (:mod:`lightning_dcp.engine.shutdown`); call :meth:`wait_for_save` to see its error as an
+            exception, or to know it landed before the script goes on.
         defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
             copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
             copies; everything else is copied before it returns (see

@@ -13,6 +13,10 @@ Lightning offers no public hook for any of these, so they go through :mod:`light
 - ``lightning.pytorch.utilities.upgrade_checkpoint``'s upgrade, run in a process that imported lightning_dcp:
   checkpoint directories are migrated by :func:`lightning_dcp.trainer.upgrade.upgrade_checkpoints`, files by
   Lightning (``python -m lightning_dcp.upgrade PATH`` does the same from the command line).
+- ``Trainer.fit(ckpt_path="last")`` with Lightning's own ``ModelCheckpoint`` in a Trainer that checkpoints through
+  lightning_dcp (a ``DCPCheckpointIO`` or a ``dcp_*`` strategy): the newest committed checkpoint of its directory is
+  found also when no ``last*.ckpt`` entry exists (where Lightning would start from scratch), as with
+  ``DCPModelCheckpoint`` (:func:`lightning_dcp.trainer.model_checkpoint.find_last`).
 - ``FSDPStrategy`` / ``ModelParallelStrategy`` given a ``DCPCheckpointIO`` warn at ``setup`` that they do not use it,
   naming ``strategy="dcp_fsdp"`` / ``"dcp_model_parallel"``.
 """
@@ -29,6 +33,7 @@ from lightning_dcp.engine import Location, load_stock_file
 from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
+from lightning_dcp.trainer.model_checkpoint import find_last
 from lightning_dcp.trainer.strategies import DCPStrategyMixin
 
 __all__ = ["HOOKS_ENV", "install_lightning_hooks", "installed_lightning_hooks", "uninstall_lightning_hooks"]
@@ -51,6 +56,7 @@ def install_lightning_hooks() -> list[str]:
     lightning_hooks.install_load_from_checkpoint_hook(_read_directory, _load_file)
     lightning_hooks.install_upgrade_hook(_upgrade)
     lightning_hooks.install_strategy_setup_hook(_check_strategy)
+    lightning_hooks.install_find_last_hook(_find_last)
     return lightning_hooks.lightning_hooks_installed()
 
 
@@ -98,6 +104,20 @@ def _upgrade(args: Any, lightning_upgrade: Any) -> None:
     from lightning_dcp.trainer.upgrade import upgrade_from_lightning_args
 
     upgrade_from_lightning_args(args, lightning_upgrade)
+
+
+def _find_last(callback: Any, trainer: Any, original: Any) -> set[str]:
+    """``ckpt_path="last"`` candidates of a Lightning ``ModelCheckpoint``.
+
+    Where the Trainer checkpoints through lightning_dcp, :func:`find_last`'s (a ``last*.ckpt`` entry that resolves,
+    else the newest committed checkpoint, also when the link is missing or dangles), or Lightning's own when nothing
+    in the directory is committed (a single-file ``last.ckpt`` of an earlier run); elsewhere Lightning's.
+    """
+    strategy = trainer.strategy
+    ours = isinstance(strategy, DCPStrategyMixin) or isinstance(
+        lightning_run.unwrap_checkpoint_io(strategy.checkpoint_io), DCPCheckpointIO
+    )
+    return (find_last(callback, trainer) if ours else set()) or original(trainer)
 
 
 def _check_strategy(strategy: Any) -> None:

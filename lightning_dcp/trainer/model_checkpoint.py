@@ -46,7 +46,7 @@ from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.metrics import log_checkpoint_metrics
 
-__all__ = ["DCPModelCheckpoint"]
+__all__ = ["DCPModelCheckpoint", "find_last"]
 
 _PRIVATE = (
     lightning_run.MODEL_CHECKPOINT_FIND_LAST,
@@ -104,27 +104,20 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     # ----------------------------------------------------------------------------------------------- storage
     def _options(self, trainer: pl.Trainer) -> dict[str, Any]:
-        if self._storage_options is not None:
-            return self._storage_options
-        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
-        return dict(io.storage_options) if isinstance(io, DCPCheckpointIO) else {}
+        return _options(self, trainer)
 
     def _tiers(self, trainer: pl.Trainer) -> Tiers | None:
-        io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
-        return io.tiers if isinstance(io, DCPCheckpointIO) else None
+        return _tiers(trainer)
 
     def _committed(self, trainer: pl.Trainer, directory: Location) -> list[tuple[float, Location]]:
         """Committed checkpoints of ``directory``, newest first; with a local tier, of both tiers (local first)."""
-        tiers = self._tiers(trainer)
-        return committed_checkpoints(directory) if tiers is None else tiers.checkpoints(directory)
+        return _committed(trainer, directory)
 
     def _directory(self, trainer: pl.Trainer) -> Location:
-        dirpath = getattr(self, lightning_run.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
-        return Location(os.fspath(dirpath), storage_options=self._options(trainer))
+        return _directory(self, trainer)
 
     def _is_last_name(self, name: str) -> bool:
-        stem, ext = os.path.splitext(name)
-        return ext == self.FILE_EXTENSION and re.match(rf"^{re.escape(self.CHECKPOINT_NAME_LAST)}(-(\d+))?$", stem)
+        return _is_last_name(self, name)
 
     # ------------------------------------------------------------------------------------------------ public
     def last_checkpoint(self, trainer: pl.Trainer) -> str | None:
@@ -318,34 +311,77 @@ class DCPModelCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("DCPModelCheckpoint.link")
 
     def _find_last(self, trainer: pl.Trainer) -> set[str]:
-        """The candidate Lightning resolves ``ckpt_path="last"`` to; empty when nothing in ``dirpath`` is committed.
+        """The candidate Lightning resolves ``ckpt_path="last"`` to; see :func:`find_last`."""
+        return find_last(self, trainer, stat_defaults=self._stat_defaults)
 
-        Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads
-        a ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
-        (:func:`lightning_dcp.engine.catalog.lookup.candidates`). So the candidate is a local ``last*.ckpt`` entry when
-        one resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
-        object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
-        resumes: a run never starts from scratch while a committed checkpoint exists. With a local tier, the newest
-        checkpoint of both tiers (a local ``.commit`` when the local tier holds it).
 
-        Lightning stats a remote candidate with a bare filesystem: the options of this callback become fsspec's
-        defaults for its protocol until ``setup`` (see the class note).
-        """
-        if any(getattr(c, "tier", None) is not None and c is not self for c in trainer.callbacks):
-            return set()  # a MemoryCheckpoint answers for every tier, this directory included
-        directory = self._directory(trainer)
-        found = self._committed(trainer, directory)
-        if not found:
-            return set()
-        if directory.local:
-            for name, _ in directory.entries(follow_links=False):
-                entry = directory.child(name)
-                if self._is_last_name(name) and os.path.exists(entry.path):  # not dangling
-                    return {entry.url}
-        newest = found[0][1]
-        if not newest.local:
-            self._stat_defaults.set(newest.url, self._options(trainer))
-        return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+def find_last(
+    callback: ModelCheckpoint, trainer: pl.Trainer, *, stat_defaults: _StatDefaults | None = None
+) -> set[str]:
+    """The candidate ``ckpt_path="last"`` resolves to for ``callback``; empty when its directory holds no commit.
+
+    For ``DCPModelCheckpoint``, and for Lightning's own ``ModelCheckpoint`` in a Trainer that checkpoints through
+    lightning_dcp (:mod:`lightning_dcp.trainer.hooks` routes its ``_find_last_checkpoints`` here): Lightning loads
+    nothing when no ``last*.ckpt`` entry exists, which a kill between ``_link_checkpoint``'s removal of the old link
+    and the new one's creation leaves beside committed checkpoints.
+
+    Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads a
+    ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
+    (:func:`lightning_dcp.engine.catalog.lookup.candidates`). So the candidate is a local ``last*.ckpt`` entry when
+    one resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
+    object stores, where "directories" have none). A save with ``save_last=False`` still resumes: a run never
+    starts from scratch while a committed checkpoint exists. With a local tier, the newest checkpoint of both tiers
+    (a local ``.commit`` when the local tier holds it).
+
+    Lightning stats a remote candidate with a bare filesystem: with ``stat_defaults`` (``DCPModelCheckpoint``'s),
+    the callback's storage options become fsspec's defaults for its protocol until its ``setup`` (see the class
+    note). Every rank asks (Lightning's checkpoint connector runs on all ranks); the loader reads rank 0's answer.
+    """
+    if any(getattr(c, "tier", None) is not None and c is not callback for c in trainer.callbacks):
+        return set()  # a MemoryCheckpoint answers for every tier, this directory included
+    directory = _directory(callback, trainer)
+    found = _committed(trainer, directory)
+    if not found:
+        return set()
+    if directory.local:
+        for name, _ in directory.entries(follow_links=False):
+            entry = directory.child(name)
+            if _is_last_name(callback, name) and os.path.exists(entry.path):  # not dangling
+                return {entry.url}
+    newest = found[0][1]
+    if not newest.local and stat_defaults is not None:
+        stat_defaults.set(newest.url, _options(callback, trainer))
+    return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+
+
+def _options(callback: ModelCheckpoint, trainer: pl.Trainer) -> dict[str, Any]:
+    """The callback's own storage options, else those of the Trainer's ``DCPCheckpointIO``."""
+    own = getattr(callback, "_storage_options", None)
+    if own is not None:
+        return own
+    io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+    return dict(io.storage_options) if isinstance(io, DCPCheckpointIO) else {}
+
+
+def _tiers(trainer: pl.Trainer) -> Tiers | None:
+    io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+    return io.tiers if isinstance(io, DCPCheckpointIO) else None
+
+
+def _committed(trainer: pl.Trainer, directory: Location) -> list[tuple[float, Location]]:
+    tiers = _tiers(trainer)
+    return committed_checkpoints(directory) if tiers is None else tiers.checkpoints(directory)
+
+
+def _directory(callback: ModelCheckpoint, trainer: pl.Trainer) -> Location:
+    dirpath = getattr(callback, lightning_run.MODEL_CHECKPOINT_RESOLVE_DIR)(trainer)
+    return Location(os.fspath(dirpath), storage_options=_options(callback, trainer))
+
+
+def _is_last_name(callback: ModelCheckpoint, name: str) -> bool:
+    stem, ext = os.path.splitext(name)
+    pattern = rf"^{re.escape(callback.CHECKPOINT_NAME_LAST)}(-(\d+))?$"
+    return ext == callback.FILE_EXTENSION and re.match(pattern, stem) is not None
 
 
 def _removed_message(removed: list[str]) -> str:

@@ -1,6 +1,8 @@
 """One rank of tests/distributed/test_clean_exit.py: an async save, then a plain interpreter exit (no teardown).
 
-Started as a script by the test (``multiprocessing`` children skip ``atexit``, which is what is tested here).
+Started as a script by the test, so that the interpreter's own exit runs. The report of what is left at exit is
+registered before lightning_dcp is imported: ``atexit`` runs handlers last-first, so it runs after the package's exit
+(``engine/shutdown.py``).
 """
 
 from __future__ import annotations
@@ -13,18 +15,20 @@ import sys
 import torch
 import torch.distributed as dist
 
-from lightning_dcp.engine.checkpointer import Checkpointer
 
-
-def _report(path: str) -> None:  # registered first: runs after every handler registered later (LIFO)
+def _report(path: str) -> None:  # registered before lightning_dcp's: runs after its exit (LIFO)
     groups = len(dist.distributed_c10d._world.pg_map) if dist.is_initialized() else 0
     with open(path, "w") as f:
         json.dump({"groups_at_exit": groups}, f)
 
 
+atexit.register(_report, os.path.join(sys.argv[1], f"exit-{os.environ['RANK']}.json"))
+
+from lightning_dcp.engine.checkpointer import Checkpointer  # noqa: E402  (after the report's registration)
+
+
 def main(out: str, ckpt: str) -> None:
     dist.init_process_group("gloo")
-    atexit.register(_report, os.path.join(out, f"exit-{dist.get_rank()}.json"))
     checkpointer = Checkpointer(async_save=True)
     before = len(dist.distributed_c10d._world.pg_map)
     checkpointer.save({"state_dict": {"w": torch.ones(64)}}, ckpt, objects={"step": 1}, collective=True)

@@ -1,9 +1,9 @@
-"""A failed run's workers end without the interpreter's collections over their heap (``freeze_heap_at_exit``).
+"""A failed run's workers end as stock Lightning's do: exit status 1, and the user's objects finalized at exit.
 
-An elastic agent restarts the job once a failed worker has ended; with torch and Lightning imported, the collections
-of the interpreter's finalization took 1.6-2.1 s of that (``benchmarks/exit_time.py``). Each rank runs as its own
-process (tests/distributed/_failed_exit_worker.py), exits as a script does, and reports at its very last ``atexit``
-handler how many objects are frozen.
+Each rank runs as its own process (tests/distributed/_failed_exit_worker.py) and exits as a script does. Its model
+keeps a journal file in a reference cycle, never closed: the interpreter's last collections flush it. A failed
+``dcp_ddp`` run used to skip those collections (the heap was frozen at ``on_exception`` to end 1.5 s sooner), and the
+journal lost its buffered lines on both ranks.
 """
 
 from __future__ import annotations
@@ -41,13 +41,15 @@ def _run(tmp_path, mode: str) -> list[tuple[int, str]]:
 
 
 @pytest.mark.parametrize("mode", ["fail", "finish"])
-def test_only_a_failed_run_freezes_the_heap_at_exit(tmp_path, mode):
+def test_a_failed_run_exits_with_its_error_and_finalizes_the_users_objects(tmp_path, mode):
     for rank, (code, output) in enumerate(_run(tmp_path, mode)):
+        assert "terminate called" not in output
         if mode == "fail":
             assert code == 1, f"rank {rank}:\n{output[-3000:]}"  # the uncaught error, not an abort at teardown
             assert "RuntimeError: the step failed" in output
-            assert int((tmp_path / f"frozen-{rank}").read_text()) > 10_000  # torch's and Lightning's objects
+            steps = [0, 1, 2, 3]
         else:
             assert code == 0, f"rank {rank}:\n{output[-3000:]}"
-            assert int((tmp_path / f"frozen-{rank}").read_text()) == 0
-        assert "terminate called" not in output
+            steps = [0, 1, 2, 3, 4]
+        journal = (tmp_path / f"journal-{rank}").read_text()
+        assert journal == "".join(f"step {s}\n" for s in steps), f"rank {rank}: the journal lost lines"

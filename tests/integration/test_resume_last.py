@@ -3,11 +3,16 @@ newest one, the ``last`` link or a neighbour's ``.commit``; never a fresh start 
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import shutil
+import signal
 import subprocess
+import sys
 
 import pytest
+import torch
 
 from lightning_dcp import CheckpointError, DCPCheckpointIO, DCPModelCheckpoint, StateDictMismatchError
 from tests._crafting import edit_commit
@@ -128,3 +133,31 @@ def test_a_failed_commit_is_a_checkpoint_error_and_keeps_the_old_checkpoint(tmp_
         assert io.load_checkpoint(str(target))["global_step"] == 1  # the old checkpoint is intact
     finally:
         subprocess.run(["umount", str(target)], check=True)
+
+
+def _run_link_train(dirpath: str, max_steps: int, ckpt_path: str = "-", *, kill_at: int = 0):
+    command = [sys.executable, "-m", "tests.integration._link_kill_train", dirpath, str(max_steps), ckpt_path]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([*command, str(kill_at)], cwd=root, capture_output=True, text=True, timeout=240)
+    assert done.returncode == (-signal.SIGKILL if kill_at else 0), done.stderr[-3000:]
+    with open(os.path.join(os.path.dirname(dirpath), "resumed.json")) as f:
+        return json.load(f)["start_step"]
+
+
+def test_a_kill_between_lightnings_link_removal_and_relink_still_resumes_the_newest(tmp_path):
+    """Lightning's own ``ModelCheckpoint`` removes ``last.ckpt`` and then links it anew; a ``kill -9`` in between
+    leaves committed checkpoints and no ``last*`` entry. ``fit(ckpt_path="last")`` resumes the newest of them (stock
+    Lightning's candidates are ``last*`` names only: it would start from step 0), with the values of a resume from
+    that checkpoint named explicitly."""
+    dirpath = str(tmp_path / "killed" / "ckpts")
+    _run_link_train(dirpath, 12, kill_at=2)  # killed inside the link after the save at step 8
+    assert sorted(os.listdir(dirpath)) == ["step=4.ckpt", "step=8.ckpt"]  # no last.ckpt
+    shutil.copytree(dirpath, tmp_path / "named" / "ckpts")
+    assert _run_link_train(dirpath, 12, "last") == 8
+    assert os.path.islink(os.path.join(dirpath, "last.ckpt"))
+    named = str(tmp_path / "named" / "ckpts")
+    assert _run_link_train(named, 12, os.path.join(named, "step=8.ckpt")) == 8
+    expected, got = torch.load(tmp_path / "named" / "final.pt"), torch.load(tmp_path / "killed" / "final.pt")
+    assert expected.keys() == got.keys()
+    for key in expected:
+        assert torch.equal(expected[key], got[key]), key

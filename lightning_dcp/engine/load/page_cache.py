@@ -26,13 +26,19 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 from collections.abc import Callable, Mapping
+
+from lightning_dcp.engine import shutdown
 
 __all__ = ["fill_page_cache", "prefetch", "wait"]
 
 _FIRST = (".commit", ".metadata")
 """Read before the data files: the probe reads them first."""
 _DATA_SUFFIX = ".distcp"
+
+_CHUNK = 64 << 20
+"""Bytes per ``sendfile``: a prefetch stops within one of them at exit."""
 
 _ACTIVE: dict[str, threading.Thread] = {}
 _LOCK = threading.Lock()
@@ -72,6 +78,19 @@ def wait(path: str, timeout: float | None = None) -> bool:
         thread.join(timeout)
         return not thread.is_alive()
     return True
+
+
+def _stop_at_exit(deadline: float) -> None:
+    """The exit's ``"work"`` stage (:mod:`~lightning_dcp.engine.shutdown`): no more reads; the threads end."""
+    _STOP.set()
+    with _LOCK:
+        threads = list(_ACTIVE.values())
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+
+
+_STOP = threading.Event()
+shutdown.on_exit("work", _stop_at_exit)
 
 
 def _fill(key: str, ends: Callable[[], Mapping[str, int]] | None) -> None:
@@ -121,8 +140,8 @@ def fill_page_cache(files: list[tuple[str, int]], budget: int | None = None) -> 
                 if size and hasattr(os, "posix_fadvise"):  # twice the read-ahead: larger reads from the disk
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
                 done = 0
-                while done < size:
-                    sent = os.sendfile(sink, fd, done, size - done)
+                while done < size and not _STOP.is_set():
+                    sent = os.sendfile(sink, fd, done, min(size - done, _CHUNK))
                     if not sent:
                         break
                     done += sent

@@ -358,7 +358,9 @@ class AsyncSaves:
     def _run(inflight: InFlight, stage: Stage) -> None:
         _GATE.watch(inflight.saw_step)
         inflight.called_at = time.perf_counter()
-        thread = threading.Thread(target=inflight.run, args=(stage,), name="lightning_dcp-save")
+        # A daemon thread, so that a process that fails (an exception out of the training loop) is not held by a save
+        # that may never end; every ordinary exit joins it first (close, finish_at_exit).
+        inflight.thread = thread = threading.Thread(target=inflight.run, args=(stage,), name="lightning_dcp-save")
         thread.daemon = True
         thread.start()
 
@@ -414,7 +416,47 @@ class AsyncSaves:
             last, self._last = self._last, None
             if last is not None:
                 last.removed.wait()
+                last.join()  # its thread ends before anything is torn down (see engine.shutdown)
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
+
+    def finish_at_exit(self, deadline: float) -> None:
+        """At exit: let the save in flight finish (until ``deadline``, ``time.monotonic()``) and end its thread.
+
+        A save that finishes is committed as always (rank 0 logs that it waited and how long); one that fails is
+        reported; one still running at ``deadline`` is left uncommitted with a loud error line naming it (earlier
+        checkpoints are intact). Each rank alone (the save's own collectives run in its thread). See
+        :mod:`lightning_dcp.engine.shutdown`.
+        """
+        inflight = self._inflight or self._last
+        if inflight is None:
+            return
+        started = time.monotonic()
+        pending = not inflight.finished.is_set()
+        if not inflight.join(timeout=max(0.0, deadline - started)):
+            log.error(
+                "lightning_dcp: the background save to %r had not finished %.0f s after the process began to exit;"
+                " it is NOT committed (earlier checkpoints are intact). Call the front end's wait (Fabric:"
+                " `fabric.strategy.wait_for_save()`) before the script ends.",
+                inflight.location.url,
+                time.monotonic() - started,
+            )
+            return
+        self._inflight = self._last = None
+        if inflight.error is not None:
+            log.error(
+                "lightning_dcp: the background save to %r failed on rank %d; it is NOT committed (earlier checkpoints"
+                " are intact): %s",
+                inflight.location.url,
+                inflight.rank,
+                inflight.error,
+            )
+        elif pending and inflight.rank == 0:
+            log.warning(
+                "lightning_dcp: the process began to exit with the background save to %r still being written; waited"
+                " %.2f s for it, and it is committed.",
+                inflight.location.url,
+                time.monotonic() - started,
+            )
 
     @staticmethod
     def wait_for_staging() -> None:

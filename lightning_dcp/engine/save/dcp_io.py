@@ -50,6 +50,7 @@ from lightning_dcp.engine.save.planning import BalancedSavePlanner
 from lightning_dcp.engine.storage.localfs import CANNOT_RENAME
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.storage.options import keep_options
+from lightning_dcp.errors import CorruptCheckpointError
 
 __all__ = ["compact_result", "keep_options", "metadata_pickle", "save_planner", "storage_writer"]
 
@@ -157,17 +158,20 @@ class _ChecksummingWriter:
         files: dict[str, dict[str, Any]] = {}
         fqns: dict[str, list[str]] = {}
         chunks: dict[str, list[Any]] = {}
-        for rank_results in results:
+        writers: dict[str, int] = {}
+        for rank, rank_results in enumerate(results):
             for fqn, chunk, _, name, offset, length, digest in rank_results:
                 entry = files.get(name)
                 if entry is None:
                     entry = files[name] = {"size": 0, "records": []}
                     fqns[name], chunks[name] = [], []
+                    writers[name] = rank
                 entry["records"].append([offset, length, digest])
                 fqns[name].append(fqn)
                 chunks[name].append(chunk)
                 if offset + length > entry["size"]:
                     entry["size"] = offset + length
+        self._check_in_place(files, writers)
         metadata_bytes = metadata_pickle(metadata, results)
         self._put(METADATA_FILE, metadata_bytes, atomic=self.local_files)
         marker = encode_commit(
@@ -177,6 +181,41 @@ class _ChecksummingWriter:
             index=_record_index(metadata, fqns, chunks),
         )
         self._put(COMMIT_FILE, marker, atomic=self.local_files)  # atomic: never seen half written
+
+    def _check_in_place(self, files: dict[str, dict[str, Any]], writers: dict[str, int]) -> None:
+        """Refuse to commit unless every data file the ranks reported is in this directory, whole (one listing).
+
+        A rank that wrote elsewhere (a path that names each node's own disk, a rank whose path differed) would
+        otherwise leave a commit that vouches for files that are not there.
+
+        Raises:
+            CorruptCheckpointError: A data file is missing or shorter than its records (``file`` names it).
+        """
+        present = self._file_sizes()
+        for name, entry in files.items():
+            size = present.get(name)
+            if size is not None and size >= entry["size"]:
+                continue
+            found = "is missing" if size is None else f"holds {size} of its {entry['size']} bytes"
+            raise CorruptCheckpointError(
+                f"Refusing to commit the checkpoint at {os.fspath(self.path)!r}: its data file {name!r}, written by"
+                f" rank {writers[name]}, {found} there. Every rank must write into the same directory: use a"
+                " `dirpath` on storage all ranks share (not a disk of each node's own), and the same path on every"
+                " rank. Nothing was committed; earlier checkpoints are intact.",
+                file=name,
+            )
+
+    def _file_sizes(self) -> dict[str, int]:
+        """``{name: bytes}`` of the files in this writer's directory."""
+        if self.local_files:
+            with os.scandir(self.path) as entries:
+                return {e.name: e.stat().st_size for e in entries if e.is_file()}
+        fs, root = self.fs.fs, os.fspath(self.path).rstrip("/")
+        fs.invalidate_cache(root)
+        listing = fs.ls(root, detail=True)
+        return {
+            e["name"].rstrip("/").rsplit("/", 1)[-1]: int(e.get("size") or 0) for e in listing if e["type"] == "file"
+        }
 
     def _put(self, name: str, data: bytes, *, atomic: bool) -> None:
         final = self.fs.concat_path(self.path, name)

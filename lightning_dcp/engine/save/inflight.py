@@ -53,6 +53,15 @@ class InFlight:
         self.live_write: LiveWrite | None = None
         self.hurried = False  # a step arrived while the live write went on
         self.hurry_after: float | None = None  # seconds after the call to hurry a live write unasked
+        self.thread: threading.Thread | None = None  # the background thread, once started
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait until the background thread has ended (after its commit and removals); whether it has."""
+        thread = self.thread
+        if thread is None:
+            return self.removed.wait(timeout)
+        thread.join(timeout)
+        return not thread.is_alive()
 
     def add_step_wait(self, seconds: float) -> None:
         """Count time an optimizer step waited for this save's staging copies."""

@@ -30,6 +30,7 @@ from lightning_dcp.engine.catalog.lookup import candidates
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
+from lightning_dcp.engine.format.marker import is_run_token
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.load import page_cache
 from lightning_dcp.engine.load.candidates import load_first
@@ -312,8 +313,13 @@ class Checkpointer:
         )
         with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
             if self.memory is not None and memory_io.covers(self, location):
-                return memory_io.load_newest(self, location, collective=collective, **options)
-            return self.load_candidates(location, collective=collective, **options)
+                loaded = memory_io.load_newest(self, location, collective=collective, **options)
+            else:
+                loaded = self.load_candidates(location, collective=collective, **options)
+        run = (loaded.objects.get(layout.INFO_KEY) or {}).get("run") if isinstance(loaded.objects, dict) else None
+        if isinstance(run, str) and is_run_token(run) and not objects_only:
+            transaction.continue_run(run)  # a resume continues the run it resumed
+        return loaded
 
     def prefetch(self, path: str | os.PathLike) -> bool:
         """Start reading the local checkpoint directory ``path`` into the page cache in a background thread.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.metadata
 import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -27,7 +28,7 @@ from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.errors import InvalidPathError, checkpoint_failure
 
-__all__ = ["next_counter", "outage", "save", "versions", "writes_in_place"]
+__all__ = ["continue_run", "next_counter", "outage", "run", "save", "versions", "writes_in_place"]
 
 log = logging.getLogger("lightning_dcp.engine.checkpointer")  # the checkpointer's log: filters name it
 
@@ -80,15 +81,15 @@ def save(
         cp._record_of = cp.saves.begin(location.url, step=step, tier=tier, started=started)
     record = cp._record_of
 
-    def decide() -> tuple[str, bool, Any, int]:  # rank 0 decides where this save writes; all ranks must agree
+    def decide() -> tuple[str, bool, Any, int, str]:  # rank 0 decides where this save writes; all ranks must agree
         if remote is not None:
             cp.tiers.prepare(remote)
         previous = cp.incremental and cp.incremental.previous(location)
-        return new_token(), writes_in_place(cp, location), previous, next_counter(cp, remote or location)
+        return new_token(), writes_in_place(cp, location), previous, next_counter(cp, remote or location), run()
 
-    token, direct, previous, counter = on_rank0(collective, decide)
+    token, direct, previous, counter, run_id = on_rank0(collective, decide)
     target = location if direct else location.staging(token)
-    info = {**(info or {}), "world_size": world_size, **versions()}
+    info = {**(info or {}), "world_size": world_size, "run": run_id, **versions()}
 
     def commit() -> None:  # rank 0, once every rank finished writing
         if not direct:
@@ -118,7 +119,11 @@ def save(
             target.child(name).remove()
 
     writer = storage_writer(target, thread_count=cp.thread_count, sync_files=cp.sync_files)
-    writer.order = {"counter": counter, "step": step if isinstance(step, int) and step >= 0 else None}
+    writer.order = {
+        "counter": counter,
+        "step": step if isinstance(step, int) and step >= 0 else None,
+        "run": run_id,
+    }
     planner = save_planner(writers=world_size * cp.thread_count)
     if cp.incremental is not None:
         cp.incremental.attach(writer, previous=previous, local=location.local)
@@ -156,6 +161,29 @@ def save(
             err, f"Committing the checkpoint to {location.url!r} failed", rank=0, unreachable=outage(location)
         ) from err
     cp._record(started, location, "saved")
+
+
+def run() -> str:
+    """The run this process saves for (:func:`~lightning_dcp.engine.format.marker.run_of`), recorded by every save.
+
+    The run of the checkpoint this process resumed last (:func:`continue_run`), else a new one made at its first
+    save: a process that starts fresh begins a run, a process that resumes continues the run it resumed. Rank 0's is
+    the one recorded.
+    """
+    with _RUN_LOCK:
+        if _RUN[0] is None:
+            _RUN[0] = new_token()
+        return _RUN[0]
+
+
+def continue_run(run_id: str) -> None:
+    """Make the saves of this process continue ``run_id`` (the run of a checkpoint it loaded to resume)."""
+    with _RUN_LOCK:
+        _RUN[0] = run_id
+
+
+_RUN: list[str | None] = [None]
+_RUN_LOCK = threading.Lock()
 
 
 def writes_in_place(cp: Any, location: Location) -> bool:

@@ -349,6 +349,13 @@ def find_last(
             if _is_last_name(callback, name) and os.path.exists(entry.path):  # not dangling
                 return {entry.url}
     newest = found[0][1]
+    others = sorted({getattr(entry, "run", None) for entry in found} - {getattr(found[0], "run", None), None})
+    if others:
+        rank_zero_warn(
+            f"lightning_dcp: no `last*.ckpt` in {directory.url!r} names a committed checkpoint, and {len(others) + 1}"
+            f" runs saved into it; resuming the newest checkpoint, {newest.url!r} (run {found[0].run}), and passing"
+            f" over run(s) {', '.join(others)}. Pass a checkpoint of another run as `ckpt_path` to resume it instead."
+        )
     if not newest.local and stat_defaults is not None:
         stat_defaults.set(newest.url, _options(callback, trainer))
     return {newest.url.rstrip("/") + "/" + COMMIT_FILE}

@@ -18,13 +18,14 @@ from typing import Any
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine.catalog.metadata import MAX_METADATA_BYTES, load_metadata
-from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key
+from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key, run_of
 from lightning_dcp.engine.format.record_index import IndexEntry, disagreement, parse_index
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
 
 __all__ = [
+    "Committed",
     "check_checkpoint",
     "check_indexed",
     "checkpoints_inside",
@@ -166,7 +167,23 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 )
 
 
-def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
+class Committed(tuple):
+    """``(order key, checkpoint)``: one committed checkpoint of a listing, with the run that saved it (``run``).
+
+    A pair, so that ``for key, checkpoint in committed_checkpoints(d)`` reads it; ``run`` is
+    :func:`~lightning_dcp.engine.format.marker.run_of` of its marker (``None``: recorded none).
+    """
+
+    run: str | None
+
+    def __new__(cls, key: tuple, location: Location, run: str | None = None) -> Committed:
+        """The entry ``(key, location)`` of a checkpoint that ``run`` saved."""
+        entry = super().__new__(cls, (key, location))
+        entry.run = run
+        return entry
+
+
+def committed_checkpoints(directory: Location) -> list[Committed]:
     """``(order key, checkpoint)`` of every committed checkpoint directly inside ``directory``, newest first.
 
     The order is the one recorded in each ``.commit`` (:func:`~lightning_dcp.engine.format.marker.order_key`: the
@@ -191,7 +208,7 @@ def committed_checkpoints(directory: Location) -> list[tuple[tuple, Location]]:
             warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {err}", stacklevel=2)
             continue
         if marker is not None:
-            found.append((order_key(marker), candidate))
+            found.append(Committed(order_key(marker), candidate, run_of(marker)))
     return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
 
 

@@ -3,11 +3,14 @@
 A path names one checkpoint directly (a directory, a single file), through a local symlink, or through a pointer
 object (:meth:`~lightning_dcp.engine.storage.location.Location.resolve`). A ``last*`` name (``ModelCheckpoint``'s
 ``last.ckpt``, ``last-v1.ckpt``) or a checkpoint's ``.commit`` marker instead asks for "the newest valid checkpoint
-of this directory": the newest committed one (in the order recorded at save, :func:`~lightning_dcp.engine.format.marker.
-order_key`) that passes the fast checks, whatever the link or pointer says, with a warning naming both when they
-differ. The loader (``Checkpointer.load``), ``probe``, the tools (``load_checkpoint``, ``consolidate``,
-``inspect``, ``verify``) and the Lightning hooks all ask here, so a dangling or stale ``last`` falls back the same way
-everywhere.
+of this run in this directory": of the committed checkpoints of the run that saved the checkpoint the entry names
+(:func:`~lightning_dcp.engine.format.marker.run_of`), the newest (in the order recorded at save,
+:func:`~lightning_dcp.engine.format.marker.order_key`) that passes the fast checks, also when the link or pointer
+lags behind it or names one that is gone, with a warning naming both when they differ. Checkpoints another run saved
+into the same directory are never chosen for it. An entry that names no committed checkpoint (missing, dangling)
+takes the run of the directory's newest checkpoint, with a warning when other runs saved there too. The loader
+(``Checkpointer.load``), ``probe``, the tools (``load_checkpoint``, ``consolidate``, ``inspect``, ``verify``) and the
+Lightning hooks all ask here, so a dangling or stale ``last`` falls back the same way everywhere.
 """
 
 from __future__ import annotations
@@ -19,12 +22,25 @@ from typing import Any
 
 from fsspec.core import split_protocol
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints, not_one_checkpoint
+from lightning_dcp.engine.catalog.integrity import (
+    Committed,
+    check_checkpoint,
+    committed_checkpoints,
+    not_one_checkpoint,
+)
 from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.storage.location import POINTER_HEADER, Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
-__all__ = ["LIGHTNING_META_FILE", "candidates", "designated", "designates_last", "source_of", "verify_checkpoint"]
+__all__ = [
+    "LIGHTNING_META_FILE",
+    "candidates",
+    "designated",
+    "designates_last",
+    "of_named_run",
+    "source_of",
+    "verify_checkpoint",
+]
 
 LIGHTNING_META_FILE = "meta.pt"
 """The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
@@ -45,11 +61,11 @@ def designates_last(location: Location) -> bool:
 def candidates(location: Location) -> list[str]:
     """The checkpoints to try, in order, for a load of ``location``.
 
-    For a path that :func:`designates_last`, the committed checkpoint directories of its directory, newest first
-    (whatever a ``last`` link or pointer says: a dangling, stale or escaping link is never trusted over what is on
-    disk, and a warning names both when they differ); a single-file ``last.ckpt`` comes first, and a ``last``
-    directory in Lightning's own sharded layout is tried when nothing committed exists. Any other path: itself,
-    through pointers.
+    For a path that :func:`designates_last`, the committed checkpoint directories of its directory that belong to the
+    run it designates (:func:`of_named_run`), newest first (a dangling, stale or escaping link is never trusted over
+    what is on disk, and a warning names both when they differ); a single-file ``last.ckpt`` comes first, and a
+    ``last`` directory in Lightning's own sharded layout is tried when nothing committed exists. Any other path:
+    itself, through pointers.
 
     Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
 
@@ -65,14 +81,16 @@ def candidates(location: Location) -> list[str]:
             )
         return [resolved.url]
     directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
-    found = [candidate.url for _, candidate in committed_checkpoints(directory)]
+    committed = committed_checkpoints(directory)
+    found = [candidate.url for _, candidate in committed]
     entry = location.parent() if location.name == COMMIT_FILE else location
     if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)
         return [entry.url, *found]
     if found:
+        chosen = [candidate.url for _, candidate in of_named_run(committed, entry)]
         if location.name != COMMIT_FILE:
-            _warn_if_link_differs(entry, found[0])
-        return found
+            _warn_if_link_differs(entry, chosen[0])
+        return chosen
     if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
         return [entry.url]
     if not entry.exists():
@@ -85,6 +103,61 @@ def candidates(location: Location) -> list[str]:
         " (every save into it was interrupted). Start without `ckpt_path`, or remove the directory's uncommitted"
         " entries; `DCPModelCheckpoint` does both on its own."
     )
+
+
+def of_named_run(found: list[Committed], entry: Location) -> list[Committed]:
+    """Of ``found`` (a directory's committed checkpoints, newest first), those a ``last`` ``entry`` designates.
+
+    The run of the checkpoint ``entry`` names (a symlink's target, a pointer's name, the entry itself for
+    ``save_last=True`` copies and for a checkpoint named by its ``.commit``) and, as fallbacks behind them,
+    checkpoints that recorded no run (saved before runs were recorded); newest first. An entry that names none of
+    ``found`` takes the run of the newest, with a warning naming the runs passed over. When the named checkpoint
+    recorded no run, every checkpoint of ``found``. Rank 0 only (or any single process).
+    """
+    if not found:
+        return found
+    named = _named_url(entry)
+    run = next((c.run for c in found if _same(c[1], named)), _UNNAMED)
+    if run is None:
+        return found
+    if run is _UNNAMED:
+        run = found[0].run
+        others = sorted({c.run for c in found if c.run not in (run, None)})
+        if run is not None and others:
+            warnings.warn(
+                f"lightning_dcp: {entry.url!r} names no committed checkpoint, and {len(others) + 1} runs saved into"
+                f" its directory; resuming the run of the newest checkpoint, {found[0][1].url!r} (run {run}), and"
+                f" passing over the checkpoints of run(s) {', '.join(others)}. Pass one of them as `ckpt_path` to"
+                " resume it instead.",
+                stacklevel=3,
+            )
+        if run is None:
+            return found
+    return [c for c in found if c.run in (run, None)]
+
+
+_UNNAMED = object()
+
+
+def _same(checkpoint: Location, url: str | None) -> bool:
+    if url is None:
+        return False
+    if checkpoint.local:
+        return os.path.realpath(checkpoint.path) == os.path.realpath(Location(url).path)
+    return checkpoint.url == url
+
+
+def _named_url(entry: Location) -> str | None:
+    """The URL of the checkpoint a ``last`` entry names (without checking it exists); ``None`` when it names none."""
+    if entry.local and os.path.islink(entry.path):
+        return Location(os.path.realpath(entry.path)).url
+    try:
+        name = entry.read_pointer()
+    except CheckpointError:
+        return None  # a malformed pointer: its own error is raised where it is followed
+    if name is not None:
+        return entry.sibling(name).url
+    return entry.url  # the entry itself: a checkpoint directory (save_last=True), or absent
 
 
 def designated(location: Location) -> Location:

@@ -30,8 +30,10 @@ __all__ = [
     "checksum",
     "encode_commit",
     "is_plain_name",
+    "is_run_token",
     "order_key",
     "parse_commit",
+    "run_of",
     "seal",
 ]
 
@@ -68,8 +70,9 @@ def encode_commit(
     Args:
         metadata_bytes: The exact bytes of ``.metadata``.
         files: ``{file name: {"size": bytes, "records": [[offset, length, checksum], ...]}}`` for every data file.
-        order: ``{"counter": int, "step": int | None}``: the save's place in its directory (see :func:`order_key`).
-            ``None`` writes no order (such a checkpoint counts as older than every ordered one).
+        order: ``{"counter": int, "step": int | None, "run": str | None}``: the save's place in its directory (see
+            :func:`order_key`) and the run that saved it (:func:`run_of`). ``None`` writes no order (such a
+            checkpoint counts as older than every ordered one).
         index: The record index (:mod:`lightning_dcp.engine.format.record_index`): what each record holds, so that a
             restore need not read ``.metadata``. ``None`` writes none.
     """
@@ -83,6 +86,8 @@ def encode_commit(
     }
     if order is not None:
         marker["order"] = {"counter": int(order["counter"]), "step": order.get("step")}
+        if order.get("run") is not None:
+            marker["order"]["run"] = str(order["run"])
     if index is not None:
         marker["index"] = index
     return seal(json.dumps(marker, sort_keys=True).encode())
@@ -127,6 +132,17 @@ def order_key(marker: dict[str, Any]) -> tuple[int, int, float]:
         return (0, -1, float(marker["committed_at"]))
     step = order.get("step")
     return (order["counter"], -1 if step is None else step, 0.0)
+
+
+def run_of(marker: dict[str, Any]) -> str | None:
+    """The run that saved the checkpoint of a parsed marker; ``None`` when it recorded none (saved before runs were).
+
+    A run is a line of training: a fit that starts fresh begins a new run (a random token), a fit that resumes a
+    checkpoint continues that checkpoint's run, whatever process, job or world size does it. ``ckpt_path="last"``
+    follows the run its ``last`` entry names (:func:`lightning_dcp.engine.catalog.lookup.candidates`).
+    """
+    order = marker.get("order")
+    return order.get("run") if isinstance(order, dict) else None
 
 
 MAX_MARKER_BYTES = 64 << 20
@@ -175,8 +191,12 @@ def parse_commit(data: bytes) -> dict[str, Any]:
         and _uint(order.get("counter"))
         and order["counter"] > 0
         and (order.get("step") is None or _uint(order.get("step")))
+        and (order.get("run") is None or is_run_token(order.get("run")))
     ):
-        raise MarkerError("'order' must hold a positive integer 'counter' and a non-negative integer or null 'step'")
+        raise MarkerError(
+            "'order' must hold a positive integer 'counter', a non-negative integer or null 'step' and, if any, a"
+            " 'run' of 1-64 letters and digits"
+        )
     meta = marker.get("metadata")
     if not isinstance(meta, dict) or not _uint(meta.get("size")) or not _uint(meta.get("checksum")):
         raise MarkerError("'metadata' must hold a non-negative integer 'size' and 'checksum'")
@@ -217,6 +237,11 @@ def is_plain_name(name: object) -> bool:
         and "\\" not in name
         and name.isprintable()
     )
+
+
+def is_run_token(value: object) -> bool:
+    """Whether ``value`` is a run token a marker may carry: 1-64 ASCII letters and digits."""
+    return isinstance(value, str) and 0 < len(value) <= 64 and value.isascii() and value.isalnum()
 
 
 def _uint(value: object) -> bool:

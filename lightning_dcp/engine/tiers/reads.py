@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import candidates as one_tier_candidates
-from lightning_dcp.engine.catalog.lookup import designates_last
+from lightning_dcp.engine.catalog.lookup import designates_last, of_named_run
 from lightning_dcp.engine.format.marker import COMMIT_FILE, order_key
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import local_marker
@@ -62,12 +62,13 @@ def both(tiers: Tiers, remote_dir: Location) -> list[tuple[tuple, Location]]:
     found = []
     mirrored = tiers.mirrors(remote_dir)
     if mirrored and os.path.isdir(tiers.local.path):
-        found = [(key, 0, loc) for key, loc in committed_checkpoints(tiers.local)]
+        found = [(entry, 0) for entry in committed_checkpoints(tiers.local)]
     remote = _reachable(remote_dir, committed_checkpoints, None, bool(found))
     if remote is not None and mirrored:
         tiers.journal.saw_listing({loc.name: key for key, loc in remote})
-    found += [(key, 1, loc) for key, loc in remote or []]
-    return _newest_first(found)
+    found += [(entry, 1) for entry in remote or []]
+    found.sort(key=lambda pair: (pair[0][0], -pair[1], pair[0][1].name), reverse=True)
+    return [entry for entry, _ in found]
 
 
 def known(tiers: Tiers, remote_dir: Location, *, wait: bool = True) -> list[tuple[tuple, Location]]:
@@ -125,7 +126,10 @@ def candidates(tiers: Tiers, location: Location) -> list[str]:
         if directory.local and os.path.abspath(directory.path).rstrip("/") == tiers.local.path.rstrip("/"):
             directory = tiers.remote_dir() or directory
         found = both(tiers, directory) if not directory.local else []
-        return [loc.url for _, loc in found] or one_tier_candidates(location)
+        if not found:
+            return one_tier_candidates(location)
+        entry = location.parent() if location.name == COMMIT_FILE else location
+        return [loc.url for _, loc in of_named_run(found, entry)]
     resolved = location
     if not location.local:  # follow pointers; while the remote cannot be read, a local copy of the name serves
         local = tiers.local_twin(location) if tiers.mirrors(location.parent()) else None

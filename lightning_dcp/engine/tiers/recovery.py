@@ -27,6 +27,7 @@ from lightning_dcp.engine.catalog.integrity import check_checkpoint
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, parse_commit
 from lightning_dcp.engine.storage.localfs import new_token, remove_path
 from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.tiers import runs
 from lightning_dcp.engine.tiers.node_disks import everywhere
 from lightning_dcp.engine.tiers.parts import LOAD_PREFIX, Part, PartStore, complete
 from lightning_dcp.engine.tiers.persist import Persistence
@@ -74,11 +75,19 @@ def _ours(tier: MemoryTier, store: PartStore) -> list[Part]:
     others = sorted({p.name for p in parts if p not in ours})
     if others and not tier.warned_foreign:
         tier.warned_foreign = True
+        foreign = sorted({p.run or "none recorded" for p in parts if p not in ours})
+        mine = tier.run or "none yet: no token in its durable directory"
+        how = (
+            "the job's identity (torchrun's run id, SLURM's job id)"
+            if tier.run and tier.run.startswith(("torchelastic", "torchrun", "slurm"))
+            else f"the token in its durable directory (`{runs.RUN_FILE}` in `dirpath`; no launcher job id was found)"
+        )
         warnings.warn(
-            f"lightning_dcp: the memory area {tier.store.root!r} holds checkpoints of another run ({others}): they"
-            " are not this run's (its durable directory holds another run token, or none yet), so they are ignored,"
-            " not resumed, and left in place. Give every run its own `memory_dir` (e.g. `/dev/shm/<user>-<run>`), and"
-            " remove an old run's area once it is done with it.",
+            f"lightning_dcp: the memory area {tier.store.root!r} holds checkpoints of another run ({others}; run(s)"
+            f" {', '.join(foreign)}), not of this run ({mine}, from {how}): they are ignored, not resumed, and left in"
+            " place. A restarted job resumes its own memory checkpoints; a new job, or a `dirpath` emptied or"
+            " changed outside a launcher, is a new run. To resume them, run under the same job (torchrun"
+            " `--rdzv-id`, the same SLURM job) or with the same `dirpath`; remove the area once the old run is done.",
             stacklevel=4,
         )
     return ours

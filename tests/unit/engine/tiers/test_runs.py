@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.format.marker import is_run_token
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import memory_io, runs
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.runs import RUN_FILE

@@ -41,6 +41,7 @@ from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
 from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, fsync_dir, new_token, read_commit
+from lightning_dcp.engine.storage.names import is_staging_of
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
 
@@ -72,6 +73,7 @@ __all__ = [
     "fsync_dir",
     "init_strategy_attempt_group",
     "is_missing_credentials",
+    "is_staging_of",
     "layout",
     "load_stock_file",
     "load_torch_file",

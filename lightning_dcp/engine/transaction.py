@@ -23,11 +23,12 @@ from lightning_dcp.engine.save import saving
 from lightning_dcp.engine.save.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
 from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
+from lightning_dcp.engine.storage.names import name_limit, too_long
 from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.errors import InvalidPathError, checkpoint_failure
 
-__all__ = ["next_counter", "outage", "save", "versions", "writes_in_place"]
+__all__ = ["check_name_length", "next_counter", "outage", "save", "versions", "writes_in_place"]
 
 log = logging.getLogger("lightning_dcp.engine.checkpointer")  # the checkpointer's log: filters name it
 
@@ -74,6 +75,8 @@ def save(
     remote = location if cp.tiers is not None and cp.tiers.covers(location) else None
     if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
         location = cp.tiers.local_twin(remote)
+    if location.local:
+        check_name_length(location.path, url=location.url)
     rank, world_size = rank_and_world(collective)
     if rank == 0:
         tier = "durable" if remote is None else "local_dir"
@@ -206,6 +209,25 @@ def _has_committed_sibling(cp: Any, location: Location) -> bool:
     if parent.url not in cp._committed_in and committed_checkpoints(parent):
         cp._committed_in.add(parent.url)
     return parent.url in cp._committed_in
+
+
+def check_name_length(path: str, *, url: str) -> None:
+    """Refuse a local checkpoint path with a name longer than its filesystem takes (no save could write it).
+
+    Names up to the limit work: the hidden names beside a checkpoint stay within it (``engine.storage.names``).
+
+    Raises:
+        InvalidPathError: A component of ``path`` is longer than the filesystem's limit (255 bytes on ext4).
+    """
+    limit = name_limit(os.path.dirname(os.path.abspath(path)))
+    part = too_long(path, limit=limit)
+    if part is not None:
+        shown = part if len(part) <= 60 else f"{part[:40]}...{part[-12:]}"
+        raise InvalidPathError(
+            f"The checkpoint path {url!r} has a name of {len(part.encode('utf-8', 'surrogateescape'))} bytes"
+            f" ({shown!r}); its filesystem takes at most {limit} bytes per name, so no save (Lightning's own"
+            " included) can write it. Shorten the name: `filename` of the ModelCheckpoint, or the path given."
+        )
 
 
 def outage(location: Location):

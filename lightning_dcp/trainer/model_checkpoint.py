@@ -40,6 +40,7 @@ from lightning_dcp.engine import (
     canonical_url,
     check_checkpoint,
     committed_checkpoints,
+    is_staging_of,
 )
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
@@ -194,7 +195,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 removed.append(location.url)
         for name, kind in sorted(directory.entries()):
             if kind == "directory" and name.startswith(".") and STAGING_INFIX in name:
-                if any(name.startswith(f".{busy}{STAGING_INFIX}") for busy in uploading):
+                if any(is_staging_of(name, busy) for busy in uploading):
                     continue
                 directory.child(name).remove()
                 removed.append(directory.child(name).url)

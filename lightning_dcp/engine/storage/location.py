@@ -36,6 +36,7 @@ from lightning_dcp.engine.format.marker import (
 from lightning_dcp.engine.storage import localfs
 from lightning_dcp.engine.storage.commit_reads import permission_message, read_commit, unreadable
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir
+from lightning_dcp.engine.storage.names import is_staging_of, staging_name
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.pointers import POINTER_HEADER, Pointers
 from lightning_dcp.engine.storage.stores import (
@@ -281,14 +282,14 @@ class Location(Pointers):
 
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
-        return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
+        return self.sibling(staging_name(self.name, token))
 
     def remove_stale_staging(self, *, keep: str | None = None) -> list[str]:
         """Delete staging directories of earlier, interrupted saves to this path. Returns the URLs removed."""
-        prefix = f".{self.name}{STAGING_INFIX}"
+        kept = None if keep is None else staging_name(self.name, keep)
         removed = []
         for name, _ in self.sibling("").entries():
-            if name.startswith(prefix) and name != f"{prefix}{keep}":
+            if is_staging_of(name, self.name) and name != kept:
                 stale = self.sibling(name)
                 stale.remove()
                 removed.append(stale.url)

@@ -44,6 +44,7 @@ from typing import Any
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, new_token
+from lightning_dcp.engine.storage.names import snapshot_prefix
 from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
@@ -382,7 +383,7 @@ class Tiers:
         for name, kind in self.local.entries(follow_links=False):
             entry = self.local.child(name)
             hidden = is_internal_name(name)
-            stale = hidden and not any(name.startswith(f"{SNAPSHOT_PREFIX}{b}-") for b in busy)
+            stale = hidden and not any(name.startswith(snapshot_prefix(b)) for b in busy)
             if kind == "directory" and (stale or (not name.startswith(".") and not entry.is_committed())):
                 entry.remove()
                 removed.append(entry.url)

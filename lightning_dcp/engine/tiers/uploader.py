@@ -38,10 +38,10 @@ from typing import Any
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.format.marker import order_key
 from lightning_dcp.engine.storage.location import Location, new_token
+from lightning_dcp.engine.storage.names import snapshot_name
 from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers.journal import TierJournal
 from lightning_dcp.engine.tiers.upload import (
-    SNAPSHOT_PREFIX,
     marker_of,
     remove_committed,
     same_checkpoint,
@@ -265,7 +265,7 @@ class Uploader:
 
     def _upload(self, task: Task) -> None:
         local, remote = self.local.child(task.name), self.remote_dir.child(task.name)
-        frozen = self.local.child(f"{SNAPSHOT_PREFIX}{task.name}-{new_token()}").path
+        frozen = self.local.child(snapshot_name(task.name, new_token())).path
         started = time.perf_counter()
         with self.cond:
             self._started.add(task.name)

@@ -4,7 +4,14 @@ Importing the package registers the ``dcp_*`` strategy names in the Trainer's an
 and installs the Lightning hooks of :mod:`lightning_dcp.trainer.hooks` (``load_from_checkpoint`` on checkpoint
 directories, ...) unless the environment variable ``LIGHTNING_DCP_LIGHTNING_HOOKS=0`` is set. The Fabric strategies
 live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
+
+The package's loggers (``lightning_dcp.*``) report at INFO as Lightning's own do: the ``lightning_dcp`` logger is set
+to INFO and, when the root logger has no handlers at import, prints to stderr itself (and does not propagate). One
+line per save and per resume, on rank 0 (see ``docs/metrics.md``); silence them with
+``logging.getLogger("lightning_dcp").setLevel(logging.WARNING)``.
 """
+
+import logging
 
 from lightning_dcp._compat import lightning_hooks
 from lightning_dcp.engine import add_safe_globals, verify_checkpoint
@@ -77,6 +84,12 @@ __all__ = [
     "uninstall_lightning_hooks",
     "verify_checkpoint",
 ]
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # as `lightning.pytorch` does: a configured root logger takes our records
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 register_strategies()
 register_fabric_strategies()

@@ -89,7 +89,12 @@ def save(
         previous = cp.incremental and cp.incremental.previous(location)
         return new_token(), writes_in_place(cp, location), previous, next_counter(cp, remote or location)
 
-    token, direct, previous, counter = on_rank0(collective, decide)
+    try:
+        token, direct, previous, counter = on_rank0(collective, decide)
+    except Exception as err:  # storage refused even the preparation (a read-only mount): nothing was written
+        raise checkpoint_failure(
+            err, f"Saving the checkpoint to {location.url!r} failed", rank=0, unreachable=outage(location)
+        ) from err
     target = location if direct else location.staging(token)
     info = {**(info or {}), "world_size": world_size, **versions()}
 

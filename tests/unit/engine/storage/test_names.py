@@ -46,7 +46,7 @@ _NAMES = st.one_of(
 _TOKENS = st.builds(lambda kind, token: kind + token, st.sampled_from(["", "old-", "copy-"]), st.just(new_token()))
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(name=_NAMES, token=_TOKENS)
 def test_every_hidden_name_fits_belongs_to_its_checkpoint_and_is_no_checkpoint_name(name, token):
     staging, snapshot = staging_name(name, token), snapshot_name(name, token[-12:])
@@ -61,7 +61,7 @@ def test_every_hidden_name_fits_belongs_to_its_checkpoint_and_is_no_checkpoint_n
         assert SHORT_NAME_BYTES < _size(tag) <= 232 and name.startswith(tag[: tag.rindex("~")])
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(a=_NAMES, b=_NAMES, token=_TOKENS)
 def test_the_hidden_names_of_two_checkpoints_never_mix(a, b, token):
     assume(a != b)

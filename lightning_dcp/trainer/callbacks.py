@@ -37,6 +37,8 @@ from lightning_dcp.trainer.global_order import (
 __all__ = ["ElasticResume", "GlobalOrderSampler", "accumulation_for"]
 
 STATE_VERSION = 1
+INT64_MAX = 2**63 - 1
+"""The largest count a saved state may hold: every count is an ``int64`` where torch and the samplers use it."""
 
 
 class ElasticResume(Callback):
@@ -155,9 +157,9 @@ class ElasticResume(Callback):
                 return f"{name!r} is missing"
             value = state[name]
             least = 1 if name in positive or name in optional else 0
-            if not ((name in optional and value is None) or (type(value) is int and value >= least)):
+            if not ((name in optional and value is None) or (type(value) is int and least <= value <= INT64_MAX)):
                 kind = "a positive integer" if least else "a non-negative integer"
-                return f"{name!r} is {value!r}, not {kind}{' or None' if name in optional else ''}"
+                return f"{name!r} is {value!r}, not {kind} of at most 2**63 - 1{' or None' if name in optional else ''}"
         if "version" not in state:
             return "'version' is missing"
         if type(state["version"]) is not int or state["version"] != STATE_VERSION:
@@ -175,11 +177,15 @@ class ElasticResume(Callback):
         if order is not None and not (
             isinstance(order, dict)
             and type(order.get("dataset_size")) is int
-            and order["dataset_size"] >= 0
+            and 0 <= order["dataset_size"] <= INT64_MAX
             and type(order.get("shuffle")) is bool
             and type(order.get("seed")) is int
+            and -INT64_MAX - 1 <= order["seed"] <= INT64_MAX
         ):
-            return f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}}"
+            return (
+                f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}} with the"
+                " dataset size in [0, 2**63 - 1] and the seed in [-2**63, 2**63 - 1]"
+            )
         return None
 
     @override

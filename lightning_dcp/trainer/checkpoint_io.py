@@ -68,17 +68,18 @@ class DCPCheckpointIO(CheckpointIO):
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
-            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back
-            intact, and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop:
-            existence checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries
-            through store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning
-            per save while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint
-            committed on either tier, the local copy first; on a machine with an empty ``local_dir`` they load from
-            the remote. Pruning removes the local copy at once and the remote copy behind the uploads queued before
-            it. Uploads, removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by
-            the next run with the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last``
-            ask for. ``teardown`` waits for the uploads, retrying for up to 60 s, then raises
-            ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
+            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back intact,
+            and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop: existence
+            checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries through
+            store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning per save
+            while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint committed on
+            either tier, the local copy first; on a machine with an empty ``local_dir`` they load from the remote.
+            Pruning removes the local copy at once and the remote copy behind the uploads queued before it. Uploads,
+            removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by the next run with
+            the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last`` ask for. ``teardown``
+            waits for the uploads while the store answers; once it has answered nothing for 60 s (since teardown began
+            or since its last answer: a file or a part of one taken, a task done), whether its requests fail or hang, it
+            raises ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
             ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
             filesystem). Named ``local_dir`` rather than ``cache_dir`` or ``staging_dir``: it holds real, committed
             checkpoints (for a while the only copy), not a disposable cache or a temporary area.

@@ -33,7 +33,14 @@ from lightning_dcp.engine.format.blob import load_stock_file
 from lightning_dcp.engine.format.layout import INFO_KEY
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.gc_pause import freeze_heap_at_exit
-from lightning_dcp.engine.load.loading import LIGHTNING_META_FILE, load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.load.loading import (
+    LIGHTNING_META_FILE,
+    foreign_file_at,
+    load_torch_file,
+    not_a_checkpoint_file,
+    probe,
+    torch_load_error,
+)
 from lightning_dcp.engine.load.restore import Loaded
 from lightning_dcp.engine.load.source import Source, TensorEntry
 from lightning_dcp.engine.save.dcp_io import storage_writer
@@ -70,6 +77,7 @@ __all__ = [
     "designates_last",
     "distributed",
     "freeze_heap_at_exit",
+    "foreign_file_at",
     "fsync_dir",
     "init_strategy_attempt_group",
     "is_missing_credentials",
@@ -77,6 +85,7 @@ __all__ = [
     "layout",
     "load_stock_file",
     "load_torch_file",
+    "not_a_checkpoint_file",
     "new_token",
     "on_rank0",
     "parsed_meanwhile_forgotten",

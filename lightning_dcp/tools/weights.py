@@ -20,7 +20,7 @@ __all__ = ["LoadReport", "load_model_weights"]
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What :func:`load_model_weights` did.
+    """What [`load_model_weights`][lightning_dcp.load_model_weights] did.
 
     Attributes:
         loaded_keys: FQNs whose values came from the checkpoint.
@@ -67,7 +67,7 @@ def load_model_weights(
         storage_options: fsspec options for remote storage.
 
     Returns:
-        A :class:`LoadReport`.
+        A [`LoadReport`][lightning_dcp.LoadReport].
 
     Collective: call on all ranks when a process group is initialised.
 

@@ -58,7 +58,7 @@ class ElasticResume(Callback):
     consumed in global-batch-size chunks at any world size), as long as no padding is involved; see
     ``docs/resume.md``.
 
-    The train sampler is replaced by :class:`GlobalOrderSampler` in every fit (not only when resuming), when it is
+    The train sampler is replaced by ``GlobalOrderSampler`` in every fit (not only when resuming), when it is
     Lightning's ``DistributedSampler``, or a ``RandomSampler``/``SequentialSampler`` on one device; a
     ``DistributedSampler`` run is unchanged by this, a one-device shuffled run draws the ``seed + epoch``
     permutation instead of the global random generator's. Other samplers are left alone, and a mid-epoch resume
@@ -125,9 +125,9 @@ class ElasticResume(Callback):
         """Keep the saved state until ``on_train_start`` applies it (the loops are restored by then).
 
         Raises:
-            NotACheckpointError: The saved state is not what :meth:`state_dict` writes (a field missing, of another
-                type, or out of range: e.g. more samples consumed than its epoch has); the message names the
-                checkpoint, the field and the fix.
+            NotACheckpointError: The saved state is not what [`state_dict`][lightning_dcp.ElasticResume.state_dict]
+                writes (a field missing, of another type, or out of range: e.g. more samples consumed than its epoch
+                has); the message names the checkpoint, the field and the fix.
         """
         self._check_saved(state_dict)
         self._restored = dict(state_dict)
@@ -148,7 +148,7 @@ class ElasticResume(Callback):
 
     @staticmethod
     def _problem(state: Any) -> str | None:
-        """What is wrong with a saved state, in words; ``None`` when it is one :meth:`state_dict` could write."""
+        """What is wrong with a saved state, in words; ``None`` when it is one ``state_dict`` could write."""
         if not isinstance(state, dict):
             return f"it is a {type(state).__name__}, not a dict"
         positive, optional = ("world_size", "accumulate_grad_batches"), ("batch_size", "global_batch_size")
@@ -229,7 +229,7 @@ class ElasticResume(Callback):
 
     # -------------------------------------------------------------------------------------------- helpers
     def _install(self, trainer: Trainer, *, reshard: bool = False) -> bool:
-        """Find the train loader's batch size and sampler; put a :class:`GlobalOrderSampler` in where supported.
+        """Find the train loader's batch size and sampler; put a ``GlobalOrderSampler`` in where supported.
 
         A stateful loader keeps its sampler (its own saved state replays it) unless its position is resharded now;
         its order is still recorded when its sampler draws exactly what a ``GlobalOrderSampler`` would. Returns

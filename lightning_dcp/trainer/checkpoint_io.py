@@ -57,14 +57,14 @@ class DCPCheckpointIO(CheckpointIO):
             is dropped with a warning naming it instead. Changes through ``param.data`` are not seen: code that
             writes parameters that way between a save and the next update (a callback, ``training_step``, a
             forward pass) needs ``False``, which copies everything before returning. See
-            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
+            ``Checkpointer``.
         when_busy: With ``async_save``: what ``save_checkpoint`` does when called while the previous save is still
             being written (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is
             committed, then save; every requested checkpoint is written. ``"skip"``: return at once without saving,
             warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
             removals requested after a skip are held until a newer save commits, so nothing is removed before a
             newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
-            waits; ``save_last="link"`` avoids that second write. See :mod:`lightning_dcp.engine.save.when_busy`.
+            waits; ``save_last="link"`` avoids that second write. See ``lightning_dcp.engine.save.when_busy``.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
@@ -120,7 +120,7 @@ class DCPCheckpointIO(CheckpointIO):
             local_keep=local_keep,
             incremental=incremental,
         ).build()
-        """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+        """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
 
     @property
     def storage_options(self) -> dict[str, Any]:

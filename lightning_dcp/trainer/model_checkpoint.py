@@ -68,7 +68,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
     Args:
         dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
             URLs are put in canonical form (``s3://b/exp//run`` is ``s3://b/exp/run``; see
-            :mod:`lightning_dcp.engine.storage.paths`).
+            ``lightning_dcp.engine.storage.paths``).
         storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
             Trainer's ``DCPCheckpointIO``, so credentials are configured once.
         **kwargs: Passed to ``ModelCheckpoint``.
@@ -278,13 +278,13 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Undo the fsspec defaults of :meth:`_find_last` if ``fit`` failed before ``setup``."""
+        """Undo the fsspec defaults of ``_find_last`` if ``fit`` failed before ``setup``."""
         self._stat_defaults.restore()
         super().on_exception(trainer, pl_module, exception)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Undo the fsspec defaults of :meth:`_find_last` (when ``setup`` did not run)."""
+        """Undo the fsspec defaults of ``_find_last`` (when ``setup`` did not run)."""
         self._stat_defaults.restore()
         super().teardown(trainer, pl_module, stage)
 
@@ -323,7 +323,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
         Lightning stats the candidate with a bare filesystem and then hands it to the strategy's loader, which reads
         a ``last*`` name (or a ``.commit`` marker) as "the newest valid checkpoint of this directory"
-        (:func:`lightning_dcp.engine.catalog.lookup.candidates`). So the candidate is a local ``last*.ckpt`` entry when
+        (``lightning_dcp.engine.catalog.lookup.candidates``). So the candidate is a local ``last*.ckpt`` entry when
         one resolves, else the newest committed checkpoint's ``.commit`` (an object with a modification time, also on
         object stores, where "directories" have none). A save of this callback with ``save_last=False`` still
         resumes: a run never starts from scratch while a committed checkpoint exists. With a local tier, the newest

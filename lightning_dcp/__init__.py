@@ -13,7 +13,7 @@ line per save and per resume, on rank 0 (see ``docs/metrics.md``); silence them 
 
 import logging
 
-from lightning_dcp._compat import lightning_hooks
+from lightning_dcp._compat import lightning_hooks, package_version
 from lightning_dcp.engine import add_safe_globals, verify_checkpoint
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
@@ -49,7 +49,8 @@ from lightning_dcp.trainer.strategies import (
     register_strategies,
 )
 
-__version__ = "0.1.0"
+__version__ = package_version.version()
+"""The version the build derived from git (setuptools-scm): a release tag's, or ``X.Y.devN+gHASH`` after one."""
 
 __all__ = [
     "BucketNotFoundError",

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_dcp._compat import package_version
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
@@ -241,9 +242,21 @@ def outage(location: Location):
 
 
 def versions() -> dict[str, str]:
-    """The torch and Lightning versions a save records."""
+    """What wrote a save, recorded in it: the torch, Lightning and lightning_dcp versions, and the commit of the code.
+
+    ``lightning_dcp_commit`` is the git commit of the lightning_dcp code that ran (with ``-dirty`` for uncommitted
+    changes), where known (``lightning_dcp._compat.package_version``); absent otherwise.
+    """
     try:
         lightning_version = importlib.metadata.version("lightning")
     except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
         lightning_version = importlib.metadata.version("pytorch-lightning")
-    return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}
+    recorded = {
+        "torch_version": str(torch.__version__),
+        "lightning_version": lightning_version,
+        "lightning_dcp_version": package_version.version(),
+    }
+    commit = package_version.commit_id()
+    if commit is not None:
+        recorded["lightning_dcp_commit"] = commit
+    return recorded

@@ -180,11 +180,11 @@ class ElasticResume(Callback):
             and 0 <= order["dataset_size"] <= INT64_MAX
             and type(order.get("shuffle")) is bool
             and type(order.get("seed")) is int
-            and -INT64_MAX - 1 <= order["seed"] <= INT64_MAX
+            and -(2**63) <= order["seed"] < 2**64
         ):
             return (
                 f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}} with the"
-                " dataset size in [0, 2**63 - 1] and the seed in [-2**63, 2**63 - 1]"
+                " dataset size in [0, 2**63 - 1] and the seed in [-2**63, 2**64 - 1] (what torch.Generator takes)"
             )
         return None
 

@@ -10,7 +10,7 @@ names as a *tag*: its first bytes (cut at a character boundary), ``~`` and 16 he
 hidden entries of two checkpoints never mix: :func:`is_staging_of` tells which checkpoint a staging entry belongs to
 by its whole name (prefix and token), never by a prefix alone.
 
-Pure functions of strings; no I/O (:func:`check_name_length` only asks the filesystem for its limit).
+Pure functions of strings; no I/O (:func:`name_limit` only asks the filesystem for its limit).
 """
 
 from __future__ import annotations

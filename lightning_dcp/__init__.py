@@ -4,9 +4,16 @@ Importing the package registers the ``dcp_*`` strategy names in the Trainer's an
 and installs the Lightning hooks of :mod:`lightning_dcp.trainer.hooks` (``load_from_checkpoint`` on checkpoint
 directories, ...) unless the environment variable ``LIGHTNING_DCP_LIGHTNING_HOOKS=0`` is set. The Fabric strategies
 live in :mod:`lightning_dcp.fabric` (the names here are the Trainer's).
+
+The package's loggers (``lightning_dcp.*``) report at INFO as Lightning's own do: the ``lightning_dcp`` logger is set
+to INFO and, when the root logger has no handlers at import, prints to stderr itself (and does not propagate). One
+line per save and per resume, on rank 0 (see ``docs/metrics.md``); silence them with
+``logging.getLogger("lightning_dcp").setLevel(logging.WARNING)``.
 """
 
-from lightning_dcp._compat import lightning_hooks
+import logging
+
+from lightning_dcp._compat import lightning_hooks, package_version
 from lightning_dcp.engine import add_safe_globals, verify_checkpoint
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import (
@@ -42,7 +49,8 @@ from lightning_dcp.trainer.strategies import (
     register_strategies,
 )
 
-__version__ = "0.1.0"
+__version__ = package_version.version()
+"""The version the build derived from git (setuptools-scm): a release tag's, or ``X.Y.devN+gHASH`` after one."""
 
 __all__ = [
     "BucketNotFoundError",
@@ -77,6 +85,12 @@ __all__ = [
     "uninstall_lightning_hooks",
     "verify_checkpoint",
 ]
+
+_logger = logging.getLogger(__name__)
+_logger.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # as `lightning.pytorch` does: a configured root logger takes our records
+    _logger.addHandler(logging.StreamHandler())
+    _logger.propagate = False
 
 register_strategies()
 register_fabric_strategies()

@@ -1,6 +1,6 @@
 """``python -m lightning_dcp.consolidate CKPT_DIR``: one ``.ckpt`` or safetensors export of a sharded checkpoint.
 
-Run with ``--help`` for the options and examples. The function is :func:`lightning_dcp.consolidate`.
+Run with ``--help`` for the options and examples. The function is ``lightning_dcp.consolidate``.
 """
 
 from __future__ import annotations

@@ -63,7 +63,12 @@ def checkpoint_not_found(path: str, *, designated_by: str | None = None) -> Chec
 
 
 class StorageAccessError(CheckpointError, PermissionError):
-    """The storage server refused the credentials (wrong key or secret, or no permission on the bucket)."""
+    """The storage refused to be written or read: wrong credentials, no permission, or a read-only filesystem.
+
+    The storage server refused the credentials (wrong key or secret, or no permission on the bucket); or a local path
+    is not writable (permissions, a filesystem mounted read-only). The message names the path and the fix; the
+    checkpoints saved before are intact.
+    """
 
 
 class StorageUnavailableError(CheckpointError, ConnectionError):
@@ -195,7 +200,7 @@ def checkpoint_failure(
 
 def _error_type(err: BaseException, unreachable: Callable[[BaseException], bool] | None) -> type[CheckpointError]:
     """The ``CheckpointError`` subclass a failure becomes: refused permissions and outages keep their builtin type."""
-    if isinstance(err, PermissionError):
+    if isinstance(err, PermissionError) or (isinstance(err, OSError) and err.errno == errno.EROFS):
         return StorageAccessError
     if unreachable is not None and unreachable(err):
         return StorageUnavailableError
@@ -212,6 +217,13 @@ def describe_failure(err: BaseException, unreachable: Callable[[BaseException], 
         )
     if isinstance(err, OSError) and err.errno == errno.ENOSPC:
         text += ". The disk is full: free space or save elsewhere; earlier checkpoints are intact."
+    elif isinstance(err, OSError) and err.errno == errno.EROFS:
+        where = f" of {err.filename!r}" if getattr(err, "filename", None) else ""
+        text = (
+            f"the filesystem{where} is mounted read-only ({text}). Save to a writable directory (the"
+            " ModelCheckpoint's `dirpath`, or the path given), or remount it read-write; earlier checkpoints are"
+            " intact."
+        )
     elif isinstance(err, PermissionError):
         where = f" for {err.filename!r}" if getattr(err, "filename", None) else ""
         text = f"Permission denied{where} ({type(err).__name__}: {err})."

@@ -34,6 +34,7 @@ def _render(report: dict[str, Any], *, all_tensors: bool) -> str:
         f"progress     epoch {report['epoch']}, global step {report['global_step']}"
         if report.get("front_end") != "fabric"
         else f"state        modules {report['modules']}, optimizers {report['optimizers']}, other {report['objects']}",
+        f"written by   {_writer(report['versions'])}",
         f"tensors      {report['num_tensors']} ({_human(report['total_bytes'])}; weights"
         f" {_human(report['weight_bytes'])}) in {len(report['files'])} data files",
         "",
@@ -47,6 +48,18 @@ def _render(report: dict[str, Any], *, all_tensors: bool) -> str:
     if not all_tensors and len(shown) < len(report["tensors"]):
         lines.append(f"... and {len(report['tensors']) - len(shown)} optimizer/other tensors (--all to list them)")
     return "\n".join(lines)
+
+
+def _writer(versions: dict[str, Any]) -> str:
+    """``lightning_dcp 0.2.0 (commit 1a2b...), torch 2.13.0, lightning 2.6.6``; what was not recorded is left out."""
+    if versions.get("lightning_dcp") is None and versions.get("torch") is None:
+        return "not recorded"
+    parts = []
+    if versions.get("lightning_dcp") is not None:
+        commit = versions.get("lightning_dcp_commit")
+        parts.append(f"lightning_dcp {versions['lightning_dcp']}" + (f" (commit {commit})" if commit else ""))
+    parts += [f"{name} {versions[name]}" for name in ("torch", "lightning") if versions.get(name) is not None]
+    return ", ".join(parts)
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -32,7 +32,14 @@ from lightning_dcp.engine.format.allowlist import add_safe_globals
 from lightning_dcp.engine.format.blob import load_stock_file
 from lightning_dcp.engine.format.layout import INFO_KEY
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.load.loading import LIGHTNING_META_FILE, load_torch_file, probe, torch_load_error
+from lightning_dcp.engine.load.loading import (
+    LIGHTNING_META_FILE,
+    foreign_file_at,
+    load_torch_file,
+    not_a_checkpoint_file,
+    probe,
+    torch_load_error,
+)
 from lightning_dcp.engine.load.restore import Loaded
 from lightning_dcp.engine.load.source import Source, TensorEntry
 from lightning_dcp.engine.save.dcp_io import storage_writer
@@ -40,6 +47,7 @@ from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
 from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, fsync_dir, new_token, read_commit
+from lightning_dcp.engine.storage.names import is_staging_of
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
 
@@ -67,12 +75,15 @@ __all__ = [
     "designated",
     "designates_last",
     "distributed",
+    "foreign_file_at",
     "fsync_dir",
     "init_strategy_attempt_group",
     "is_missing_credentials",
+    "is_staging_of",
     "layout",
     "load_stock_file",
     "load_torch_file",
+    "not_a_checkpoint_file",
     "new_token",
     "on_rank0",
     "parsed_meanwhile_forgotten",

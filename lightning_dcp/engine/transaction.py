@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
+from lightning_dcp._compat import package_version
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
@@ -24,11 +25,21 @@ from lightning_dcp.engine.save import saving
 from lightning_dcp.engine.save.dcp_io import save_planner, storage_writer
 from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
 from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
+from lightning_dcp.engine.storage.names import name_limit, too_long
 from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.errors import InvalidPathError, checkpoint_failure
 
-__all__ = ["continue_run", "next_counter", "outage", "run", "save", "versions", "writes_in_place"]
+__all__ = [
+    "check_name_length",
+    "continue_run",
+    "next_counter",
+    "outage",
+    "run",
+    "save",
+    "versions",
+    "writes_in_place",
+]
 
 log = logging.getLogger("lightning_dcp.engine.checkpointer")  # the checkpointer's log: filters name it
 
@@ -75,6 +86,8 @@ def save(
     remote = location if cp.tiers is not None and cp.tiers.covers(location) else None
     if remote is not None:  # tiered: written and committed locally, uploaded to `remote` once committed
         location = cp.tiers.local_twin(remote)
+    if location.local:
+        check_name_length(location.path, url=location.url)
     rank, world_size = rank_and_world(collective)
     if rank == 0:
         tier = "durable" if remote is None else "local_dir"
@@ -87,7 +100,12 @@ def save(
         previous = cp.incremental and cp.incremental.previous(location)
         return new_token(), writes_in_place(cp, location), previous, next_counter(cp, remote or location), run()
 
-    token, direct, previous, counter, run_id = on_rank0(collective, decide)
+    try:
+        token, direct, previous, counter, run_id = on_rank0(collective, decide)
+    except Exception as err:  # storage refused even the preparation (a read-only mount): nothing was written
+        raise checkpoint_failure(
+            err, f"Saving the checkpoint to {location.url!r} failed", rank=0, unreachable=outage(location)
+        ) from err
     target = location if direct else location.staging(token)
     info = {**(info or {}), "world_size": world_size, "run": run_id, **versions()}
 
@@ -236,15 +254,46 @@ def _has_committed_sibling(cp: Any, location: Location) -> bool:
     return parent.url in cp._committed_in
 
 
+def check_name_length(path: str, *, url: str) -> None:
+    """Refuse a local checkpoint path with a name longer than its filesystem takes (no save could write it).
+
+    Names up to the limit work: the hidden names beside a checkpoint stay within it (``engine.storage.names``).
+
+    Raises:
+        InvalidPathError: A component of ``path`` is longer than the filesystem's limit (255 bytes on ext4).
+    """
+    limit = name_limit(os.path.dirname(os.path.abspath(path)))
+    part = too_long(path, limit=limit)
+    if part is not None:
+        shown = part if len(part) <= 60 else f"{part[:40]}...{part[-12:]}"
+        raise InvalidPathError(
+            f"The checkpoint path {url!r} has a name of {len(part.encode('utf-8', 'surrogateescape'))} bytes"
+            f" ({shown!r}); its filesystem takes at most {limit} bytes per name, so no save (Lightning's own"
+            " included) can write it. Shorten the name: `filename` of the ModelCheckpoint, or the path given."
+        )
+
+
 def outage(location: Location):
     """How failures of a save to ``location`` are told to be outages (remote stores only)."""
     return None if location.local else is_unreachable
 
 
 def versions() -> dict[str, str]:
-    """The torch and Lightning versions a save records."""
+    """What wrote a save, recorded in it: the torch, Lightning and lightning_dcp versions, and the commit of the code.
+
+    ``lightning_dcp_commit`` is the git commit of the lightning_dcp code that ran (with ``-dirty`` for uncommitted
+    changes), where known (``lightning_dcp._compat.package_version``); absent otherwise.
+    """
     try:
         lightning_version = importlib.metadata.version("lightning")
     except importlib.metadata.PackageNotFoundError:  # only pytorch-lightning installed
         lightning_version = importlib.metadata.version("pytorch-lightning")
-    return {"torch_version": str(torch.__version__), "lightning_version": lightning_version}
+    recorded = {
+        "torch_version": str(torch.__version__),
+        "lightning_version": lightning_version,
+        "lightning_dcp_version": package_version.version(),
+    }
+    commit = package_version.commit_id()
+    if commit is not None:
+        recorded["lightning_dcp_commit"] = commit
+    return recorded

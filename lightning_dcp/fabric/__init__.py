@@ -1,7 +1,7 @@
 """The Lightning Fabric front end: ``dcp_*`` Fabric strategies whose ``fabric.save`` / ``fabric.load`` use the engine.
 
 It translates Fabric's state dicts (modules, optimizers, objects) into the engine's layout
-(:mod:`lightning_dcp.engine`) and back. ``import lightning_dcp`` registers the strategy names in Fabric's registry.
+(``lightning_dcp.engine``) and back. ``import lightning_dcp`` registers the strategy names in Fabric's registry.
 """
 
 from lightning_dcp.fabric.metrics import log_checkpoint_metrics

@@ -57,30 +57,31 @@ class DCPStrategyMixin:
         thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
         sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
         async_save: ``fabric.save`` returns once the state is staged into reused CPU buffers and writes in the
-            background. At most one save is in flight; the next save, a load and :meth:`wait_for_save` wait for
-            it and raise its error. A script that ends with a save in flight (Fabric never tears its strategy
-            down) gets it finished and committed at the interpreter's exit, with a log line saying how long the exit
-            waited (:mod:`lightning_dcp.engine.shutdown`); call :meth:`wait_for_save` to see its error as an
-            exception, or to know it landed before the script goes on.
+            background. At most one save is in flight; the next save, a load and
+            [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save] wait for it and raise its error. A
+            script that ends with a save in flight (Fabric never tears its strategy down) gets it finished and
+            committed at the interpreter's exit, with a log line saying how long the exit waited; call
+            [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save] to see its error as an exception,
+            or to know it landed before the script goes on.
         defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
             copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
             copies; everything else is copied before it returns (see
-            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`). ``False`` copies everything before returning.
+            ``Checkpointer``). ``False`` copies everything before returning.
         when_busy: With ``async_save``: what ``fabric.save`` does when called while the previous save is still being
             written: ``"wait"`` (the default) waits for it; ``"skip"`` skips this save with a warning naming its step
-            (:attr:`Checkpointer.skipped <lightning_dcp.engine.checkpointer.Checkpointer.skipped>` lists them). See
-            :mod:`lightning_dcp.engine.save.when_busy`.
-        memory: A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): every ``fabric.save(path,
-            state)`` then saves into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in
-            the background; with the tier's ``async_save=False`` the call makes the copies first), and every
-            ``persist_every``-th into ``path``
+            (``Checkpointer.skipped`` lists them). See
+            ``lightning_dcp.engine.save.when_busy``.
+        memory: A memory tier ([`MemoryTier`][lightning_dcp.MemoryTier]): every ``fabric.save(path, state)`` then saves
+            into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in the background; with the
+            tier's ``async_save=False`` the call makes the copies first), and every ``persist_every``-th into ``path``
             itself. ``fabric.load(dir + "/last", state)`` (``dir`` the directory of the saves), or of the tier's
-            ``memory_dir + "/last"``, loads the newest committed checkpoint across memory, peers' replicas and
-            ``dir``. The tier leaves its process group at interpreter exit (or :meth:`teardown`). From the first
-            save on, SIGTERM is recorded instead of ending the process: the next ``fabric.save`` (on every rank)
-            saves, persists the newest memory checkpoint to its directory, then raises SIGTERM again under the
-            handler that was there before (:mod:`lightning_dcp.fabric.preemption`; a second SIGTERM, or
-            :meth:`teardown`, gives SIGTERM back to that handler at once).
+            ``memory_dir + "/last"``, loads the newest committed checkpoint across memory, peers' replicas and ``dir``.
+            The tier leaves its process group at interpreter exit (or
+            [`teardown`][lightning_dcp.fabric.DCPStrategyMixin.teardown]). From the first save on, SIGTERM is recorded
+            instead of ending the process: the next ``fabric.save`` (on every rank) saves, persists the newest memory
+            checkpoint to its directory, then raises SIGTERM again under the handler that was there before
+            (``lightning_dcp.fabric.preemption``; a second SIGTERM, or
+            [`teardown`][lightning_dcp.fabric.DCPStrategyMixin.teardown], gives SIGTERM back to that handler at once).
 
     Raises:
         ValueError: ``thread_count`` is not a positive integer, or ``when_busy`` is neither ``"wait"`` nor
@@ -110,7 +111,7 @@ class DCPStrategyMixin:
             when_busy=when_busy,
             memory=memory,
         ).build()
-        """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+        """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
         self._preemption = Preemption()
         super().__init__(*args, **kwargs)
 
@@ -124,7 +125,7 @@ class DCPStrategyMixin:
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
-        """Fabric's default plugin, unused: checkpoints go through :attr:`checkpointer`."""
+        """Fabric's default plugin, unused: checkpoints go through ``checkpointer``."""
         return TorchCheckpointIO()
 
     @checkpoint_io.setter
@@ -156,8 +157,9 @@ class DCPStrategyMixin:
         Collective: call on all ranks.
 
         Raises:
-            CheckpointError: Writing failed on some rank (nothing was committed). With a memory tier, a save's
-                failure after its planning is raised by the next save (or :meth:`wait_for_save`).
+            CheckpointError: Writing failed on some rank (nothing was committed). With a memory tier, a save's failure
+                after its planning is raised by the next save (or
+                [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save]).
         """
         memory = self.checkpointer.memory
         if memory is not None:
@@ -185,7 +187,7 @@ class DCPStrategyMixin:
         """Restore ``state`` from the checkpoint at ``path`` (``fabric.load`` and ``fabric.load_raw`` call this).
 
         Reads lightning_dcp checkpoints (from Fabric or the Trainer, any world size and any of these strategies)
-        and single ``torch.save`` files; see :mod:`lightning_dcp.fabric.checkpoint` for what each kind of ``state``
+        and single ``torch.save`` files; see ``lightning_dcp.fabric.checkpoint`` for what each kind of ``state``
         receives. RNG states are restored exactly at the world size of the save, re-derived (with a warning) at
         another.
 
@@ -239,9 +241,10 @@ class DCPStrategyMixin:
 
 
 class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDeviceStrategy):
-    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
+    """``SingleDeviceStrategy`` writing DCP checkpoints.
 
-    ``device=None`` (the default) takes the device Fabric picks for its ``accelerator``.
+    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin]. ``device=None`` (the default) takes the device
+    Fabric picks for its ``accelerator``.
     """
 
     strategy_name = "dcp_single_device"
@@ -262,15 +265,19 @@ class _ElasticAttempt:
 
 
 class DCPDDPStrategy(DCPStrategyMixin, _ElasticAttempt, DDPStrategy):
-    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`."""
+    """``DDPStrategy`` whose ranks each write a part of the replicated state.
+
+    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin].
+    """
 
     strategy_name = "dcp_ddp"
 
 
 class DCPFSDPStrategy(DCPStrategyMixin, _ElasticAttempt, FSDPStrategy):
-    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
+    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints.
 
-    Fabric's own ``state_dict_type`` has no effect: checkpoints are always this strategy's sharded DCP directories.
+    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin]. Fabric's own ``state_dict_type`` has no effect:
+    checkpoints are always this strategy's sharded DCP directories.
     """
 
     strategy_name = "dcp_fsdp"
@@ -279,8 +286,8 @@ class DCPFSDPStrategy(DCPStrategyMixin, _ElasticAttempt, FSDPStrategy):
 def fully_shard_layers(module: Module, device_mesh: Any) -> Module:
     """FSDP2: ``fully_shard`` every submodule that holds parameters itself, then the root, over data parallel.
 
-    The default ``parallelize_fn`` of :class:`DCPModelParallelStrategy`. FQNs are unchanged, so checkpoints of the
-    module load into the unsharded module and back.
+    The default ``parallelize_fn`` of [`DCPModelParallelStrategy`][lightning_dcp.fabric.DCPModelParallelStrategy]. FQNs
+    are unchanged, so checkpoints of the module load into the unsharded module and back.
     """
     from torch.distributed.fsdp import fully_shard
 
@@ -295,9 +302,10 @@ def fully_shard_layers(module: Module, device_mesh: Any) -> Module:
 class DCPModelParallelStrategy(DCPStrategyMixin, _ElasticAttempt, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
 
-    See :class:`DCPStrategyMixin`. Without a ``parallelize_fn`` (e.g. ``Fabric(strategy="dcp_model_parallel")``)
-    the model is sharded with FSDP2 over every process (:func:`fully_shard_layers`; data parallel size = world
-    size, tensor parallel size 1).
+    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin]. Without a ``parallelize_fn`` (e.g.
+    ``Fabric(strategy="dcp_model_parallel")``) the model is sharded with FSDP2 over every process
+    ([`fully_shard_layers`][lightning_dcp.fabric.fully_shard_layers]; data parallel size = world size, tensor parallel
+    size 1).
     """
 
     strategy_name = "dcp_model_parallel"

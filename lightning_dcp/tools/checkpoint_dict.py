@@ -29,7 +29,9 @@ from lightning_dcp.engine import (
     check_storage_options,
     committed_checkpoints,
     designates_last,
+    foreign_file_at,
     layout,
+    not_a_checkpoint_file,
     probe,
     read_commit,
 )
@@ -115,6 +117,8 @@ def load_checkpoint(
                 batch_bytes=batch_bytes, progress=progress,
             )  # fmt: skip
     found = probe(location)
+    if found.kind == "file" and (kind := foreign_file_at(Location(found.url, storage_options=storage_options))):
+        raise not_a_checkpoint_file(found.url, kind)
     if found.kind == "file":
         raise NotACheckpointError(
             f"{found.url!r} is a single-file checkpoint, not a checkpoint directory: load it with `torch.load` or"

@@ -84,7 +84,7 @@ def consolidate(
         dst: Output path. Default: beside the directory holding the checkpoint (a run's ``dirpath``), never among
             its checkpoints: ``run1/last.ckpt`` gives ``run1-<the checkpoint it designates>.consolidated`` (ckpt),
             ``....safetensors`` (safetensors) or the directory ``...-safetensors`` (sharded safetensors); see
-            :func:`default_output`.
+            ``default_output``.
         storage_options: fsspec options for reading ``src`` and writing ``dst``.
         overwrite: Replace an existing ``dst`` (refused by default).
         format: ``"ckpt"`` or ``"safetensors"``. Default: ``"safetensors"`` when ``dst`` ends in ``.safetensors``

@@ -26,16 +26,16 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
 
     Returns:
         A JSON-serializable dict: ``path``, ``format`` (``"lightning_dcp"``, ``"lightning_sharded"`` or ``"dcp"``),
-        ``world_size`` (ranks at save: recorded by lightning_dcp; otherwise the number of ranks that wrote data
-        files, a lower bound), ``strategy``, ``global_step`` and ``epoch`` (``None`` when not recorded),
-        ``num_tensors``, ``total_bytes`` and ``weight_bytes`` (bytes of the full, unsharded tensors),
-        ``files`` (data files), ``modules`` and ``optimizers`` (the top-level keys holding model weights and
-        optimizer state: ``["state_dict"]``/``["optimizer_states"]`` for the Trainer, the state keys of
-        ``fabric.save`` for Fabric), ``objects`` (the other saved keys of a Fabric checkpoint), and ``tensors``: one
-        dict per tensor (model weights first, by FQN, then the others by key; numbers within names compare as
-        numbers: ``layers.2`` before ``layers.10``) with ``key`` (flat DCP key), ``name`` (FQN for
-        model weights), ``weight``, ``shape``, ``dtype`` (e.g. ``"float32"``), ``bytes`` and ``chunks`` (saved
-        shards).
+        ``world_size`` (ranks at save: recorded by lightning_dcp; otherwise the number of ranks that wrote data files, a
+        lower bound), ``strategy``, ``global_step`` and ``epoch`` (``None`` when not recorded), ``versions`` (what wrote
+        it, as recorded by lightning_dcp: ``torch``, ``lightning``, ``lightning_dcp`` and ``lightning_dcp_commit``, each
+        ``None`` when not recorded), ``num_tensors``, ``total_bytes`` and ``weight_bytes`` (bytes of the full, unsharded
+        tensors), ``files`` (data files), ``modules`` and ``optimizers`` (the top-level keys holding model weights and
+        optimizer state: ``["state_dict"]``/``["optimizer_states"]`` for the Trainer, the state keys of ``fabric.save``
+        for Fabric), ``objects`` (the other saved keys of a Fabric checkpoint), and ``tensors``: one dict per tensor
+        (model weights first, by FQN, then the others by key; numbers within names compare as numbers: ``layers.2``
+        before ``layers.10``) with ``key`` (flat DCP key), ``name`` (FQN for model weights), ``weight``, ``shape``,
+        ``dtype`` (e.g. ``"float32"``), ``bytes`` and ``chunks`` (saved shards).
 
     Rank 0 only (or any single process).
 
@@ -89,6 +89,12 @@ def inspect_checkpoint(path: str | os.PathLike, *, storage_options: dict[str, An
         "strategy": strategy,
         "global_step": extra.get("global_step"),
         "epoch": extra.get("epoch"),
+        "versions": {
+            "torch": info.get("torch_version"),
+            "lightning": info.get("lightning_version"),
+            "lightning_dcp": info.get("lightning_dcp_version"),
+            "lightning_dcp_commit": info.get("lightning_dcp_commit"),
+        },
         "num_tensors": len(tensors),
         "total_bytes": sum(t["bytes"] for t in tensors),
         "weight_bytes": sum(t["bytes"] for t in tensors if t["weight"]),

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from lightning_dcp.engine import Checkpointer, layout, on_rank0, probe
+from lightning_dcp.engine import Checkpointer, Location, foreign_file_at, layout, on_rank0, probe
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = ["LoadReport", "load_model_weights"]
@@ -20,7 +20,7 @@ __all__ = ["LoadReport", "load_model_weights"]
 
 @dataclass(frozen=True)
 class LoadReport:
-    """What :func:`load_model_weights` did.
+    """What [`load_model_weights`][lightning_dcp.load_model_weights] did.
 
     Attributes:
         loaded_keys: FQNs whose values came from the checkpoint.
@@ -46,17 +46,18 @@ def load_model_weights(
 ) -> LoadReport:
     """Load only the model weights of a checkpoint into ``model``: no optimizer, scheduler or loop state.
 
-    Works for plain modules and for sharded ones (FSDP2/DTensor parameters load only this rank's shard, resharding
-    from whatever world size wrote the checkpoint), from lightning_dcp checkpoints, Lightning's own sharded
-    directories and single ``.ckpt`` files. Typical use: in ``LightningModule.configure_model`` (after sharding) or
-    before ``trainer.fit`` without ``ckpt_path``, to fine-tune from a pretraining run. Both front ends' checkpoints
-    work both ways: a Fabric checkpoint's module into a LightningModule, a Trainer checkpoint's ``state_dict`` into
-    the module of a Fabric run (FQNs must match: the same module class, or ``exclude``/``strict=False``).
+    Works for plain modules and for sharded ones (FSDP2/DTensor parameters load only this rank's shard, resharding from
+    whatever world size wrote the checkpoint), from lightning_dcp checkpoints, Lightning's own sharded directories,
+    single ``.ckpt`` files and safetensors files (``pip install safetensors``). Typical use: in
+    ``LightningModule.configure_model`` (after sharding) or before ``trainer.fit`` without ``ckpt_path``, to fine-tune
+    from a pretraining run. Both front ends' checkpoints work both ways: a Fabric checkpoint's module into a
+    LightningModule, a Trainer checkpoint's ``state_dict`` into the module of a Fabric run (FQNs must match: the same
+    module class, or ``exclude``/``strict=False``).
 
     Args:
         model: The module to fill (its ``state_dict`` FQNs name the entries; for a LightningModule, the same FQNs
             as the checkpoint's ``state_dict``).
-        path: Checkpoint directory or file (local path or fsspec URL).
+        path: Checkpoint directory or file, or a safetensors file of the weights (local path or fsspec URL).
         key: The top-level key of the weights in a lightning_dcp checkpoint: a Fabric checkpoint's module key (the
             key it had in ``fabric.save(path, state)``). ``None``: the Trainer's ``"state_dict"``, or a Fabric
             checkpoint's only module.
@@ -66,7 +67,7 @@ def load_model_weights(
         storage_options: fsspec options for remote storage.
 
     Returns:
-        A :class:`LoadReport`.
+        A [`LoadReport`][lightning_dcp.LoadReport].
 
     Collective: call on all ranks when a process group is initialised.
 
@@ -74,13 +75,26 @@ def load_model_weights(
         StateDictMismatchError: ``strict`` and keys differ, or a shared key's shape or dtype differs (always); the
             message names the FQNs, the saved and the expected shapes. Nothing is loaded then.
         CheckpointNotFoundError, NotACheckpointError: As for ``DCPCheckpointIO.load_checkpoint``.
-        CheckpointError: ``key`` is ``None`` and a Fabric checkpoint holds several modules (they are named).
+        CheckpointError: ``key`` is ``None`` and a Fabric checkpoint holds several modules (they are named); a
+            safetensors file without the ``safetensors`` package installed.
     """
     live = get_model_state_dict(model, options=StateDictOptions())
     excluded = sorted(k for k in live if any(fnmatch.fnmatchcase(k, p) for p in exclude))
     target = {k: v for k, v in live.items() if k not in excluded}
     checkpointer = Checkpointer(storage_options=storage_options)
     collective = dist.is_available() and dist.is_initialized()
+    location = checkpointer.location(path)
+    kind = on_rank0(collective, lambda: foreign_file_at(location))
+    if kind is not None and kind.weights:  # a safetensors file: full tensors on every rank, as a single file
+        saved = _read_safetensors(location)
+        weights, missing, unexpected = _fit_full(location.url, target, saved, strict=strict, exclude=exclude)
+        set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True, strict=False))
+        return LoadReport(
+            loaded_keys=sorted(set(target) - set(missing)),
+            missing_keys=list(missing),
+            unexpected_keys=list(unexpected),
+            excluded_keys=excluded,
+        )
     if key is None:
         key = _weights_key(checkpointer, os.fspath(path), collective=collective)
     loaded = checkpointer.load(
@@ -104,6 +118,21 @@ def load_model_weights(
         unexpected_keys=list(unexpected),
         excluded_keys=excluded,
     )
+
+
+def _read_safetensors(location: Location) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors file at ``location`` (on the CPU; a local file is memory-mapped)."""
+    try:
+        from safetensors.torch import load, load_file
+    except ImportError:
+        raise CheckpointError(
+            f"{location.url!r} is a safetensors file: install the `safetensors` package to load it"
+            " (`pip install safetensors`, or lightning-dcp[safetensors])."
+        ) from None
+    if location.local:
+        return load_file(location.path, device="cpu")
+    with location.open() as f:
+        return load(f.read())
 
 
 def _weights_key(checkpointer: Checkpointer, path: str, *, collective: bool) -> str:

@@ -37,6 +37,8 @@ from lightning_dcp.trainer.global_order import (
 __all__ = ["ElasticResume", "GlobalOrderSampler", "accumulation_for"]
 
 STATE_VERSION = 1
+INT64_MAX = 2**63 - 1
+"""The largest count a saved state may hold: every count is an ``int64`` where torch and the samplers use it."""
 
 
 class ElasticResume(Callback):
@@ -56,7 +58,7 @@ class ElasticResume(Callback):
     consumed in global-batch-size chunks at any world size), as long as no padding is involved; see
     ``docs/resume.md``.
 
-    The train sampler is replaced by :class:`GlobalOrderSampler` in every fit (not only when resuming), when it is
+    The train sampler is replaced by ``GlobalOrderSampler`` in every fit (not only when resuming), when it is
     Lightning's ``DistributedSampler``, or a ``RandomSampler``/``SequentialSampler`` on one device; a
     ``DistributedSampler`` run is unchanged by this, a one-device shuffled run draws the ``seed + epoch``
     permutation instead of the global random generator's. Other samplers are left alone, and a mid-epoch resume
@@ -123,9 +125,9 @@ class ElasticResume(Callback):
         """Keep the saved state until ``on_train_start`` applies it (the loops are restored by then).
 
         Raises:
-            NotACheckpointError: The saved state is not what :meth:`state_dict` writes (a field missing, of another
-                type, or out of range: e.g. more samples consumed than its epoch has); the message names the
-                checkpoint, the field and the fix.
+            NotACheckpointError: The saved state is not what [`state_dict`][lightning_dcp.ElasticResume.state_dict]
+                writes (a field missing, of another type, or out of range: e.g. more samples consumed than its epoch
+                has); the message names the checkpoint, the field and the fix.
         """
         self._check_saved(state_dict)
         self._restored = dict(state_dict)
@@ -146,7 +148,7 @@ class ElasticResume(Callback):
 
     @staticmethod
     def _problem(state: Any) -> str | None:
-        """What is wrong with a saved state, in words; ``None`` when it is one :meth:`state_dict` could write."""
+        """What is wrong with a saved state, in words; ``None`` when it is one ``state_dict`` could write."""
         if not isinstance(state, dict):
             return f"it is a {type(state).__name__}, not a dict"
         positive, optional = ("world_size", "accumulate_grad_batches"), ("batch_size", "global_batch_size")
@@ -155,9 +157,9 @@ class ElasticResume(Callback):
                 return f"{name!r} is missing"
             value = state[name]
             least = 1 if name in positive or name in optional else 0
-            if not ((name in optional and value is None) or (type(value) is int and value >= least)):
+            if not ((name in optional and value is None) or (type(value) is int and least <= value <= INT64_MAX)):
                 kind = "a positive integer" if least else "a non-negative integer"
-                return f"{name!r} is {value!r}, not {kind}{' or None' if name in optional else ''}"
+                return f"{name!r} is {value!r}, not {kind} of at most 2**63 - 1{' or None' if name in optional else ''}"
         if "version" not in state:
             return "'version' is missing"
         if type(state["version"]) is not int or state["version"] != STATE_VERSION:
@@ -175,11 +177,15 @@ class ElasticResume(Callback):
         if order is not None and not (
             isinstance(order, dict)
             and type(order.get("dataset_size")) is int
-            and order["dataset_size"] >= 0
+            and 0 <= order["dataset_size"] <= INT64_MAX
             and type(order.get("shuffle")) is bool
             and type(order.get("seed")) is int
+            and -(2**63) <= order["seed"] < 2**64
         ):
-            return f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}}"
+            return (
+                f"'order' is {order!r}, not None or {{'dataset_size': int, 'shuffle': bool, 'seed': int}} with the"
+                " dataset size in [0, 2**63 - 1] and the seed in [-2**63, 2**64 - 1] (what torch.Generator takes)"
+            )
         return None
 
     @override
@@ -223,7 +229,7 @@ class ElasticResume(Callback):
 
     # -------------------------------------------------------------------------------------------- helpers
     def _install(self, trainer: Trainer, *, reshard: bool = False) -> bool:
-        """Find the train loader's batch size and sampler; put a :class:`GlobalOrderSampler` in where supported.
+        """Find the train loader's batch size and sampler; put a ``GlobalOrderSampler`` in where supported.
 
         A stateful loader keeps its sampler (its own saved state replays it) unless its position is resharded now;
         its order is still recorded when its sampler draws exactly what a ``GlobalOrderSampler`` would. Returns

@@ -57,28 +57,29 @@ class DCPCheckpointIO(CheckpointIO):
             is dropped with a warning naming it instead. Changes through ``param.data`` are not seen: code that
             writes parameters that way between a save and the next update (a callback, ``training_step``, a
             forward pass) needs ``False``, which copies everything before returning. See
-            :class:`~lightning_dcp.engine.checkpointer.Checkpointer`.
+            ``Checkpointer``.
         when_busy: With ``async_save``: what ``save_checkpoint`` does when called while the previous save is still
             being written (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is
             committed, then save; every requested checkpoint is written. ``"skip"``: return at once without saving,
             warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
             removals requested after a skip are held until a newer save commits, so nothing is removed before a
             newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
-            waits; ``save_last="link"`` avoids that second write. See :mod:`lightning_dcp.engine.save.when_busy`.
+            waits; ``save_last="link"`` avoids that second write. See ``lightning_dcp.engine.save.when_busy``.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
-            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back
-            intact, and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop:
-            existence checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries
-            through store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning
-            per save while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint
-            committed on either tier, the local copy first; on a machine with an empty ``local_dir`` they load from
-            the remote. Pruning removes the local copy at once and the remote copy behind the uploads queued before
-            it. Uploads, removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by
-            the next run with the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last``
-            ask for. ``teardown`` waits for the uploads, retrying for up to 60 s, then raises
-            ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
+            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back intact,
+            and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop: existence
+            checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries through
+            store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning per save
+            while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint committed on
+            either tier, the local copy first; on a machine with an empty ``local_dir`` they load from the remote.
+            Pruning removes the local copy at once and the remote copy behind the uploads queued before it. Uploads,
+            removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by the next run with
+            the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last`` ask for. ``teardown``
+            waits for the uploads while the store answers; once it has answered nothing for 60 s (since teardown began
+            or since its last answer: a file or a part of one taken, a task done), whether its requests fail or hang, it
+            raises ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
             ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
             filesystem). Named ``local_dir`` rather than ``cache_dir`` or ``staging_dir``: it holds real, committed
             checkpoints (for a while the only copy), not a disposable cache or a temporary area.
@@ -119,7 +120,7 @@ class DCPCheckpointIO(CheckpointIO):
             local_keep=local_keep,
             incremental=incremental,
         ).build()
-        """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+        """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
 
     @property
     def storage_options(self) -> dict[str, Any]:

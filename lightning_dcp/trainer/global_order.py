@@ -96,7 +96,8 @@ def accumulation_for(global_batch_size: int, *, world_size: int, batch_size: int
     """
     per_micro_step = world_size * batch_size
     if global_batch_size % per_micro_step:
-        fits = [w for w in range(1, global_batch_size + 1) if global_batch_size % (w * batch_size) == 0]
+        per_rank = global_batch_size // batch_size if global_batch_size % batch_size == 0 else 0
+        fits = [w for w in range(1, min(per_rank, _LISTED_WORLD_SIZES) + 1) if per_rank % w == 0]
         where = f"Resume on {_or(fits)} rank(s) with this batch size, or change" if fits else "Change"
         raise ValueError(
             f"ElasticResume cannot keep the global batch size of {global_batch_size} samples on {world_size} ranks"
@@ -105,6 +106,10 @@ def accumulation_for(global_batch_size: int, *, world_size: int, batch_size: int
             " remove ElasticResume to accept a different global batch size."
         )
     return global_batch_size // per_micro_step
+
+
+_LISTED_WORLD_SIZES = 1 << 16
+"""World sizes up to this many are named in the message (a crafted batch size must not make the search endless)."""
 
 
 def _or(values: list[int]) -> str:

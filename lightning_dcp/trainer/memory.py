@@ -52,13 +52,13 @@ class MemoryCheckpoint(DCPModelCheckpoint):
             while optimizer steps wait for them. ``False``: return once this rank's state is copied into shared
             memory (the checkpoint is committed behind the call, once hashed).
         dirpath: Where persisted checkpoints go: a local path (one filesystem every node reaches, or a disk of each
-            node: :mod:`~lightning_dcp.engine.tiers.node_disks`) or a remote URL. Default: the ``dirpath`` of the
+            node: ``node_disks``) or a remote URL. Default: the ``dirpath`` of the
             run's first other ``DCPModelCheckpoint``, else Lightning's default.
         filename: Name of each checkpoint, formatted like ``ModelCheckpoint``'s (``"memory-{step}"``: a distinct
             name, so persisted checkpoints never collide with those of another ``ModelCheckpoint``).
         free_at_end: At a clean end of ``fit``, persist the newest memory checkpoint into ``dirpath`` (unless it
             was) and then free this run's part of every node's memory area
-            (:func:`~lightning_dcp.engine.tiers.housekeeping.free`). By default the area keeps its checkpoints after
+            (``free``). By default the area keeps its checkpoints after
             the run (a crashed or killed run resumes from them) until it is removed or the machine reboots; the end
             of ``fit`` logs how much it holds.
 

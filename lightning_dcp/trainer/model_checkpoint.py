@@ -40,6 +40,7 @@ from lightning_dcp.engine import (
     canonical_url,
     check_checkpoint,
     committed_checkpoints,
+    is_staging_of,
 )
 from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.errors import NotACheckpointError
@@ -67,7 +68,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
     Args:
         dirpath: Directory for the checkpoints (a local path or fsspec URL, ``str``). ``file://`` URLs are accepted.
             URLs are put in canonical form (``s3://b/exp//run`` is ``s3://b/exp/run``; see
-            :mod:`lightning_dcp.engine.storage.paths`).
+            ``lightning_dcp.engine.storage.paths``).
         storage_options: fsspec options for listing, linking and deleting in ``dirpath``. Default: those of the
             Trainer's ``DCPCheckpointIO``, so credentials are configured once.
         **kwargs: Passed to ``ModelCheckpoint``.
@@ -187,7 +188,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 removed.append(location.url)
         for name, kind in sorted(directory.entries()):
             if kind == "directory" and name.startswith(".") and STAGING_INFIX in name:
-                if any(name.startswith(f".{busy}{STAGING_INFIX}") for busy in uploading):
+                if any(is_staging_of(name, busy) for busy in uploading):
                     continue
                 directory.child(name).remove()
                 removed.append(directory.child(name).url)
@@ -270,13 +271,13 @@ class DCPModelCheckpoint(ModelCheckpoint):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        """Undo the fsspec defaults of :meth:`_find_last` if ``fit`` failed before ``setup``."""
+        """Undo the fsspec defaults of ``_find_last`` if ``fit`` failed before ``setup``."""
         self._stat_defaults.restore()
         super().on_exception(trainer, pl_module, exception)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        """Undo the fsspec defaults of :meth:`_find_last` (when ``setup`` did not run)."""
+        """Undo the fsspec defaults of ``_find_last`` (when ``setup`` did not run)."""
         self._stat_defaults.restore()
         super().teardown(trainer, pl_module, stage)
 

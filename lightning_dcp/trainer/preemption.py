@@ -62,14 +62,14 @@ PREEMPTED_NAME = "last-preempted"
 class Preemption(Callback):
     """Records SIGTERM/SIGUSR1 in flag-only handlers; at each step's end the ranks agree, save, and stop together.
 
-    Installed by the ``dcp_*`` strategies at ``on_train_start`` (:func:`install_preemption`), last among the
+    Installed by the ``dcp_*`` strategies at ``on_train_start`` (``install_preemption``), last among the
     callbacks; at the end of the run Lightning's signal connector gives each signal back to its earlier handler.
     With gradient accumulation the ranks agree at every batch's end (they may stop between a step's micro-batches).
     To change ``stuck_after``, pass your own instance in the Trainer's ``callbacks``.
 
     Args:
         stuck_after: Seconds after a signal by which the main thread must have run the handler, else the process
-            ends with status ``128 + signal`` (:class:`~lightning_dcp.engine.SignalWatch`); ``None``: never.
+            ends with status ``128 + signal`` (``SignalWatch``); ``None``: never.
     """
 
     def __init__(self, *, stuck_after: float | None = STUCK_AFTER_S) -> None:

@@ -122,8 +122,8 @@ class DCPStrategyMixin:
     def restore_checkpoint_after_setup(self) -> bool:
         """Sharded loads fill the optimizers in place, so they must exist: restore after ``setup``.
 
-        The restore then runs at the end of :meth:`setup` (before ``on_fit_start``); once done, this answers
-        ``False`` so that Lightning does not restore a second time after ``on_fit_start``.
+        The restore then runs at the end of [`setup`][lightning_dcp.DCPStrategyMixin.setup] (before ``on_fit_start``);
+        once done, this answers ``False`` so that Lightning does not restore a second time after ``on_fit_start``.
         """
         if not self._dcp_sharded:
             return super().restore_checkpoint_after_setup
@@ -170,7 +170,7 @@ class DCPStrategyMixin:
         """Preemption: SIGTERM/SIGUSR1 only set a flag; at the next step's end every rank saves, then all stop.
 
         Lightning's own handlers run collectives inside the signal handler, which deadlock against a checkpoint's
-        collectives (or any other); see :mod:`lightning_dcp.trainer.preemption`. ``teardown`` finishes the save.
+        collectives (or any other); see ``lightning_dcp.trainer.preemption``. ``teardown`` finishes the save.
         """
         super().on_train_start()
         if self._dcp_sharded and self.lightning_module is not None:
@@ -184,7 +184,7 @@ class DCPStrategyMixin:
         Lightning runs the forward and backward passes inside ``optimizer.step(closure)``, after the optimizer's
         pre-step hooks, where the deferred staging copies of an async save in flight are waited for; here the wait
         comes once the closure has run, so those copies overlap the forward and backward passes
-        (:meth:`~lightning_dcp.engine.save.step_gate.STEP_GATE.after_closure`).
+        (``after_closure``).
         """
         with STEP_GATE.after_closure(optimizer, closure) as closure_then_wait:
             return super().optimizer_step(optimizer, closure_then_wait, model, **kwargs)
@@ -315,7 +315,7 @@ class DCPStrategyMixin:
     def process_dataloader(self, dataloader: Any) -> Any:
         """Sharded, fitting: set the sampler's epoch before Lightning gives the loader its saved state.
 
-        See :class:`~lightning_dcp.trainer.rank_state.RankResume`.
+        See ``RankResume``.
         """
         dataloader = super().process_dataloader(dataloader)
         if self._dcp_sharded and self.lightning_module is not None:
@@ -378,7 +378,7 @@ class _WaitForStagingAtTrainEnd(Callback):
 
 
 class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDeviceStrategy):
-    """``SingleDeviceStrategy`` writing DCP checkpoints; see :class:`DCPStrategyMixin`.
+    """``SingleDeviceStrategy`` writing DCP checkpoints; see [`DCPStrategyMixin`][lightning_dcp.DCPStrategyMixin].
 
     ``device=None`` (the default, and ``"dcp_single_device"``) takes the first of the Trainer's ``devices`` as
     ``strategy="auto"`` does: ``cuda:k`` for ``accelerator="gpu", devices=[k]``, ``cpu`` on CPU.
@@ -388,20 +388,21 @@ class DCPSingleDeviceStrategy(DeviceFromConnector, DCPStrategyMixin, SingleDevic
 
 
 class DCPDDPStrategy(SyncAfterRestore, DCPStrategyMixin, ElasticAttempt, DDPStrategy):
-    """``DDPStrategy`` whose ranks each write a part of the replicated state; see :class:`DCPStrategyMixin`.
+    """``DDPStrategy`` whose ranks each write a part of the replicated state.
 
-    A resume skips DDP's broadcast of the weights it restores
-    (:class:`~lightning_dcp.trainer.ddp_resume.SyncAfterRestore`).
+    See [`DCPStrategyMixin`][lightning_dcp.DCPStrategyMixin]. A resume skips DDP's broadcast of the weights it restores
+    (``SyncAfterRestore``).
     """
 
     strategy_name = "dcp_ddp"
 
 
 class DCPFSDPStrategy(DCPStrategyMixin, ElasticAttempt, FSDPStrategy):
-    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints; see :class:`DCPStrategyMixin`.
+    """``FSDPStrategy`` (FSDP1, needs a GPU) writing sharded DCP checkpoints.
 
-    Lightning's own ``state_dict_type`` of ``FSDPStrategy`` is set to ``"full"`` underneath: with ``"sharded"``
-    this mixin handles checkpoints itself, and ``"full"`` gives Lightning's consolidated single file.
+    See [`DCPStrategyMixin`][lightning_dcp.DCPStrategyMixin]. Lightning's own ``state_dict_type`` of ``FSDPStrategy`` is
+    set to ``"full"`` underneath: with ``"sharded"`` this mixin handles checkpoints itself, and ``"full"`` gives
+    Lightning's consolidated single file.
     """
 
     strategy_name = "dcp_fsdp"
@@ -419,7 +420,8 @@ class DCPFSDPStrategy(DCPStrategyMixin, ElasticAttempt, FSDPStrategy):
 class DCPModelParallelStrategy(DCPStrategyMixin, ElasticAttempt, ModelParallelStrategy):
     """``ModelParallelStrategy`` (FSDP2 / tensor parallel, DTensor) with resharding DCP checkpoints.
 
-    See :class:`DCPStrategyMixin`. ``state_dict_type="full"`` is Lightning's ``save_distributed_checkpoint=False``.
+    See [`DCPStrategyMixin`][lightning_dcp.DCPStrategyMixin]. ``state_dict_type="full"`` is Lightning's
+    ``save_distributed_checkpoint=False``.
     """
 
     strategy_name = "dcp_model_parallel"

@@ -8,6 +8,7 @@ boundary, replaying samples and skipping others; a string or a zero world size r
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from hypothesis import given, settings
@@ -27,7 +28,7 @@ def _valid(draw) -> dict:
     order = draw(
         st.none()
         | st.fixed_dictionaries(
-            {"dataset_size": st.integers(0, 10**7), "shuffle": st.booleans(), "seed": st.integers()}
+            {"dataset_size": st.integers(0, 10**7), "shuffle": st.booleans(), "seed": st.integers(-(2**63), 2**64 - 1)}
         )
     )
     return {
@@ -84,6 +85,82 @@ def test_a_field_of_another_type_or_out_of_range_is_refused(state, field, value)
         ElasticResume().load_state_dict(state)
 
 
+_COUNTS = ("world_size", "batch_size", "accumulate_grad_batches", "global_batch_size", "epoch", "epoch_samples")
+INT64_MAX = 2**63 - 1
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    state=_valid(), field=st.sampled_from(_COUNTS + ("samples_in_epoch", "samples_total")), big=st.integers(0, 2**80)
+)
+def test_a_count_beyond_int64_is_refused_naming_the_field(state, field, big):
+    """A crafted ``batch_size=2**63`` passed on 7471de6 and failed at train start (``OverflowError``) or trained with
+    an accumulation of 2**61 micro-batches per step; every count must fit an ``int64``."""
+    state[field] = INT64_MAX + 1 + big
+    if field == "global_batch_size":  # the product of counts that fit: only its size is wrong
+        state["world_size"], state["batch_size"], state["accumulate_grad_batches"] = 2**32, 2**31, 1
+        state[field] = 2**63
+    with pytest.raises(NotACheckpointError, match=f"'{field}' is {state[field]}, not a .* of at most 2\\*\\*63 - 1"):
+        ElasticResume().load_state_dict(state)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    world=st.integers(1, 2**20),
+    batch=st.integers(1, 2**40),
+    accumulation=st.integers(1, 2**20),
+    epoch_samples=st.integers(0, INT64_MAX),
+    seed=st.integers(-(2**63), 2**64 - 1),
+    data=st.data(),
+)
+def test_counts_up_to_int64_are_accepted_when_consistent(world, batch, accumulation, epoch_samples, seed, data):
+    size = world * batch * accumulation
+    in_epoch = data.draw(st.integers(0, epoch_samples))
+    state = {
+        "version": 1,
+        "world_size": world,
+        "batch_size": batch,
+        "accumulate_grad_batches": accumulation,
+        "global_batch_size": size,
+        "epoch": data.draw(st.integers(0, INT64_MAX)),
+        "epoch_samples": epoch_samples,
+        "samples_in_epoch": in_epoch,
+        "samples_total": data.draw(st.integers(in_epoch, INT64_MAX)),
+        "order": {"dataset_size": data.draw(st.integers(0, INT64_MAX)), "shuffle": True, "seed": seed},
+    }
+    if size > INT64_MAX:
+        with pytest.raises(NotACheckpointError, match="'global_batch_size' is"):
+            ElasticResume().load_state_dict(state)
+    else:
+        ElasticResume().load_state_dict(state)
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_beyond_int64_is_refused(seed):
+    state = {**ElasticResume().state_dict(), "batch_size": 2, "global_batch_size": 2}
+    state["order"] = {"dataset_size": 8, "shuffle": True, "seed": seed}
+    with pytest.raises(NotACheckpointError, match="'order' is .* the seed in \\[-2\\*\\*63, 2\\*\\*64 - 1\\]"):
+        ElasticResume().load_state_dict(state)
+
+
+def test_no_world_size_fits_a_huge_global_batch_in_bounded_time():
+    from lightning_dcp.trainer.global_order import accumulation_for
+
+    raised: list[BaseException] = []
+
+    def search() -> None:
+        try:
+            accumulation_for(INT64_MAX + 1, world_size=3, batch_size=2)  # every power of two up to 2**62 fits
+        except ValueError as err:
+            raised.append(err)
+
+    worker = threading.Thread(target=search, daemon=True)  # the old search tried every world size up to 2**63
+    worker.start()
+    worker.join(timeout=5.0)
+    assert not worker.is_alive() and len(raised) == 1, "the search for world sizes that fit did not end"
+    assert "Resume on 1, 2, 4, 8, " in str(raised[0]) and "65536 rank(s) with this batch size" in str(raised[0])
+
+
 @settings(max_examples=100, deadline=None)
 @given(state=_valid(), extra=st.integers(1, 10**6))
 def test_more_samples_than_the_epoch_has_is_refused(state, extra):
@@ -123,8 +200,14 @@ class _Saves(ElasticResume):
 
 @pytest.mark.parametrize(
     "override",
-    [{"samples_in_epoch": 10**6}, {"samples_in_epoch": -12}, {"samples_in_epoch": "12"}, {"world_size": 0}],
-    ids=["1e6", "-12", "str", "world0"],
+    [
+        {"samples_in_epoch": 10**6},
+        {"samples_in_epoch": -12},
+        {"samples_in_epoch": "12"},
+        {"world_size": 0},
+        {"batch_size": 2**63, "global_batch_size": 2**63},
+    ],
+    ids=["1e6", "-12", "str", "world0", "batch2**63"],
 )
 def test_a_resume_from_an_edited_state_fails_naming_the_checkpoint(tmp_path, override):
     seed()

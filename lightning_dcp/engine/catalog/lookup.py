@@ -243,7 +243,7 @@ def verify_checkpoint(
         storage_options: fsspec options for remote storage.
 
     A ``last*`` name verifies the newest committed checkpoint of its directory that passes the fast checks (see
-    :func:`designated`), with a warning naming any passed over.
+    ``designated``), with a warning naming any passed over.
 
     Rank 0 only (or any single process).
 

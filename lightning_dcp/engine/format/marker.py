@@ -7,6 +7,8 @@ file, ``.commit``, written last by the coordinator once every rank finished: a J
 The marker carries a checksum of its own (:data:`SEAL_KEY`, the first key of the object: the checksum of the rest of
 the bytes), so an edit of the marker after commit (two names of the record index swapped, two records' places
 swapped) is refused rather than trusted: the record index is what a restore reads tensors by, without ``.metadata``.
+Like every checksum here it has no key: it refuses damage and edits that leave it stale, not a marker whose writer
+recomputed it (``docs/integrity.md`` says what is and is not detected).
 
 This module holds the format only (no I/O): :mod:`lightning_dcp.engine.storage.location` reads markers, the writer in
 :mod:`lightning_dcp.engine.save.dcp_io` encodes them.
@@ -51,6 +53,8 @@ SEAL_KEY = "marker_checksum"
 """The marker's own checksum: written first, ``{"marker_checksum": N, ...}``, ``N`` the :data:`CHECKSUM` of the
 marker's bytes without it (``{`` followed by everything after ``N, ``)."""
 _SEAL_PREFIX = b'{"' + SEAL_KEY.encode() + b'": '
+_KEYS = frozenset({SEAL_KEY, "format", "version", "algorithm", "committed_at", "metadata", "files", "order", "index"})
+"""Every key a marker of :data:`VERSION` may have (:func:`encode_commit` writes them)."""
 
 
 def checksum(data: Any) -> int:
@@ -183,6 +187,9 @@ def parse_commit(data: bytes) -> dict[str, Any]:
             f"format {marker.get('format')!r} version {marker.get('version')!r} algorithm"
             f" {marker.get('algorithm')!r}; expected {FORMAT!r} {VERSION} {CHECKSUM!r}"
         )
+    unknown = sorted(set(marker) - _KEYS)
+    if unknown:  # a damaged key (its own checksum's name, say) would otherwise pass for a marker written unsealed
+        raise MarkerError(f"it has keys no marker of version {VERSION} has ({', '.join(map(repr, unknown[:4]))})")
     if not _number(marker.get("committed_at")):
         raise MarkerError("'committed_at' is not a number")
     order = marker.get("order")

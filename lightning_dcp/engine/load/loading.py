@@ -26,6 +26,7 @@ from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE, designated
 from lightning_dcp.engine.catalog.metadata import read_metadata
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.blob import load_stock_file
+from lightning_dcp.engine.format.file_kinds import HEAD_BYTES, FileKind, describe, identify
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.record_index import IndexEntry
 from lightning_dcp.engine.storage.location import Location
@@ -43,8 +44,11 @@ __all__ = [
     "check_trainer_state",
     "fit_target",
     "lightning_model_key",
+    "foreign_file",
+    "foreign_file_at",
     "load_file",
     "load_torch_file",
+    "not_a_checkpoint_file",
     "probe",
     "read_lightning_meta",
     "torch_load_error",
@@ -166,14 +170,62 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
 
 
 def load_torch_file(f: Any, *, url: str, map_location: Any, weights_only: bool) -> Any:
-    """``torch.load`` of an open single-file checkpoint.
+    """``torch.load`` of an open (seekable) single-file checkpoint.
 
     With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
     is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.format.blob.load_stock_file`).
+
+    Raises:
+        NotACheckpointError: ``torch.load`` failed and the file is of another format (safetensors, GGUF, ...): the
+            message says what it is and what to use (:func:`not_a_checkpoint_file`).
     """
-    if not weights_only:
-        return torch.load(f, map_location=map_location, weights_only=False)
-    return load_stock_file(lambda: torch.load(f, map_location=map_location, weights_only=True), path=url)
+    try:
+        if not weights_only:
+            return torch.load(f, map_location=map_location, weights_only=False)
+        return load_stock_file(lambda: torch.load(f, map_location=map_location, weights_only=True), path=url)
+    except Exception:
+        found = foreign_file(f)
+        if found is None:
+            raise
+        raise not_a_checkpoint_file(url, found) from None
+
+
+def foreign_file(f: Any) -> FileKind | None:
+    """The format of the open (seekable) file ``f`` when it is no checkpoint (safetensors, ...), read from its head.
+
+    ``None`` when it may be a checkpoint, or when ``f`` cannot be read again. Ask after ``torch.load`` failed: a
+    checkpoint is never judged by its first bytes.
+    """
+    try:
+        f.seek(0, io.SEEK_END)
+        size = f.tell()
+        f.seek(0)
+        return identify(f.read(HEAD_BYTES), size=size)
+    except Exception:  # a stream that cannot seek: torch.load's own error stands
+        return None
+
+
+def foreign_file_at(location: Location | str) -> FileKind | None:
+    """:func:`foreign_file` of the file at ``location`` (a path or URL without storage options: a ``Location``).
+
+    ``None`` for a directory, a checkpoint, or a file that cannot be opened. Rank 0 only (or any single process).
+    """
+    try:
+        location = location if isinstance(location, Location) else Location(location)
+        if location.isdir():
+            return None
+        with location.open() as f:
+            return foreign_file(f)
+    except Exception:  # the caller's own error stands
+        return None
+
+
+def not_a_checkpoint_file(url: str, kind: FileKind) -> NotACheckpointError:
+    """The error for the file ``url``, found to be ``kind``: what it is, and what to use.
+
+    A safetensors file's weights load with ``lightning_dcp.load_model_weights``.
+    """
+    return NotACheckpointError(describe(url, kind))
 
 
 def torch_load_error(where: str, err: Exception) -> CheckpointError:

@@ -36,6 +36,7 @@ from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.blob import decode_extra
 from lightning_dcp.engine.format.marker import METADATA_FILE
 from lightning_dcp.engine.load.dcp_reader import storage_reader
+from lightning_dcp.engine.load.loading import foreign_file_at, not_a_checkpoint_file
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
@@ -91,6 +92,8 @@ class Source:
         if not location.isdir() or not location.has_metadata():
             if location.isdir() and (folder := not_one_checkpoint(location)) is not None:
                 raise folder  # a run's dirpath rather than one of its checkpoints
+            if (kind := foreign_file_at(location)) is not None:
+                raise not_a_checkpoint_file(location.url, kind)
             raise NotACheckpointError(
                 f"{location.url!r} is not a DCP checkpoint directory (no {METADATA_FILE!r} file in it); pass a"
                 " directory written by lightning_dcp, by Lightning's sharded strategies or by `dcp.save`."

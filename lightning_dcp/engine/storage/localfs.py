@@ -1,11 +1,12 @@
 """The local-disk commit: a finished staging directory takes the checkpoint's name atomically, and is made durable.
 
-A save writes into a hidden sibling (``.{name}.tmp-{token}``) of its target and renames it into place once every rank
-finished. Replacing an existing checkpoint swaps the two directories with one ``renameat2(RENAME_EXCHANGE)`` where
-Linux offers it, so the old checkpoint stays readable until the new one is in place. Renames that cross filesystems
-(``EXDEV``) fall back to a copy under a hidden name, then a rename (:func:`replace_directory`); on a mount that cannot
-rename at all (FUSE mounts of object stores) the copy is made under the checkpoint's own name, every file synced
-before ``.commit`` is written last: until then the directory is no checkpoint, and no reader takes it.
+A save writes into a hidden sibling (``.{name}.tmp-{token}``; names.py bounds its length) of its target and renames it
+into place once every rank finished. Replacing an existing checkpoint swaps the two directories with one
+``renameat2(RENAME_EXCHANGE)`` where Linux offers it, so the old checkpoint stays readable until the new one is in
+place. Renames that cross filesystems (``EXDEV``) fall back to a copy under a hidden name, then a rename
+(:func:`replace_directory`); on a mount that cannot rename at all (FUSE mounts of object stores) the copy is made under
+the checkpoint's own name, every file synced before ``.commit`` is written last: until then the directory is no
+checkpoint, and no reader takes it.
 """
 
 from __future__ import annotations
@@ -15,10 +16,16 @@ import errno
 import os
 import shutil
 import stat
-import uuid
 from typing import BinaryIO
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE
+from lightning_dcp.engine.storage.names import (
+    SNAPSHOT_PREFIX,
+    STAGING_INFIX,
+    is_internal_name,
+    new_token,
+    staging_name,
+)
 
 __all__ = [
     "CANNOT_RENAME",
@@ -33,29 +40,11 @@ __all__ = [
     "replace_directory",
 ]
 
-STAGING_INFIX = ".tmp-"
-"""Hidden siblings of a checkpoint are named ``.{name}.tmp-{token}``: staging, copies, a replaced checkpoint."""
 CANNOT_RENAME = frozenset({errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
 """``errno`` of a rename refused by the filesystem itself (across filesystems, or a mount without renames)."""
-SNAPSHOT_PREFIX = ".upload-"
-"""In a local tier, ``.upload-{name}-{token}``: the hard-link snapshot of a checkpoint being uploaded."""
-
-
-def is_internal_name(name: str) -> bool:
-    """Whether ``name`` is one this library gives its own hidden entries (staging, snapshots), never a checkpoint.
-
-    Listings pass over them and clean-ups delete them, so no checkpoint may be saved under such a name.
-    """
-    return name.startswith(".") and (STAGING_INFIX in name or name.startswith(SNAPSHOT_PREFIX))
-
 
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 2
-
-
-def new_token() -> str:
-    """A fresh random token (12 hex characters) that names one save's staging directory."""
-    return uuid.uuid4().hex[:12]
 
 
 class NotARegularFile(OSError):
@@ -134,7 +123,7 @@ def replace_directory(src: str, dst: str) -> None:
     elif _rename_exchange(src, dst):
         remove_path(src)  # ``src`` now holds the previous checkpoint
     else:
-        old: str | None = os.path.join(parent, f".{name}{STAGING_INFIX}old-{new_token()}")
+        old: str | None = os.path.join(parent, staging_name(name, f"old-{new_token()}"))
         try:
             os.rename(dst, old)
         except OSError as err:
@@ -174,7 +163,7 @@ def _move(src: str, dst: str) -> None:
         if err.errno not in CANNOT_RENAME:
             raise
     parent, name = os.path.split(os.path.abspath(dst))
-    tmp = os.path.join(parent, f".{name}{STAGING_INFIX}copy-{new_token()}")
+    tmp = os.path.join(parent, staging_name(name, f"copy-{new_token()}"))
     try:
         _copy_tree(src, tmp)
         _fsync_tree(tmp)

@@ -23,10 +23,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import fsspec
+import fsspec.callbacks
 from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dcp.engine.format.marker import (
@@ -36,6 +37,7 @@ from lightning_dcp.engine.format.marker import (
 from lightning_dcp.engine.storage import localfs
 from lightning_dcp.engine.storage.commit_reads import permission_message, read_commit, unreadable
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir
+from lightning_dcp.engine.storage.names import is_staging_of, staging_name
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.pointers import POINTER_HEADER, Pointers
 from lightning_dcp.engine.storage.stores import (
@@ -257,17 +259,19 @@ class Location(Pointers):
                     self.fs.rm_file(self.path.rstrip("/"))
             self.fs.invalidate_cache(self.path)
 
-    def put(self, files: dict[str, str]) -> None:
+    def put(self, files: dict[str, str], *, progress: Callable[[], None] | None = None) -> None:
         """Upload local files into this directory: ``{name inside it: local path}``. Rank 0 only.
 
         Transfers run concurrently where the storage library does (``fs.put`` of a list: s3fs, gcsfs and adlfs run a
-        batch at once; s3fs also uploads the parts of a large file concurrently).
+        batch at once; s3fs also uploads the parts of a large file concurrently). ``progress()`` is called (from the
+        storage library's threads) whenever the store took a file or a part of one.
         """
         names = sorted(files)
         if self.local:
             os.makedirs(self.path, exist_ok=True)
+        callback = _Progress(progress) if progress is not None else fsspec.callbacks.DEFAULT_CALLBACK
         with self._translated():
-            self.fs.put([files[n] for n in names], [self.join(n) for n in names])
+            self.fs.put([files[n] for n in names], [self.join(n) for n in names], callback=callback)
 
     def remove_file(self, name: str) -> None:
         """Delete the file ``name`` inside this directory; nothing happens when it does not exist."""
@@ -281,14 +285,14 @@ class Location(Pointers):
 
     def staging(self, token: str) -> Location:
         """The hidden sibling directory a save writes into before it is committed to this path."""
-        return self.sibling(f".{self.name}{STAGING_INFIX}{token}")
+        return self.sibling(staging_name(self.name, token))
 
     def remove_stale_staging(self, *, keep: str | None = None) -> list[str]:
         """Delete staging directories of earlier, interrupted saves to this path. Returns the URLs removed."""
-        prefix = f".{self.name}{STAGING_INFIX}"
+        kept = None if keep is None else staging_name(self.name, keep)
         removed = []
         for name, _ in self.sibling("").entries():
-            if name.startswith(prefix) and name != f"{prefix}{keep}":
+            if is_staging_of(name, self.name) and name != kept:
                 stale = self.sibling(name)
                 stale.remove()
                 removed.append(stale.url)
@@ -366,3 +370,20 @@ class Location(Pointers):
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
+
+
+class _Progress(fsspec.callbacks.Callback):
+    """An fsspec callback that calls ``hook()`` whenever a transfer advances: a file taken, or a part of one.
+
+    The children of a transfer of several files (``branched``) report to the same hook.
+    """
+
+    def __init__(self, hook: Callable[[], None]) -> None:
+        super().__init__()
+        self._hook = hook
+
+    def call(self, *args: Any, **kwargs: Any) -> None:
+        self._hook()
+
+    def branched(self, path_1: str, path_2: str, **kwargs: Any) -> _Progress:
+        return self

@@ -14,7 +14,7 @@ from typing import Any
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE, is_plain_name, order_key
 from lightning_dcp.engine.storage.commit_reads import read_commit
-from lightning_dcp.engine.storage.localfs import STAGING_INFIX, new_token
+from lightning_dcp.engine.storage.names import is_staging_of, new_token, staging_name
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["POINTER_HEADER", "Pointers"]
@@ -68,7 +68,7 @@ class Pointers:
         """
         data = POINTER_HEADER + target.name.encode() + b"\n"
         if self.local:
-            tmp = self.sibling(f".{self.name}{STAGING_INFIX}{new_token()}").path
+            tmp = self.sibling(staging_name(self.name, new_token())).path
             os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -104,10 +104,9 @@ class Pointers:
     def _rolled_forward(self) -> Any:
         if self.local or not self.isdir() or self.is_committed():
             return self
-        prefix = f".{self.name}{STAGING_INFIX}"
         committed = []
         for name, kind in self.sibling("").entries():
-            if kind == "directory" and name.startswith(prefix):
+            if kind == "directory" and is_staging_of(name, self.name):
                 marker = read_commit(self.sibling(name))
                 if marker is not None:
                     committed.append((order_key(marker), name))

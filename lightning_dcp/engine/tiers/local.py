@@ -44,6 +44,7 @@ from typing import Any
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, new_token
+from lightning_dcp.engine.storage.names import snapshot_prefix
 from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
@@ -90,7 +91,7 @@ class Tiers:
         """The background thread that does every remote call of the tier (rank 0)."""
         self._remote: Location | None = None
         self._resumed = False
-        self._gave_up = False  # the last `wait` ended in an outage
+        self._gave_up: StorageUnavailableError | None = None  # the error of the last `wait`, ended in an outage
 
     @property
     def retry(self) -> Retry:
@@ -176,7 +177,7 @@ class Tiers:
             CheckpointError: ``local_dir`` already mirrors another remote directory.
         """
         self.bind(remote.parent())
-        self._gave_up = False
+        self._gave_up = None
         with self.uploader.cond:
             self.uploader.saving[remote.name] = version_of(local_marker(self.local_twin(remote)))
         self.resume()
@@ -342,7 +343,8 @@ class Tiers:
     def wait(self) -> None:
         """Retry failed work once, then block until the queue is empty. Any rank (no-op where nothing queued).
 
-        While the store cannot be reached, the uploader keeps retrying for :attr:`Retry.at_teardown` seconds.
+        The wait ends at one deadline: :attr:`Retry.at_teardown` seconds after this call or after the store's last
+        answer, whichever is later (a store that answers nothing, failing or hanging, is given up on then).
 
         Raises:
             StorageUnavailableError: The store stayed unreachable; what is left stays committed and journaled in
@@ -350,17 +352,21 @@ class Tiers:
             CheckpointError: Uploads that still fail (their checkpoints stay committed in ``local_dir``; the next
                 run with the same ``local_dir`` uploads them).
         """
-        u = self.uploader
-        outage = u.drain(patience=0.0 if self._gave_up else self.retry.at_teardown)
+        u, started = self.uploader, time.monotonic()
+        outage = u.drain(patience=0.0 if self._gave_up is not None else self.retry.at_teardown)
         if outage is not None:
-            self._gave_up = True  # Lightning tears down again after an error: no second wait
+            if self._gave_up is not None:  # Lightning tears down again after an error: no second wait, same error
+                raise self._gave_up
             left = sorted(self.pending())
-            raise StorageUnavailableError(
-                f"The remote store of {self.remote_dir().url!r} has been unreachable for"
-                f" {time.monotonic() - outage.since:.0f} s ({type(outage.error).__name__}: {outage.error}). Not"
-                f" uploaded yet: {left}; they stay committed in the local tier {self.local.url!r}, and the removals"
-                " and pointer writes left are journaled there: a run with the same `local_dir` finishes them."
+            now = time.monotonic()
+            self._gave_up = StorageUnavailableError(
+                f"The remote store of {self.remote_dir().url!r} has been unreachable for {now - outage.since:.0f} s"
+                f" ({type(outage.error).__name__}: {outage.error}); the wait for the uploads ended after"
+                f" {now - started:.0f} s without an answer. Not uploaded yet: {left}; they stay committed in the local"
+                f" tier {self.local.url!r}, and the removals and pointer writes left are journaled there: a run with"
+                " the same `local_dir` finishes them."
             )
+            raise self._gave_up
         with u.cond:
             failed = {key: err for key, (_, err) in u.failed.items()}
         if failed:
@@ -382,7 +388,7 @@ class Tiers:
         for name, kind in self.local.entries(follow_links=False):
             entry = self.local.child(name)
             hidden = is_internal_name(name)
-            stale = hidden and not any(name.startswith(f"{SNAPSHOT_PREFIX}{b}-") for b in busy)
+            stale = hidden and not any(name.startswith(snapshot_prefix(b)) for b in busy)
             if kind == "directory" and (stale or (not name.startswith(".") and not entry.is_committed())):
                 entry.remove()
                 removed.append(entry.url)

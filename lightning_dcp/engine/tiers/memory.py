@@ -73,11 +73,11 @@ class MemoryTier:
         persist_every: Persist every this-many-th memory checkpoint to the durable tiers (``0``: never on a count).
         persist_every_seconds: Also persist the first checkpoint saved this many seconds after the last persisted
             one (``None``: no time schedule).
-        async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait
-            for them). ``False``: return once this rank's state is copied into the memory area; the checkpoint is
-            committed there behind the call (checksums of the copies, ~55 ms per GiB here; the marker), then
-            replicated. A failure after planning is raised by the next save or :meth:`MemoryTier.wait` either way.
-            Either way, :meth:`MemoryTier.wait` returns once it is committed and replicated.
+        async_save: Return from a save once it is planned; copies are made in the background (optimizer steps wait for
+            them). ``False``: return once this rank's state is copied into the memory area; the checkpoint is committed
+            there behind the call (checksums of the copies, ~55 ms per GiB here; the marker), then replicated. A failure
+            after planning is raised by the next save or [`MemoryTier.wait`][lightning_dcp.MemoryTier.wait] either way.
+            Either way, [`MemoryTier.wait`][lightning_dcp.MemoryTier.wait] returns once it is committed and replicated.
 
     Memory per node: ``(keep + 1) x (1 + replicas) x`` the node's part of a checkpoint (a part of the newest, one
     being written, and as much again for the replicas of other nodes' parts).
@@ -102,28 +102,28 @@ class MemoryTier:
         self.memory_dir = os.path.abspath(os.fspath(memory_dir))
         self.replicas, self.keep, self.async_save = replicas, keep, async_save
         self.persist_every, self.persist_every_seconds = persist_every, persist_every_seconds
-        self.store = PartStore(self.memory_dir, create=False)  # the area is made at :meth:`setup`
+        self.store = PartStore(self.memory_dir, create=False)  # the area is made at `setup`
         self.mappings = Mappings()
         self.topology: Topology | None = None
         self.group: dist.ProcessGroup | None = None
         self.distributed = False
         self.highest = 0
         """The largest save counter of any checkpoint in the areas when the tier was set up, raised to the largest on
-        node-local disks by :func:`~lightning_dcp.engine.tiers.recovery.restorable`."""
+        node-local disks by the recovery (``engine/tiers/recovery.py``)."""
         self.run: str | None = None
-        """The token of the run whose parts this tier saves and restores (:mod:`~lightning_dcp.engine.tiers.runs`;
+        """The token of the run whose parts this tier saves and restores (``engine/tiers/runs.py``;
         set by the checkpointer from the durable directory, ``None`` while it holds none)."""
-        self.run_known = False  # whether :attr:`run` was resolved from the durable directory (once per tier)
+        self.run_known = False  # whether ``run`` was resolved from the durable directory (once per tier)
         self.warned_foreign, self.origin = False, ""  # origin: where the last restore's copy came from, in words
         self.persister: Persister | None = None
-        """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over :attr:`group`."""
+        """Copies a checkpoint to the durable tiers (set by the checkpointer). Collective over ``group``."""
         self.saved: list[Saved] = []
         """Checkpoints committed in memory by this run, oldest first (the newest ``keep``)."""
         self.timings: dict[str, float] = {}
         """Seconds of each step of the last save: ``stage`` (a synchronous save's planning and copy, in the call),
         ``write`` (from the call's planning to the commit), ``replicate``, ``persist``."""
         self._inflight: InFlight | None = None
-        self._abandoned = False  # :meth:`give_up` left a save unfinished: the tier is not used again
+        self._abandoned = False  # `give_up` left a save unfinished: the tier is not used again
         self._saves = 0
         self._persisted_at = time.monotonic()
 
@@ -205,7 +205,7 @@ class MemoryTier:
         Raises:
             CheckpointError: The previous save failed (raised at this call), or planning this one failed (nothing of
                 it is committed). A failure after planning (a copy, the commit) is raised by the next save or
-                :meth:`MemoryTier.wait`, and nothing of that save is committed.
+                [`MemoryTier.wait`][lightning_dcp.MemoryTier.wait], and nothing of that save is committed.
         """
         self.wait()
         topology = self.setup(distributed=distributed)
@@ -367,7 +367,7 @@ class MemoryTier:
                 remove_path(part.path)
 
     def persist(self, saved: Saved) -> None:
-        """Copy ``saved`` to the durable tiers (:attr:`persister`). Collective over the tier's group."""
+        """Copy ``saved`` to the durable tiers (``persister``). Collective over the tier's group."""
         if self.persister is None or saved.persisted:
             return
         began = time.perf_counter()
@@ -421,9 +421,10 @@ class MemoryTier:
     def give_up(self, *, after: float) -> bool:
         """After a failed run: wait at most ``after`` seconds for the save in flight, then leave it unfinished.
 
-        A transfer to a peer that died waits for good (gloo's point-to-point waits, unlike its collectives, do not
-        fail when the connection closes). A save left keeps its files mapped and the group alive (the waiting thread
-        uses them); :meth:`close` then does nothing. What was committed stays. Returns whether a save was left.
+        A transfer to a peer that died waits for good (gloo's point-to-point waits, unlike its collectives, do not fail
+        when the connection closes). A save left keeps its files mapped and the group alive (the waiting thread uses
+        them); [`close`][lightning_dcp.MemoryTier.close] then does nothing. What was committed stays. Returns whether a
+        save was left.
         """
         inflight = self._inflight
         if inflight is None or inflight.finished.wait(after):
@@ -440,9 +441,10 @@ class MemoryTier:
     def close(self) -> None:
         """Wait for the save in flight, unmap the files (they stay in the area), then leave the tier's group.
 
-        Does nothing after :meth:`give_up` left a save unfinished.
+        Does nothing after [`give_up`][lightning_dcp.MemoryTier.give_up] left a save unfinished.
 
-        Collective: call on all ranks (a later save joins a new group). Raises like :meth:`MemoryTier.wait`.
+        Collective: call on all ranks (a later save joins a new group). Raises like
+        [`MemoryTier.wait`][lightning_dcp.MemoryTier.wait].
         """
         if self._abandoned:
             return

@@ -25,6 +25,7 @@ from typing import Any
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, MarkerError, order_key, parse_commit
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir, new_token, remove_path
+from lightning_dcp.engine.storage.names import staging_name
 
 __all__ = ["FREE_PREFIX", "LOAD_PREFIX", "PART_FILE", "Part", "PartStore", "complete", "identity", "part_name"]
 
@@ -143,7 +144,7 @@ class PartStore:
 
     def staging(self, name: str, node: int, token: str) -> str:
         """The hidden staging directory of a part being written or received (not created)."""
-        return os.path.join(self.root, f".{part_name(name, node)}{STAGING_INFIX}{token}")
+        return os.path.join(self.root, staging_name(part_name(name, node), token))
 
     def commit(
         self,
@@ -173,7 +174,7 @@ class PartStore:
         final = os.path.join(self.root, part_name(name, node))
         if os.path.lexists(final):
             self.uncommit(final)
-            old = os.path.join(self.root, f".{part_name(name, node)}{STAGING_INFIX}old-{new_token()}")
+            old = os.path.join(self.root, staging_name(part_name(name, node), f"old-{new_token()}"))
             os.rename(final, old)
             os.rename(staging, final)
             remove_path(old)

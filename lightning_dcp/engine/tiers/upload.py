@@ -28,6 +28,7 @@ import contextlib
 import errno
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 from lightning_dcp.engine.format.marker import (
@@ -154,10 +155,17 @@ def _check_sizes(url: str, marker: dict[str, Any], sizes: dict[str, int]) -> Non
             raise CorruptCheckpointError(f"{url!r}: {name} holds {found} bytes, not the {size} recorded.", file=name)
 
 
-def upload(source: str, marker_bytes: bytes, marker: dict[str, Any], remote: Location) -> None:
+def upload(
+    source: str,
+    marker_bytes: bytes,
+    marker: dict[str, Any],
+    remote: Location,
+    *,
+    progress: Callable[[], None] | None = None,
+) -> None:
     """Copy the frozen checkpoint in the local directory ``source`` to ``remote``, verify it, then commit it there.
 
-    Rank 0 only (the tier's uploader thread).
+    Rank 0 only (the tier's uploader thread). ``progress()`` is called whenever the store took a file or a part of one.
 
     Raises:
         CorruptCheckpointError: A remote file does not have its local size, or ``.metadata`` read back differs.
@@ -168,7 +176,7 @@ def upload(source: str, marker_bytes: bytes, marker: dict[str, Any], remote: Loc
         return
     names = [name for name in os.listdir(source) if name != COMMIT_FILE]
     try:
-        target.put({name: os.path.join(source, name) for name in names})
+        target.put({name: os.path.join(source, name) for name in names}, progress=progress)
         finish(target, remote, marker_bytes, marker)
     except BaseException:
         abandon(target, remote)

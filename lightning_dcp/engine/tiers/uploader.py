@@ -38,10 +38,10 @@ from typing import Any
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.format.marker import order_key
 from lightning_dcp.engine.storage.location import Location, new_token
+from lightning_dcp.engine.storage.names import snapshot_name
 from lightning_dcp.engine.storage.stores import is_unreachable
 from lightning_dcp.engine.tiers.journal import TierJournal
 from lightning_dcp.engine.tiers.upload import (
-    SNAPSHOT_PREFIX,
     marker_of,
     remove_committed,
     same_checkpoint,
@@ -64,7 +64,9 @@ class Retry:
     max_delay: float = 30.0
     """The longest wait between two attempts."""
     at_teardown: float = 60.0
-    """Seconds ``teardown`` keeps retrying while the store stays unreachable before it raises."""
+    """Seconds ``teardown`` waits for an answer of the store: once the store has answered nothing (no task finished,
+    no file or part of one taken) for this long since teardown began or since its last answer, teardown raises. A
+    stopped store that hangs every request costs this long, not this long after its first request timed out."""
     first_listing: float = 10.0
     """Seconds the first save waits for the remote listing when the tier knows nothing of the remote directory."""
 
@@ -119,6 +121,8 @@ class Uploader:
         self._thread: threading.Thread | None = None
         self.last_upload_seconds: float | None = None
         self.last_upload_bytes: int | None = None
+        self.answered_at = time.monotonic()
+        """``time.monotonic()`` of the store's last answer: a task done, or a file or a part of one taken."""
 
     # ------------------------------------------------------------------------------------------- queue (locked)
     def enqueue(self, tasks: Iterable[Task]) -> None:
@@ -150,23 +154,31 @@ class Uploader:
     def drain(self, *, patience: float) -> Outage | None:
         """Queue failed tasks again, then wait until the queue is empty; ``None`` once it is.
 
-        While the store cannot be reached, waits ``patience`` seconds more, then stops the thread (after its current
-        attempt; the queue is kept) and returns the outage.
+        One deadline for the whole wait: ``patience`` seconds after this call or after the store's last answer
+        (:attr:`answered_at`), whichever is later. A store that keeps answering (uploads advancing, tasks finishing)
+        is waited for; one that answers nothing, whether its requests fail or hang, is given up on at the deadline
+        even while a request is still pending. Then the thread is stopped (after its current attempt; the queue is
+        kept) and the outage returned: the failures seen, or the silence itself when no request has failed yet.
         """
+        started = time.monotonic()
         with self.cond:
             self.requeue_failed()
-            deadline = None
             while self.queue or self.active is not None:
-                if self.outage is None:
-                    deadline = None
-                elif deadline is None:
-                    deadline = time.monotonic() + patience
-                elif time.monotonic() >= deadline:
+                quiet_since = max(started, self.answered_at)
+                left = quiet_since + patience - time.monotonic()
+                if left <= 0:
                     self._stop = True
                     self.cond.notify_all()
-                    return self.outage
-                self.cond.wait(timeout=0.5)
+                    if self.outage is not None:
+                        return self.outage
+                    silence = TimeoutError(f"no request answered in {time.monotonic() - quiet_since:.0f} s")
+                    return Outage(quiet_since, silence)
+                self.cond.wait(timeout=min(0.5, left))
             return None
+
+    def _heard(self) -> None:
+        """The store answered (a task done, a file or part taken): teardown's deadline starts again from now."""
+        self.answered_at = time.monotonic()
 
     # ------------------------------------------------------------------------------------------------ thread
     def _work(self) -> None:
@@ -227,6 +239,7 @@ class Uploader:
             self.cond.wait_for(lambda: self._stop, timeout=delay)
 
     def _answered(self, task: Task) -> None:
+        self._heard()
         with self.cond:
             if self.outage is not None:
                 log.warning(
@@ -265,7 +278,7 @@ class Uploader:
 
     def _upload(self, task: Task) -> None:
         local, remote = self.local.child(task.name), self.remote_dir.child(task.name)
-        frozen = self.local.child(f"{SNAPSHOT_PREFIX}{task.name}-{new_token()}").path
+        frozen = self.local.child(snapshot_name(task.name, new_token())).path
         started = time.perf_counter()
         with self.cond:
             self._started.add(task.name)
@@ -274,7 +287,7 @@ class Uploader:
                 data, marker = snapshot(local, frozen)
             except NotACheckpointError:
                 return  # removed meanwhile, or being replaced (its commit queues it again)
-            upload(frozen, data, marker, remote)
+            upload(frozen, data, marker, remote, progress=self._heard)
             sent = sum(os.path.getsize(os.path.join(frozen, name)) for name in os.listdir(frozen))
         finally:
             shutil.rmtree(frozen, ignore_errors=True)

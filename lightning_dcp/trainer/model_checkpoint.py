@@ -312,7 +312,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
         trainer.strategy.barrier("DCPModelCheckpoint.link")
 
     def _find_last(self, trainer: pl.Trainer) -> set[str]:
-        """The candidate Lightning resolves ``ckpt_path="last"`` to; see :func:`find_last`."""
+        """The candidate Lightning resolves ``ckpt_path="last"`` to; see ``find_last`` in this module."""
         return find_last(self, trainer, stat_defaults=self._stat_defaults)
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "HOOKS_ENV",
     "hooks_enabled_by_env",
     "install_find_last_hook",
+    "install_run_hook",
     "install_load_from_checkpoint_hook",
     "install_strategy_setup_hook",
     "install_upgrade_hook",
@@ -77,6 +78,12 @@ _STRATEGY_SETUP = (
 
 
 _FIND_LAST = ("lightning.pytorch.callbacks.model_checkpoint", "ModelCheckpoint", "_find_last_checkpoints")
+
+
+_RUN = ("lightning.pytorch.trainer.trainer", "Trainer", "_run")
+_RUN_PARAMS = ("self", "model", "ckpt_path", "weights_only")
+RUN_ARGUMENTS = "_lightning_dcp_run_arguments"
+"""The attribute a ``Trainer`` holds during its ``_run``: ``(ckpt_path, weights_only)`` as ``_run`` received them."""
 
 
 _installed: dict[tuple[Any, str], Any] = {}
@@ -272,6 +279,36 @@ def install_find_last_hook(find_last: Callable[[Any, Any, Callable[[Any], set[st
         return find_last(self, trainer, functools.partial(original, self))
 
     _replace(cls, _FIND_LAST[2], _find_last_checkpoints)
+    return True
+
+
+def install_run_hook() -> bool:
+    """Keep ``Trainer._run``'s ``(ckpt_path, weights_only)`` on the trainer (:data:`RUN_ARGUMENTS`) while it runs.
+
+    Lightning resolves ``ckpt_path`` (``"last"``, ``"best"``, a path) in ``fit``/``validate``/``test``/``predict``
+    and hands it to ``_run``, which keeps it in a local variable until its late restore; the ``dcp_*`` strategies
+    restore at the end of their ``setup`` instead, and read it here. Idempotent; not undone by
+    :func:`uninstall_lightning_hooks` (the strategies depend on it). Returns whether the hook is in place.
+    """
+    cls = getattr(importlib.import_module(_RUN[0]), _RUN[1])
+    current = getattr(cls, _RUN[2])
+    if getattr(current, "_lightning_dcp_run_hook", False):
+        return True
+    if not _signature_is(current, _RUN_PARAMS):
+        _unchecked("`Trainer._run`")
+        return False
+
+    @functools.wraps(current)
+    def _run(self: Any, model: Any, ckpt_path: Any = None, weights_only: Any = None) -> Any:
+        previous = self.__dict__.get(RUN_ARGUMENTS)
+        setattr(self, RUN_ARGUMENTS, (ckpt_path, weights_only))
+        try:
+            return current(self, model, ckpt_path=ckpt_path, weights_only=weights_only)
+        finally:
+            setattr(self, RUN_ARGUMENTS, previous)
+
+    _run._lightning_dcp_run_hook = True  # type: ignore[attr-defined]
+    setattr(cls, _RUN[2], _run)
     return True
 
 

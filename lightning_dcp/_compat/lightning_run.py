@@ -6,7 +6,6 @@ front ends (trainer/, fabric/) import this module (an import-linter contract).
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -159,18 +158,12 @@ def restore_signal_handlers(trainer: object) -> bool:
 # ``setup`` and ``on_fit_start`` when ``strategy.restore_checkpoint_after_setup`` is True, through
 # ``trainer._checkpoint_connector._restore_modules_and_callbacks(ckpt_path)``. The DCP strategies restore at the end
 # of their own ``setup`` instead (so ``on_fit_start`` sees restored state, as under stock strategies), which needs the
-# arguments of the running ``_run``: they are read from its frame.
+# arguments of the running ``_run``: ``lightning_hooks.install_run_hook`` keeps them on the trainer.
 def trainer_run_arguments(trainer: object) -> tuple[Any, bool | None] | None:
-    """``(ckpt_path, weights_only)`` of the ``Trainer._run`` call in progress on ``trainer``; ``None`` if not found."""
-    from lightning.pytorch import Trainer
+    """``(ckpt_path, weights_only)`` of the ``Trainer._run`` call in progress on ``trainer``; ``None`` if unknown."""
+    from lightning_dcp._compat.lightning_hooks import RUN_ARGUMENTS
 
-    code = Trainer._run.__code__
-    frame = inspect.currentframe()
-    while frame is not None:
-        if frame.f_code is code and frame.f_locals.get("self") is trainer:
-            return frame.f_locals.get("ckpt_path"), frame.f_locals.get("weights_only")
-        frame = frame.f_back
-    return None
+    return getattr(trainer, "__dict__", {}).get(RUN_ARGUMENTS)
 
 
 def restore_modules_and_callbacks(trainer: object, ckpt_path: Any, weights_only: bool | None) -> None:

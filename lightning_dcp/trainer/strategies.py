@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from typing_extensions import override
 
+from lightning_dcp._compat import lightning_hooks
 from lightning_dcp._compat.lightning_run import (
     DeviceFromConnector,
     restore_modules_and_callbacks,
@@ -67,6 +68,8 @@ __all__ = [
 
 StateDictType = Literal["sharded", "full"]
 
+
+lightning_hooks.install_run_hook()  # the strategies restore in their setup, with the ckpt_path fit resolved
 
 class DCPStrategyMixin:
     """Make a Lightning strategy save, load and remove sharded DCP checkpoints on every rank.

@@ -20,7 +20,7 @@ imports them. The rooms, each importing only the ones below it:
   :mod:`~lightning_dcp.engine.signal_watch` (a rank stuck in a C call when a signal comes).
 """
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints, newest_valid
 from lightning_dcp.engine.catalog.lookup import designated, designates_last, source_of, verify_checkpoint
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.checkpointer import Checkpointer
@@ -53,17 +53,17 @@ from lightning_dcp.engine.storage.stores import check_storage_options, is_missin
 
 __all__ = [
     "COMMIT_FILE",
+    "Checkpointer",
+    "CheckpointerConfig",
     "INFO_KEY",
     "LIGHTNING_META_FILE",
+    "Loaded",
+    "Location",
     "METADATA_FILE",
+    "RestoreRecord",
     "STAGING_INFIX",
     "STEP_GATE",
     "STUCK_AFTER_S",
-    "Checkpointer",
-    "CheckpointerConfig",
-    "Loaded",
-    "Location",
-    "RestoreRecord",
     "SignalWatch",
     "Source",
     "TensorEntry",
@@ -83,8 +83,9 @@ __all__ = [
     "layout",
     "load_stock_file",
     "load_torch_file",
-    "not_a_checkpoint_file",
     "new_token",
+    "newest_valid",
+    "not_a_checkpoint_file",
     "on_rank0",
     "parsed_meanwhile_forgotten",
     "probe",

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_dcp.engine import Location, check_checkpoint, committed_checkpoints
-from lightning_dcp.errors import NotACheckpointError
+from lightning_dcp.engine import Location, newest_valid
 
 __all__ = ["latest_checkpoint"]
 
@@ -29,10 +28,5 @@ def latest_checkpoint(directory: str | os.PathLike, *, storage_options: dict[str
     Rank 0 only: broadcast its answer, e.g. ``fabric.broadcast(latest_checkpoint(d) if fabric.is_global_zero
     else None)``, so that every rank resumes from the same checkpoint.
     """
-    for _, candidate in committed_checkpoints(Location(directory, storage_options=storage_options)):
-        try:
-            check_checkpoint(candidate)
-        except NotACheckpointError:
-            continue
-        return candidate.url
-    return None
+    found = newest_valid(Location(directory, storage_options=storage_options))
+    return None if found is None else found[0].url

@@ -38,12 +38,11 @@ from lightning_dcp.engine import (
     STAGING_INFIX,
     Location,
     canonical_url,
-    check_checkpoint,
     committed_checkpoints,
     is_staging_of,
+    newest_valid,
 )
 from lightning_dcp.engine.tiers import Tiers
-from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.metrics import log_checkpoint_metrics
 
@@ -129,13 +128,8 @@ class DCPModelCheckpoint(ModelCheckpoint):
         newest on either tier (the local copy first). Loading falls back further if that checkpoint's data turns out
         to be damaged. Rank 0 only.
         """
-        for _, candidate in self._committed(trainer, self._directory(trainer)):
-            try:
-                check_checkpoint(candidate)
-            except NotACheckpointError:
-                continue
-            return candidate.url
-        return None
+        found = newest_valid(self._directory(trainer), self._committed(trainer, self._directory(trainer)))
+        return None if found is None else found[0].url
 
     def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
         """URL of the most recently committed checkpoint in ``dirpath`` (by its commit time), or ``None``.

@@ -212,12 +212,16 @@ def committed_checkpoints(directory: Location) -> list[Committed]:
     return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
 
 
-def newest_valid(directory: Location) -> tuple[Location, Metadata] | None:
-    """The newest committed checkpoint in ``directory`` that passes the fast checks, if any.
+def newest_valid(
+    directory: Location, found: list[tuple[tuple, Location]] | None = None
+) -> tuple[Location, Metadata] | None:
+    """The newest committed checkpoint in ``directory`` that passes the fast checks, with its metadata; ``None``.
 
-    Rank 0 only (or any single process).
+    ``found``: the committed checkpoints to choose from, newest first, when the caller listed them already (both
+    tiers of a local tier); by default :func:`committed_checkpoints` of ``directory``. Rank 0 only (or any single
+    process).
     """
-    for _, candidate in committed_checkpoints(directory):
+    for _, candidate in committed_checkpoints(directory) if found is None else found:
         try:
             return candidate, check_checkpoint(candidate)
         except NotACheckpointError:

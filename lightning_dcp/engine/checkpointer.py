@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_dcp.engine import shutdown, transaction
+from lightning_dcp.engine.agreement import first_failure
 from lightning_dcp.engine.catalog.lookup import candidates
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
@@ -471,10 +472,8 @@ class Checkpointer:
             self._async.wait()
         except CheckpointError as err:
             error = err
-        if distributed(collective):
-            errors: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(errors, error)
-            error = error or next((e for e in errors if e is not None), None)
+        lowest = first_failure(error, collective)  # collective on every rank, whatever this rank saw
+        error = error or lowest  # this rank's own, else the lowest failing rank's
         if error is not None:
             raise error
 

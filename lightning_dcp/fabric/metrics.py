@@ -33,7 +33,7 @@ def log_checkpoint_metrics(fabric: Any, *, step: int | None = None) -> int:
     saves = getattr(checkpointer, "saves", None)
     if saves is None:
         return 0
-    records = saves.drain()
+    records = checkpointer.finished_saves()
     restore, saves.restore = saves.restore, None
     for record in records:
         fabric.log_dict(save_metrics(record), step=record.step if record.step is not None else step)

@@ -46,7 +46,7 @@ def log_checkpoint_metrics(trainer: pl.Trainer) -> int:
     if not isinstance(io, DCPCheckpointIO):
         return 0
     saves = io.checkpointer.saves
-    records = saves.drain()
+    records = io.checkpointer.finished_saves()
     restore, saves.restore = saves.restore, None
     if not trainer.is_global_zero:
         return 0

@@ -144,8 +144,9 @@ class Checkpointer:
     def finished_saves(self) -> list[SaveRecord]:
         """Rank 0's records of the saves that are over, oldest first, taken from :attr:`saves` (others: ``[]``).
 
-        A save is over once committed and, for an async save, once its write and the removals queued behind it are
-        done: its ``blocked_s`` then holds every wait of the loop for it (see
+        A save is over once committed and, for an async save, once its background work is finished (committed; the
+        removals queued behind it may still run): its ``blocked_s`` then holds every wait of the loop for it
+        (see
         :class:`~lightning_dcp.engine.save_log.SaveRecord`). Call on the training loop's thread (the front ends'
         metrics do). Not collective.
         """
@@ -490,7 +491,7 @@ class Checkpointer:
         """Wait for the async save in flight (and the memory tier's); the seconds waited for the former.
 
         Those seconds (the wait and the gathering of the ranks' errors) are a wait of the loop for that save: they
-        are counted on its record (``charge``), which is settled once its removals are done too.
+        are counted on its record (``charge``), which is settled once the save is finished.
         """
         if self.memory is not None:
             self.memory.wait()

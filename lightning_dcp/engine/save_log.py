@@ -6,8 +6,8 @@ synchronous save, in the background thread for an async one), how long the whole
 committed checkpoint holds. An async save costs the training loop more than its call: every later wait for it (an
 optimizer step waiting for its staging copies or its live write, the next save call or a load waiting for its
 write, the teardown) is added to its record (:meth:`SaveLog.waited`), so ``blocked_s`` is everything the loop paid
-for that save. Such a record is finished once the save is *settled* (:meth:`SaveLog.settled`: committed, the
-removals queued behind it done, seen so on the caller's thread), when no further wait for it can come. A front end
+for that save. Such a record is finished once the save is *settled* (:meth:`SaveLog.settled`: its background work seen
+finished on the caller's thread), when no further wait for it can come. A front end
 drains the finished records on its own (main) thread with :meth:`SaveLog.drain` and logs them; nothing here touches
 a logger or the training loop.
 """

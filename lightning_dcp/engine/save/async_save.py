@@ -473,7 +473,7 @@ class AsyncSaves:
         return self._inflight
 
     def collect(self) -> None:
-        """On the caller's thread: settle the saves whose write and removals are done (their ``settle`` runs once)."""
+        """On the caller's thread: settle the saves that are finished (their ``settle`` runs once)."""
         for inflight in (self._last, self._inflight):
             if inflight is not None:
                 inflight.settle_if_over()

@@ -79,8 +79,12 @@ class InFlight:
         self.charge(seconds)
 
     def settle_if_over(self, *, force: bool = False) -> None:
-        """On the caller's thread: run ``settle`` once the save and its removals are done (or at once, ``force``)."""
-        if self.settle is not None and (force or self.removed.is_set()):
+        """On the caller's thread: run ``settle`` once the save is finished (or at once, ``force``).
+
+        Only the teardown waits for the removals queued behind a finished save (:meth:`AsyncSaves.close`): that wait
+        reaches a record settled before it only if the record was not logged yet.
+        """
+        if self.settle is not None and (force or self.finished.is_set()):
             settle, self.settle = self.settle, None
             settle()
 

@@ -14,7 +14,10 @@ checkpointing (``none``), with a ``DCPModelCheckpoint`` every ``--every`` steps 
 - ``calls``: the sum of the save calls alone (``ModelCheckpoint``'s ``trainer.save_checkpoint``, the slowest rank):
   what ``save_blocked_s`` reported for an async save before it counted the waits after the call;
 - ``blocked_share``: ``blocked / overhead``, the part of the cost the metric shows (the rest is no wait: the
-  background write's use of the cores, memory bandwidth and the kernel's writeback, taken from the training).
+  background write's use of the cores, memory bandwidth and the kernel's writeback, taken from the training);
+- ``cpu``: CPU seconds (user + system, every thread) the ranks' processes used during the fit, summed over ranks, and
+  ``cpu_extra``: that minus the same round's ``none`` fit: the saves' own work, which on a machine the training keeps
+  busy is taken from the training without any wait (the kernel's writeback threads are not in it).
 
 With ``--out DIR`` it writes ``DIR/LOOP_COST.md`` (table, commit, date, machine, load average, command) and
 ``DIR/loop_cost.json``; the JSON goes to stdout in any case::
@@ -31,6 +34,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -115,10 +119,13 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
             trainer.loggers = [logger]
             module = make_module(mix, scale=scale, steps=steps)
             memo.forget_all()  # each fit plans its first save, as a fresh process would
+            cpu = _cpu()
             _, seconds = _timed(functools.partial(trainer.fit, module))
+            cpu = _sum_over_ranks(_cpu() - cpu)
             calls = [_max_over_ranks(c) for c in callbacks[0].calls] if callbacks else []
             row[method] = {
                 "seconds": seconds,
+                "cpu": cpu,
                 "blocked": sum(logger.blocked),
                 "calls": sum(calls),
                 "saves": len(calls),
@@ -132,8 +139,26 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
         if round_ > 0:
             for method in ("sync", "async"):
                 row[method]["overhead"] = row[method]["seconds"] - row["none"]["seconds"]
+                row[method]["cpu_extra"] = row[method]["cpu"] - row["none"]["cpu"]
             runs.append(row)
     return {"rounds": runs}
+
+
+def _cpu() -> float:
+    """CPU seconds (user + system) this process used so far, every thread."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _sum_over_ranks(value: float) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor([value], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
 
 
 def _median(values: list[float]) -> dict[str, float]:
@@ -156,10 +181,12 @@ def run(
         "rounds": runs,
         "load_average": {"start": list(load), "end": list(os.getloadavg())},
         "none_seconds": _median([r["none"]["seconds"] for r in runs]),
+        "none_cpu": _median([r["none"]["cpu"] for r in runs]),
     }
     for method in ("sync", "async"):
         out[method] = {
-            key: _median([r[method][key] for r in runs]) for key in ("seconds", "overhead", "blocked", "calls")
+            key: _median([r[method][key] for r in runs])
+            for key in ("seconds", "overhead", "blocked", "calls", "cpu_extra")
         }
         out[method]["blocked_share"] = _median(
             [r[method]["blocked"] / r[method]["overhead"] for r in runs if r[method]["overhead"] > 0] or [float("nan")]
@@ -197,17 +224,17 @@ def report(result: dict[str, Any], *, command: str) -> str:
         f" {result['steps']} steps, a save every {result['every']} steps; {len(result['rounds'])} rounds after a"
         " warm-up, the three fits of a round back to back (order rotating).",
         "",
-        f"Fit without saves: {_cell(result['none_seconds'])} s.",
+        f"Fit without saves: {_cell(result['none_seconds'])} s, {_cell(result['none_cpu'])} CPU seconds (all ranks).",
         "",
         "| saves | fit (s) | overhead vs no saves (s) | summed `save_blocked_s` (s) | summed save calls (s)"
-        " | blocked / overhead |",
-        "|---|---|---|---|---|---|",
+        " | blocked / overhead | extra CPU vs no saves (s, all ranks) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for method in ("sync", "async"):
         m = result[method]
         lines.append(
             f"| {method} ({m['saves']} saves) | {_cell(m['seconds'])} | {_cell(m['overhead'])} | {_cell(m['blocked'])}"
-            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} |"
+            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} | {_cell(m['cpu_extra'])} |"
         )
     lines += [
         "",

@@ -13,6 +13,9 @@ checkpointing (``none``), with a ``DCPModelCheckpoint`` every ``--every`` steps 
   teardown waiting for its write);
 - ``calls``: the sum of the save calls alone (``ModelCheckpoint``'s ``trainer.save_checkpoint``, the slowest rank):
   what ``save_blocked_s`` reported for an async save before it counted the waits after the call;
+- ``removals``: the sum of ``ModelCheckpoint``'s removals of the checkpoint each save replaces (``save_top_k=1``,
+  the slowest rank): a loop cost of checkpointing that is no save's (a sync fit deletes in the loop; an async one
+  queues the deletion behind the save in flight, in its background thread);
 - ``blocked_share``: ``blocked / overhead``, the part of the cost the metric shows (the rest is no wait: the
   background write's use of the cores, memory bandwidth and the kernel's writeback, taken from the training);
 - ``cpu``: CPU seconds (user + system, every thread) the ranks' processes used during the fit, summed over ranks, and
@@ -86,11 +89,17 @@ def _classes() -> tuple[type, type]:
         def __init__(self, **kwargs: Any) -> None:
             super().__init__(**kwargs)
             self.calls: list[float] = []
+            self.removals: list[float] = []
 
         def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
             started = time.perf_counter()
             ModelCheckpoint._save_checkpoint(self, trainer, filepath)
             self.calls.append(time.perf_counter() - started)
+
+        def _remove_checkpoint(self, trainer: Any, filepath: str) -> None:
+            started = time.perf_counter()
+            super()._remove_checkpoint(trainer, filepath)
+            self.removals.append(time.perf_counter() - started)
 
     return Blocked, TimedCheckpoint
 
@@ -123,11 +132,13 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
             _, seconds = _timed(functools.partial(trainer.fit, module))
             cpu = _sum_over_ranks(_cpu() - cpu)
             calls = [_max_over_ranks(c) for c in callbacks[0].calls] if callbacks else []
+            removals = [_max_over_ranks(r) for r in callbacks[0].removals] if callbacks else []
             row[method] = {
                 "seconds": seconds,
                 "cpu": cpu,
                 "blocked": sum(logger.blocked),
                 "calls": sum(calls),
+                "removals": sum(removals),
                 "saves": len(calls),
                 "logged": len(logger.blocked),
             }
@@ -186,7 +197,7 @@ def run(
     for method in ("sync", "async"):
         out[method] = {
             key: _median([r[method][key] for r in runs])
-            for key in ("seconds", "overhead", "blocked", "calls", "cpu_extra")
+            for key in ("seconds", "overhead", "blocked", "calls", "removals", "cpu_extra")
         }
         out[method]["blocked_share"] = _median(
             [r[method]["blocked"] / r[method]["overhead"] for r in runs if r[method]["overhead"] > 0] or [float("nan")]
@@ -227,14 +238,14 @@ def report(result: dict[str, Any], *, command: str) -> str:
         f"Fit without saves: {_cell(result['none_seconds'])} s, {_cell(result['none_cpu'])} CPU seconds (all ranks).",
         "",
         "| saves | fit (s) | overhead vs no saves (s) | summed `save_blocked_s` (s) | summed save calls (s)"
-        " | blocked / overhead | extra CPU vs no saves (s, all ranks) |",
-        "|---|---|---|---|---|---|---|",
+        " | blocked / overhead | removals in the loop (s) | extra CPU vs no saves (s, all ranks) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for method in ("sync", "async"):
         m = result[method]
         lines.append(
             f"| {method} ({m['saves']} saves) | {_cell(m['seconds'])} | {_cell(m['overhead'])} | {_cell(m['blocked'])}"
-            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} | {_cell(m['cpu_extra'])} |"
+            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} | {_cell(m['removals'])} | {_cell(m['cpu_extra'])} |"
         )
     lines += [
         "",

@@ -98,7 +98,8 @@ class Checkpointer:
         # Under "skip" a step never waits for a live writer (the storage): see when_busy.
         self._async = AsyncSaves(defer=defer_staging, steps_wait_for_writer=when_busy != "skip") if async_save else None
         self.last_save_seconds: float | None = None
-        """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
+        """Seconds the last :meth:`save` took for its own save, on this rank: without a wait in it for the previous
+        async save, and without the waits after an async call (its record's ``blocked_s`` counts them all)."""
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)

@@ -147,7 +147,11 @@ class DCPCheckpointIO(CheckpointIO):
 
     @property
     def last_save_seconds(self) -> float | None:
-        """Seconds the last ``save_checkpoint`` call blocked its caller (the training-loop stall), on this rank."""
+        """Seconds the last ``save_checkpoint`` call took for its own save, on this rank.
+
+        A wait in the call for the previous async save is not in it, nor are the waits after an async call (the next
+        optimizer step's for its staging copies, the teardown's): ``checkpoint/save_blocked_s`` counts them all.
+        """
         return self.checkpointer.last_save_seconds
 
     # ----------------------------------------------------------------------------------------------- save

@@ -18,6 +18,10 @@ checkpointing (``none``), with a ``DCPModelCheckpoint`` every ``--every`` steps 
   queues the deletion behind the save in flight, in its background thread);
 - ``blocked_share``: ``blocked / overhead``, the part of the cost the metric shows (the rest is no wait: the
   background write's use of the cores, memory bandwidth and the kernel's writeback, taken from the training);
+- ``steps``: the training steps' own time, ``on_train_batch_start`` to ``on_train_batch_end`` before any save
+  (forward, backward, optimizer step with its waits at the step gate), summed over the fit, the slowest rank; and
+  ``steps_extra``: that minus the same round's ``none`` fit: the steps' waits for the staging copies plus how much
+  slower the steps ran beside a background write;
 - ``cpu``: CPU seconds (user + system, every thread) the ranks' processes used during the fit, summed over ranks, and
   ``cpu_extra``: that minus the same round's ``none`` fit: the saves' own work, which on a machine the training keeps
   busy is taken from the training without any wait (the kernel's writeback threads are not in it).
@@ -58,8 +62,10 @@ except ImportError:  # run as a script
 METHODS = ("none", "sync", "async")
 
 
-def _classes() -> tuple[type, type]:
-    """A logger keeping rank 0's ``checkpoint/save_blocked_s`` and a ``DCPModelCheckpoint`` timing its save calls."""
+def _classes() -> tuple[type, type, type]:
+    """A logger keeping rank 0's ``checkpoint/save_blocked_s``, a ``DCPModelCheckpoint`` timing its save calls and
+    removals, and a callback timing the training steps."""
+    from lightning.pytorch import Callback
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.loggers import Logger
 
@@ -101,7 +107,17 @@ def _classes() -> tuple[type, type]:
             super()._remove_checkpoint(trainer, filepath)
             self.removals.append(time.perf_counter() - started)
 
-    return Blocked, TimedCheckpoint
+    class StepTimes(Callback):  # its on_train_batch_end runs before ModelCheckpoint's (Lightning orders those last)
+        def __init__(self) -> None:
+            self.seconds = 0.0
+
+        def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+            self.started = time.perf_counter()
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.seconds += time.perf_counter() - self.started
+
+    return Blocked, TimedCheckpoint, StepTimes
 
 
 def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, rounds: int, steps: int, every: int) -> dict:
@@ -109,7 +125,7 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
     from lightning_dcp import DCPCheckpointIO
     from lightning_dcp.engine.save import memo
 
-    blocked_logger, timed_checkpoint = _classes()
+    blocked_logger, timed_checkpoint, step_times = _classes()
     runs: list[dict[str, dict[str, float]]] = []
     for round_ in range(rounds + 1):  # round 0 warms up (imports, first allocations), untimed
         order = METHODS[round_ % 3 :] + METHODS[: round_ % 3]
@@ -117,10 +133,11 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
         for method in order:
             dirpath = os.path.join(workdir, f"{method}-{round_}")
             callbacks = [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
+            timer = step_times()
             trainer = make_trainer(
                 world_size,
                 max_steps=steps,
-                callbacks=callbacks,
+                callbacks=[timer, *callbacks],
                 enable_checkpointing=method != "none",
                 plugins=[DCPCheckpointIO(async_save=method == "async")],
             )
@@ -136,6 +153,7 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
             row[method] = {
                 "seconds": seconds,
                 "cpu": cpu,
+                "steps": _max_over_ranks(timer.seconds),
                 "blocked": sum(logger.blocked),
                 "calls": sum(calls),
                 "removals": sum(removals),
@@ -151,6 +169,7 @@ def task(rank: int, world_size: int, workdir: str, mix: str, scale: float, round
             for method in ("sync", "async"):
                 row[method]["overhead"] = row[method]["seconds"] - row["none"]["seconds"]
                 row[method]["cpu_extra"] = row[method]["cpu"] - row["none"]["cpu"]
+                row[method]["steps_extra"] = row[method]["steps"] - row["none"]["steps"]
             runs.append(row)
     return {"rounds": runs}
 
@@ -193,11 +212,12 @@ def run(
         "load_average": {"start": list(load), "end": list(os.getloadavg())},
         "none_seconds": _median([r["none"]["seconds"] for r in runs]),
         "none_cpu": _median([r["none"]["cpu"] for r in runs]),
+        "none_steps": _median([r["none"]["steps"] for r in runs]),
     }
     for method in ("sync", "async"):
         out[method] = {
             key: _median([r[method][key] for r in runs])
-            for key in ("seconds", "overhead", "blocked", "calls", "removals", "cpu_extra")
+            for key in ("seconds", "overhead", "blocked", "calls", "removals", "steps_extra", "cpu_extra")
         }
         out[method]["blocked_share"] = _median(
             [r[method]["blocked"] / r[method]["overhead"] for r in runs if r[method]["overhead"] > 0] or [float("nan")]
@@ -235,17 +255,20 @@ def report(result: dict[str, Any], *, command: str) -> str:
         f" {result['steps']} steps, a save every {result['every']} steps; {len(result['rounds'])} rounds after a"
         " warm-up, the three fits of a round back to back (order rotating).",
         "",
-        f"Fit without saves: {_cell(result['none_seconds'])} s, {_cell(result['none_cpu'])} CPU seconds (all ranks).",
+        f"Fit without saves: {_cell(result['none_seconds'])} s, its steps {_cell(result['none_steps'])} s,"
+        f" {_cell(result['none_cpu'])} CPU seconds (all ranks).",
         "",
         "| saves | fit (s) | overhead vs no saves (s) | summed `save_blocked_s` (s) | summed save calls (s)"
-        " | blocked / overhead | removals in the loop (s) | extra CPU vs no saves (s, all ranks) |",
-        "|---|---|---|---|---|---|---|---|",
+        " | blocked / overhead | removals in the loop (s) | steps' own time vs no saves (s)"
+        " | extra CPU vs no saves (s, all ranks) |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for method in ("sync", "async"):
         m = result[method]
         lines.append(
             f"| {method} ({m['saves']} saves) | {_cell(m['seconds'])} | {_cell(m['overhead'])} | {_cell(m['blocked'])}"
-            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} | {_cell(m['removals'])} | {_cell(m['cpu_extra'])} |"
+            f" | {_cell(m['calls'])} | {_cell(m['blocked_share'])} | {_cell(m['removals'])}"
+            f" | {_cell(m['steps_extra'])} | {_cell(m['cpu_extra'])} |"
         )
     lines += [
         "",

@@ -501,6 +501,7 @@ class AsyncSaves:
             )
             return
         self._inflight = self._last = None
+        inflight.settle_if_over(force=True)  # its summary line (rank 0), as a wait or the teardown would have logged it
         if inflight.error is not None:
             log.error(
                 "lightning_dcp: the background save to %r failed on rank %d; it is NOT committed (earlier checkpoints"

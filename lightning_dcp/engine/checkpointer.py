@@ -145,9 +145,8 @@ class Checkpointer:
     def finished_saves(self) -> list[SaveRecord]:
         """Rank 0's records of the saves that are over, oldest first, taken from :attr:`saves` (others: ``[]``).
 
-        A save is over once committed and, for an async save, once its background work is finished (committed; the
-        removals queued behind it may still run): its ``blocked_s`` then holds every wait of the loop for it
-        (see
+        A save is over once committed and, for an async save, once its background work is seen finished here (the
+        removals queued behind it may still run): its ``blocked_s`` then holds every wait of the loop for it (see
         :class:`~lightning_dcp.engine.save_log.SaveRecord`). Call on the training loop's thread (the front ends'
         metrics do). Not collective.
         """

@@ -5,7 +5,8 @@ next save, and two writers would share the disk anyway. When saves are requested
 new save finds the previous write unfinished, and the front ends offer two policies:
 
 - ``"wait"`` (the default): the call blocks until the previous save is committed, then saves. Every requested
-  checkpoint is written; the loop pays the rest of the previous write.
+  checkpoint is written; the loop pays the rest of the previous write (counted in that save's
+  ``checkpoint/save_blocked_s``).
 - ``"skip"``: the call returns at once without saving and warns naming the step and path skipped (never silently).
   The loop pays nothing for it (the vote below, counted on the save in flight); the checkpoint of that step does not
   exist. A save of the same step as the one in flight

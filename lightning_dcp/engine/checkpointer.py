@@ -95,10 +95,12 @@ class Checkpointer:
         self.thread_count = thread_count
         self.sync_files = sync_files
         self.async_save = async_save
-        self._async = AsyncSaves(defer=defer_staging) if async_save else None
         self._busy = WhenBusy(when_busy)
+        # Under "skip" a step never waits for a live writer (the storage): see when_busy.
+        self._async = AsyncSaves(defer=defer_staging, steps_wait_for_writer=when_busy != "skip") if async_save else None
         self.last_save_seconds: float | None = None
-        """Seconds the last :meth:`save` blocked its caller (the training-loop stall), on this rank."""
+        """Seconds the last :meth:`save` took for its own save, on this rank: without a wait in it for the previous
+        async save, and without the waits after an async call (its record's ``blocked_s`` counts them all)."""
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
@@ -112,6 +114,7 @@ class Checkpointer:
         self.saves = SaveLog()
         """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
         self._record_of: SaveRecord | None = None  # the save being made (rank 0)
+        self._call_began: float | None = None  # when the save being made began, less its wait for the previous one
         self._disagreed: set[tuple[str, str]] = set()  # (this rank's path, rank 0's) already warned about
         if self._async is not None or tiers is not None:
             shutdown.on_exit("work", Checkpointer._finish_at_exit, owner=self)
@@ -139,6 +142,18 @@ class Checkpointer:
     def last_step_wait(self) -> float | None:
         """Seconds optimizer steps waited for the background staging copies of the last async save (after ``wait``)."""
         return None if self._async is None else self._async.last_step_wait
+
+    def finished_saves(self) -> list[SaveRecord]:
+        """Rank 0's records of the saves that are over, oldest first, taken from :attr:`saves` (others: ``[]``).
+
+        A save is over once committed and, for an async save, once its background work is seen finished here (the
+        removals queued behind it may still run): its ``blocked_s`` then holds every wait of the loop for it (see
+        :class:`~lightning_dcp.engine.save_log.SaveRecord`). Call on the training loop's thread (the front ends'
+        metrics do). Not collective.
+        """
+        if self._async is not None:
+            self._async.collect()
+        return self.saves.drain()
 
     def location(self, path: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> Location:
         """``path`` with this checkpointer's storage options (and ``storage_options`` merged on top)."""
@@ -183,10 +198,12 @@ class Checkpointer:
                 snapshots), or the path cannot round-trip through its store.
             CheckpointError: Writing failed on some rank (the message names it); nothing was committed.
         """
+        called = time.perf_counter()
         path = self._agreed(path, collective, "saves to")
-        if not self._into_memory and self._skip(path, storage_options, collective, step):
+        if not self._into_memory and self._skip(path, storage_options, collective, step, called):
             return
-        self._await_pending(collective)
+        waited = self._await_pending(collective)  # the previous save's wait, counted on its record
+        self._call_began = called + waited
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
             self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
 
@@ -217,15 +234,22 @@ class Checkpointer:
             )
         return chosen
 
-    def _skip(self, path: Any, storage_options: dict[str, Any] | None, collective: bool, step: int | None) -> bool:
-        """``when_busy="skip"``: whether this save is skipped (the previous one still writing); records the stall."""
-        if self._busy.policy != "skip" or self._async is None or self._async.in_flight is None:
+    def _skip(
+        self, path: Any, storage_options: dict[str, Any] | None, collective: bool, step: int | None, called: float
+    ) -> bool:
+        """``when_busy="skip"``: whether this save is skipped (the previous one still writing); records the stall.
+
+        The call of a skipped save (the vote) is a wait of the loop for the save in flight: counted on its record.
+        """
+        inflight = self._async.current if self._async is not None else None
+        if self._busy.policy != "skip" or inflight is None:
             return False
-        started = time.perf_counter()
         location = self.location(path, storage_options)
         if not self._busy.skip(self._async, location, step=step, collective=collective):
             return False
-        self._record(started, location, "skipped (the previous save is still being written)")
+        self.last_save_seconds = time.perf_counter() - called
+        inflight.waited(self.last_save_seconds)
+        log.debug("lightning_dcp: checkpoint to %s skipped (the previous save is still being written)", location.url)
         return True
 
     def resumable(self, *, collective: bool = False) -> bool:
@@ -244,11 +268,13 @@ class Checkpointer:
         self._record(started, location, what)
 
     def _record(self, started: float, location: Location, what: str) -> None:
-        self.last_save_seconds = time.perf_counter() - started
+        now = time.perf_counter()
+        self.last_save_seconds = now - started
+        began, self._call_began = self._call_began, None
         record, self._record_of = self._record_of, None
         if record is None:  # not rank 0: one line per save, not per rank
             return
-        self.saves.returned(record)
+        self.saves.returned(record, call_s=None if began is None else now - began)
         if record.tier == "memory":
             self.saves.committed(record)
         line = self.saves.announce(record)
@@ -462,20 +488,33 @@ class Checkpointer:
                     time.monotonic() - started,
                 )
 
-    def _await_pending(self, collective: bool) -> None:
+    def _await_pending(self, collective: bool) -> float:
+        """Wait for the async save in flight (and the memory tier's); the seconds waited for the former.
+
+        Those seconds (the wait and the gathering of the ranks' errors) are a wait of the loop for that save: they
+        are counted on its record (``charge``), which is settled once the save is finished.
+        """
         if self.memory is not None:
             self.memory.wait()
-        if self._async is None or self._async.in_flight is None:
-            return
+        inflight = self._async.current if self._async is not None else None
+        if inflight is None:
+            return 0.0
+        started = time.perf_counter()
         error: CheckpointError | None = None
         try:
-            self._async.wait()
-        except CheckpointError as err:
-            error = err
-        lowest = first_failure(error, collective)  # collective on every rank, whatever this rank saw
-        error = error or lowest  # this rank's own, else the lowest failing rank's
+            try:
+                self._async.wait()
+            except CheckpointError as err:
+                error = err
+            lowest = first_failure(error, collective)  # collective on every rank, whatever this rank saw
+            error = error or lowest  # this rank's own, else the lowest failing rank's
+        finally:
+            waited = time.perf_counter() - started
+            inflight.waited(waited)
+            self._async.collect()
         if error is not None:
             raise error
+        return waited
 
 
 # --------------------------------------------------------------------------------------------------- helpers

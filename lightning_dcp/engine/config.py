@@ -45,7 +45,8 @@ class CheckpointerConfig:
     copies everything before returning (:mod:`lightning_dcp.engine.save.live_write`)."""
     when_busy: str = "wait"
     """With ``async_save``: a save called while the previous one is being written waits (``"wait"``) or is skipped
-    with a warning (``"skip"``; :mod:`lightning_dcp.engine.save.when_busy`)."""
+    with a warning (``"skip"``, under which optimizer steps never wait for a live writer either;
+    :mod:`lightning_dcp.engine.save.when_busy`)."""
     incremental: bool = False
     """Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest committed checkpoint
     of the same directory when its bytes are unchanged (local disks; :mod:`lightning_dcp.engine.save.incremental`)."""

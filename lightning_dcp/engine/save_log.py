@@ -1,10 +1,15 @@
 """What each save and restore cost: small records that the front ends turn into logger metrics.
 
 The :class:`~lightning_dcp.engine.checkpointer.Checkpointer` opens a :class:`SaveRecord` on rank 0 when a save
-starts, notes when its caller was let go (``blocked_s``) and, once the checkpoint is committed (at the call for a
+starts, notes how long the call blocked its caller and, once the checkpoint is committed (at the call for a
 synchronous save, in the background thread for an async one), how long the whole save took and how many bytes the
-committed checkpoint holds. A front end drains the finished records on its own (main) thread with
-:meth:`SaveLog.drain` and logs them; nothing here touches a logger or the training loop.
+committed checkpoint holds. An async save costs the training loop more than its call: every later wait for it (an
+optimizer step waiting for its staging copies or its live write, the next save call or a load waiting for its
+write, the teardown) is added to its record (:meth:`SaveLog.waited`), so ``blocked_s`` is everything the loop paid
+for that save. Such a record is finished once the save is *settled* (:meth:`SaveLog.settled`: its background work seen
+finished on the caller's thread), when no further wait for it can come. A front end
+drains the finished records on its own (main) thread with :meth:`SaveLog.drain` and logs them; nothing here touches
+a logger or the training loop.
 """
 
 from __future__ import annotations
@@ -35,18 +40,26 @@ class SaveRecord:
     started: float
     """``time.perf_counter()`` when the save was called."""
     blocked_s: float | None = None
-    """Seconds the call blocked its caller (the training loop's stall)."""
+    """Seconds the training loop waited for this save: ``call_s`` plus ``waits_s`` (``None`` until the call ends)."""
+    call_s: float | None = None
+    """Seconds the save call itself blocked its caller (a wait in it for the previous save is that save's)."""
+    waits_s: float = 0.0
+    """Seconds the loop waited for this save after its call returned: optimizer steps at the step gate (its deferred
+    staging copies, its live write), code waiting for its staging (validation, the end of training), the next save
+    call, a load or a removal waiting for its write (back-pressure), the teardown."""
     save_s: float | None = None
     """Seconds from the call until the checkpoint was committed."""
     nbytes: int | None = None
     """Bytes of the committed checkpoint's files (``None`` for memory saves)."""
     announced: bool = False
     """Whether its INFO summary was logged (see :meth:`SaveLog.announce`)."""
+    settled: bool = True
+    """Whether no further wait of the loop can be added (``False`` for an async save until :meth:`SaveLog.settled`)."""
 
     @property
     def finished(self) -> bool:
-        """Whether the save returned and was committed."""
-        return self.blocked_s is not None and self.save_s is not None
+        """Whether the save returned, was committed and is settled: its ``blocked_s`` is final."""
+        return self.blocked_s is not None and self.save_s is not None and self.settled
 
 
 @dataclass
@@ -62,7 +75,11 @@ class RestoreRecord:
 
 
 def save_metrics(record: SaveRecord) -> dict[str, float]:
-    """The ``checkpoint/*`` logger metrics of a finished save (bytes and throughput only where they are known)."""
+    """The ``checkpoint/*`` logger metrics of a finished save (bytes and throughput only where they are known).
+
+    ``checkpoint/save_blocked_s`` is :attr:`SaveRecord.blocked_s`: every wait of the loop for the save, the call and
+    the waits after it.
+    """
     metrics: dict[str, float] = {
         "checkpoint/save_blocked_s": float(record.blocked_s or 0.0),
         "checkpoint/save_s": float(record.save_s or 0.0),
@@ -102,21 +119,44 @@ class SaveLog:
         self.restore: RestoreRecord | None = None
         """The last restore not yet reported (set by the front end's load, taken by its logger)."""
 
-    def begin(self, url: str, *, step: int | None, tier: str, started: float) -> SaveRecord:
-        """Open the record of a save that starts now; records of earlier saves that never committed are dropped."""
-        record = SaveRecord(url=url, step=step, tier=tier, started=started)
+    def begin(self, url: str, *, step: int | None, tier: str, started: float, background: bool = False) -> SaveRecord:
+        """Open the record of a save that starts now; records of earlier saves that never committed are dropped.
+
+        ``background``: an async save, whose record stays unfinished until :meth:`settled`.
+        """
+        record = SaveRecord(url=url, step=step, tier=tier, started=started, settled=not background)
         with self._lock:
             self._records = [r for r in self._records if r.save_s is not None]
             self._records.append(record)
             del self._records[:-16]  # nobody drains (no logger): keep a few
         return record
 
-    def returned(self, record: SaveRecord) -> None:
-        """The save's call returns now (a save committed before its call returned counts as committed now)."""
+    def returned(self, record: SaveRecord, *, call_s: float | None = None) -> None:
+        """The save's call returns now, having blocked its caller ``call_s`` seconds (default: since ``started``).
+
+        A save committed before its call returned counts as committed now.
+        """
         with self._lock:
-            record.blocked_s = time.perf_counter() - record.started
-            if record.save_s is not None:
-                record.save_s = max(record.save_s, record.blocked_s)
+            record.call_s = time.perf_counter() - record.started if call_s is None else call_s
+            self._blocked(record)
+
+    def waited(self, record: SaveRecord, seconds: float) -> None:
+        """The loop waited ``seconds`` for this save after its call returned (any thread). Thread-safe."""
+        with self._lock:
+            record.waits_s += seconds
+            if record.call_s is not None:
+                self._blocked(record)
+
+    def settled(self, record: SaveRecord) -> None:
+        """No further wait of the loop for this async save can come: its record is final once committed."""
+        with self._lock:
+            record.settled = True
+
+    @staticmethod
+    def _blocked(record: SaveRecord) -> None:
+        record.blocked_s = (record.call_s or 0.0) + record.waits_s
+        if record.save_s is not None:  # a wait that ended after the commit (the loop waited for the removals too)
+            record.save_s = max(record.save_s, record.blocked_s)
 
     def committed(self, record: SaveRecord, *, sizes: Any = None) -> None:
         """The save is committed now; ``sizes()`` gives ``{name: bytes}`` of its files (a failure leaves them out)."""

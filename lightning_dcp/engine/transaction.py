@@ -23,6 +23,7 @@ from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.save import saving
 from lightning_dcp.engine.save.dcp_io import save_planner, storage_writer
+from lightning_dcp.engine.save_log import SaveRecord
 from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX, is_internal_name
 from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
 from lightning_dcp.engine.storage.names import name_limit, too_long
@@ -91,7 +92,9 @@ def save(
     rank, world_size = rank_and_world(collective)
     if rank == 0:
         tier = "durable" if remote is None else "local_dir"
-        cp._record_of = cp.saves.begin(location.url, step=step, tier=tier, started=started)
+        cp._record_of = cp.saves.begin(
+            location.url, step=step, tier=tier, started=started, background=cp._async is not None
+        )
     record = cp._record_of
 
     def decide() -> tuple[str, bool, Any, int, str]:  # rank 0 decides where this save writes; all ranks must agree
@@ -136,6 +139,12 @@ def save(
         for name, _ in target.entries(follow_links=False):
             target.child(name).remove()
 
+    def settle(record: SaveRecord) -> None:  # rank 0, on the caller's thread: the async save is over
+        cp.saves.settled(record)
+        line = cp.saves.announce(record)
+        if line is not None:
+            log.info(line)
+
     writer = storage_writer(target, thread_count=cp.thread_count, sync_files=cp.sync_files)
     writer.order = {
         "counter": counter,
@@ -160,6 +169,8 @@ def save(
                 commit=commit,
                 abandon=abandon,
                 volatile=volatile,
+                charge=None if record is None else lambda seconds: cp.saves.waited(record, seconds),
+                settle=None if record is None else lambda: settle(record),
             )
             cp._record(started, location, "staged (writing in the background)")
             for held in cp._busy.started(location, step=step):  # removals held behind a skipped save

@@ -4,7 +4,10 @@ Fabric has no hooks, so the training script calls :func:`log_checkpoint_metrics`
 once per step: a save still in flight in the background is logged by the first call after it is committed). The
 metrics and their units are the Trainer's (:mod:`lightning_dcp.trainer.metrics`): ``checkpoint/save_blocked_s``,
 ``checkpoint/save_s``, ``checkpoint/save_bytes``, ``checkpoint/save_gbps``, ``checkpoint/tier`` and
-``checkpoint/restore_s``, handed to ``fabric.log_dict`` at the step of each save.
+``checkpoint/restore_s``, handed to ``fabric.log_dict`` at the step of each save. An async save's
+``checkpoint/save_blocked_s`` holds every wait of the loop for it (the call, optimizer steps waiting for its staging
+copies, the next ``fabric.save`` or ``wait_for_save()`` waiting for its write, the teardown): it is logged by the first
+call after the save is finished (after ``wait_for_save()``, every save so far is).
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ def log_checkpoint_metrics(fabric: Any, *, step: int | None = None) -> int:
     saves = getattr(checkpointer, "saves", None)
     if saves is None:
         return 0
-    records = saves.drain()
+    records = checkpointer.finished_saves()
     restore, saves.restore = saves.restore, None
     for record in records:
         fabric.log_dict(save_metrics(record), step=record.step if record.step is not None else step)

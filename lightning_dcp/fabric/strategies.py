@@ -68,8 +68,9 @@ class DCPStrategyMixin:
             copies; everything else is copied before it returns (see
             ``Checkpointer``). ``False`` copies everything before returning.
         when_busy: With ``async_save``: what ``fabric.save`` does when called while the previous save is still being
-            written: ``"wait"`` (the default) waits for it; ``"skip"`` skips this save with a warning naming its step
-            (``Checkpointer.skipped`` lists them). See
+            written: ``"wait"`` (the default) waits for it (that wait counts in the previous save's
+            ``checkpoint/save_blocked_s``); ``"skip"`` skips this save with a warning naming its step
+            (``Checkpointer.skipped`` lists them), and optimizer steps never wait for a live write either. See
             ``lightning_dcp.engine.save.when_busy``.
         memory: A memory tier ([`MemoryTier`][lightning_dcp.MemoryTier]): every ``fabric.save(path, state)`` then saves
             into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in the background; with the

@@ -64,7 +64,10 @@ class DCPCheckpointIO(CheckpointIO):
             warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
             removals requested after a skip are held until a newer save commits, so nothing is removed before a
             newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
-            waits; ``save_last="link"`` avoids that second write. See ``lightning_dcp.engine.save.when_busy``.
+            waits; ``save_last="link"`` avoids that second write. Under ``"skip"`` optimizer steps wait for a save's
+            memory copies only (never for a live write to reach the disk): the loop never waits for a write still
+            running when the next save is called, only, at the end of training, for the last one. Every wait of the
+            loop for a save is in its ``checkpoint/save_blocked_s``. See ``lightning_dcp.engine.save.when_busy``.
         local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
             ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
             disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
@@ -144,7 +147,11 @@ class DCPCheckpointIO(CheckpointIO):
 
     @property
     def last_save_seconds(self) -> float | None:
-        """Seconds the last ``save_checkpoint`` call blocked its caller (the training-loop stall), on this rank."""
+        """Seconds the last ``save_checkpoint`` call took for its own save, on this rank.
+
+        A wait in the call for the previous async save is not in it, nor are the waits after an async call (the next
+        optimizer step's for its staging copies, the teardown's): ``checkpoint/save_blocked_s`` counts them all.
+        """
         return self.checkpointer.last_save_seconds
 
     # ----------------------------------------------------------------------------------------------- save

@@ -5,11 +5,16 @@ thread; it drains the finished records of the Trainer's ``DCPCheckpointIO``
 (:class:`~lightning_dcp.engine.save_log.SaveLog`) and hands them to every logger with ``logger.log_metrics(metrics,
 step=...)``, as Lightning's ``LearningRateMonitor`` does. Nothing goes through ``LightningModule.log``: callbacks
 that monitor metrics, the progress bar and ``trainer.callback_metrics`` never see them, so they cannot change the run.
-An async save is logged once it is committed, at the first hook after that (at the latest when ``fit`` ends).
+An async save is logged once it is committed and seen finished on the training loop's thread, at the first hook after
+that (at the latest when ``fit`` ends, after the teardown's wait for it).
 
 Metrics (rank 0):
 
-- ``checkpoint/save_blocked_s``: seconds the training loop waited in the save (staging, for an async save).
+- ``checkpoint/save_blocked_s``: seconds the training loop waited for the save. A sync save: its call. An async save:
+  its call (staging), plus every wait for it after the call returned: the optimizer steps (and validation, the end of
+  training) waiting for its deferred staging copies or its live write, the next save call, a load or a removal
+  waiting for its write (back-pressure, ``when_busy="wait"``), and the teardown's wait; a wait in a call for the
+  previous save counts on that save, not on the call's own.
 - ``checkpoint/save_s``: seconds from the save's start until the checkpoint was committed.
 - ``checkpoint/save_bytes``: bytes of the committed checkpoint's files (not for memory-tier saves).
 - ``checkpoint/save_gbps``: ``save_bytes / save_s`` in GB/s (10^9 bytes per second).
@@ -46,7 +51,7 @@ def log_checkpoint_metrics(trainer: pl.Trainer) -> int:
     if not isinstance(io, DCPCheckpointIO):
         return 0
     saves = io.checkpointer.saves
-    records = saves.drain()
+    records = io.checkpointer.finished_saves()
     restore, saves.restore = saves.restore, None
     if not trainer.is_global_zero:
         return 0

@@ -46,7 +46,16 @@ machine: forking a process holding 1.2 GB of parameters and AdamW state took 0.1
 step then ran 0.9-2.0 s slower while the pages were copied on write, against 0.5-1.0 s for the whole staging copy
 made by a background thread (``python -m benchmarks.fork_cow --mix huge``).
 
-The loop is blocked for the call plus whatever the next optimizer step waits (:attr:`AsyncSaves.last_step_wait`).
+**What the loop pays.** The loop is blocked for the call, whatever optimizer steps (and code waiting for staging,
+such as Lightning's validation) wait at the gate for the save's copies or its live write
+(:attr:`AsyncSaves.last_step_wait`), and whatever later code waits for its write: the next save call
+(back-pressure, ``when_busy="wait"``), a load, a removal of the checkpoint being written, the teardown. Each
+:class:`~lightning_dcp.engine.save.inflight.InFlight` counts all of them after its call (``loop_wait``) and hands
+each to its ``charge`` (the Checkpointer adds them to the save's record: ``checkpoint/save_blocked_s``). With
+``steps_wait_for_writer=False`` (the Checkpointer's choice under ``when_busy="skip"``) a step never waits for a live
+writer: it copies what the writer has not written yet and goes on, so steps wait for memory copies only (and at most
+one 16 MiB piece of each file being written), and a write that outlasts the interval between two saves is found
+unfinished by the next call, which skips.
 
 **Process groups** (which group each collective uses; nothing runs a collective at world size 1 or when a single
 process saves alone, and no side group is made then):
@@ -117,11 +126,21 @@ class AsyncSaves:
         live: With ``defer``, whether those tensors are written as they are instead of copied (live writes, see
             the module docstring): ``None`` chooses save by save from the last save's timings; ``True`` whenever
             the writer writes local files; ``False`` never.
+        steps_wait_for_writer: Whether a step that finds a live write unfinished may wait for the writer when that
+            is estimated to take less than copying the rest; ``False``: it always copies the rest and goes on.
     """
 
-    def __init__(self, *, pin_memory: bool | None = None, defer: bool = False, live: bool | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        pin_memory: bool | None = None,
+        defer: bool = False,
+        live: bool | None = None,
+        steps_wait_for_writer: bool = True,
+    ) -> None:
         self.defer = defer
         self.live = live
+        self.steps_wait_for_writer = steps_wait_for_writer
         self._live_next = True  # the adaptive choice for the next save (live until a save says otherwise)
         self._timings: tuple[float, float] | None = None  # the last save's (ready_time, window): see _learn
         self._write_rate: float | None = None  # bytes per second of the last live write (LiveWrite's estimates)
@@ -131,7 +150,8 @@ class AsyncSaves:
         self._last: InFlight | None = None
         self._at_call: set[str] = set()  # keys seen changing before their deferred copy: copied at the call
         self.last_step_wait: float | None = None
-        """Seconds optimizer steps waited for the deferred copies of the last save that completed (``wait``)."""
+        """Seconds optimizer steps (and code waiting for staging) waited at the gate for the deferred copies or the
+        live write of the last save that completed (``wait``)."""
         self._last_items: list[WriteItem] | None = None  # what this rank wrote in the last save planned
         self._last_keys: frozenset[str] = frozenset()  # the flat keys of the last save planned
         self.last_deferred: list[str] = []
@@ -160,6 +180,8 @@ class AsyncSaves:
         commit: Callable[[], None],
         abandon: Callable[[], None],
         volatile: Iterable[torch.Tensor] | None = None,
+        charge: Callable[[float], None] | None = None,
+        settle: Callable[[], None] | None = None,
     ) -> None:
         """Stage ``state_dict`` (what may change before the next optimizer step), then save it in the background.
 
@@ -169,6 +191,10 @@ class AsyncSaves:
         ``volatile``: tensors that may change in place before the next optimizer step (module buffers); their
         staging copies (of any tensor sharing their storage) are made before returning. ``None`` (not known, e.g.
         under a stock Lightning strategy): every copy is made before returning.
+
+        ``charge(seconds)``: called (in the waiting thread) with every wait of the loop for this save after this call
+        returned (see the module docstring). ``settle()``: called once on the caller's thread when no such wait can
+        come any more (:meth:`collect`, :meth:`wait`, :meth:`close`).
 
         Collective: call on all ranks when ``distributed`` (the first call creates the gloo group).
 
@@ -185,6 +211,9 @@ class AsyncSaves:
                 self._group = own_group(backend="gloo")  # destroyed at exit (engine.dist)
             group = self._group
         inflight = InFlight(location, rank, commit, abandon)
+        if charge is not None:
+            inflight.charge = charge
+        inflight.settle = settle
         inflight.learn = self._at_call.update
         inflight.live = live = self.defer and volatile is not None and self._choose_live(writer)
         if live and self._timings is not None and self._timings[0] > self._timings[1]:
@@ -235,7 +264,12 @@ class AsyncSaves:
         def stage_now(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
             if live and deferred:
                 prepared.planner = live_write = LiveWrite(
-                    staged, deferred, stager=self.stager, release=release, rate=self._write_rate
+                    staged,
+                    deferred,
+                    stager=self.stager,
+                    release=release,
+                    rate=self._write_rate,
+                    patient=self.steps_wait_for_writer,
                 )
                 return prepared, None, live_write
             try:
@@ -318,7 +352,12 @@ class AsyncSaves:
                 )
                 if live and deferred:
                     prepared.planner = live_write = LiveWrite(
-                        staged, deferred, stager=self.stager, release=release, rate=self._write_rate
+                        staged,
+                        deferred,
+                        stager=self.stager,
+                        release=release,
+                        rate=self._write_rate,
+                        patient=self.steps_wait_for_writer,
                     )
                     return prepared, None, live_write
                 prepared.planner = _Staged(staged)
@@ -381,6 +420,8 @@ class AsyncSaves:
         inflight, self._inflight = self._inflight, None
         if inflight is None:
             return
+        if self._last is not None:  # nothing waits for an older save any more (its removals run on their own)
+            self._last.settle_if_over(force=True)
         self._last = inflight
         inflight.finished.wait()
         _GATE.unwatch(inflight.saw_step)
@@ -408,8 +449,12 @@ class AsyncSaves:
     def close(self) -> None:
         """Wait for the save in flight and the removals queued behind it, release the staging buffers.
 
+        The time it waits counts as a wait of the loop for that save (its ``charge``), which is then settled.
+
         Raises like :meth:`wait`.
         """
+        inflight = self._inflight or self._last
+        started = time.perf_counter()
         try:
             self.wait()
         finally:
@@ -417,7 +462,21 @@ class AsyncSaves:
             if last is not None:
                 last.removed.wait()
                 last.join()  # its thread ends before anything is torn down (see engine.shutdown)
+            if inflight is not None:
+                inflight.waited(time.perf_counter() - started)
+                inflight.settle_if_over(force=True)
             self.stager.close()  # the gloo group stays for this plugin's next run: groups are created once
+
+    @property
+    def current(self) -> InFlight | None:
+        """The save in flight (``None`` once :meth:`wait` collected it)."""
+        return self._inflight
+
+    def collect(self) -> None:
+        """On the caller's thread: settle the saves that are finished (their ``settle`` runs once)."""
+        for inflight in (self._last, self._inflight):
+            if inflight is not None:
+                inflight.settle_if_over()
 
     def finish_at_exit(self, deadline: float) -> None:
         """At exit: let the save in flight finish (until ``deadline``, ``time.monotonic()``) and end its thread.
@@ -442,6 +501,7 @@ class AsyncSaves:
             )
             return
         self._inflight = self._last = None
+        inflight.settle_if_over(force=True)  # its summary line (rank 0), as a wait or the teardown would have logged it
         if inflight.error is not None:
             log.error(
                 "lightning_dcp: the background save to %r failed on rank %d; it is NOT committed (earlier checkpoints"

@@ -3,7 +3,9 @@
 :class:`InFlight` runs in its own thread: the save's remaining staging (``stage``), the write, the commit on rank 0
 and the removals queued behind it; it records what the step gate and the adaptive live-write choice need (when the
 call returned, when the first step came, when this rank's data was written) and what went wrong, for the next call
-to report.
+to report. It also counts every wait of the training loop for it after its call returned (:meth:`InFlight.waited`:
+optimizer steps at the gate, the next call, a load or the teardown waiting for it) and hands each to ``charge``
+(rank 0: the save's :class:`~lightning_dcp.engine.save_log.SaveRecord`).
 """
 
 from __future__ import annotations
@@ -43,6 +45,9 @@ class InFlight:
         self.removed = threading.Event()  # the removals queued behind it are done too
         self.staged = threading.Event()
         self.step_wait = 0.0
+        self.loop_wait = 0.0  # every wait of the loop for this save after its call returned (step_wait included)
+        self.charge: Callable[[float], None] = lambda seconds: None  # where each of those waits is also reported
+        self.settle: Callable[[], None] | None = None  # run once on the caller's thread when no wait can come
         self.learn: Callable[[list[str]], None] = lambda names: None
         self.lock = threading.Lock()
         self.live = False  # written from the live tensors while steps wait (no staging copies)
@@ -64,8 +69,24 @@ class InFlight:
         return not thread.is_alive()
 
     def add_step_wait(self, seconds: float) -> None:
-        """Count time an optimizer step waited for this save's staging copies."""
+        """Count time an optimizer step (or code waiting for staging) waited for this save's staging copies."""
         self.step_wait += seconds
+        self.waited(seconds)
+
+    def waited(self, seconds: float) -> None:
+        """Count ``seconds`` the training loop waited for this save (in its thread), and report them (``charge``)."""
+        self.loop_wait += seconds
+        self.charge(seconds)
+
+    def settle_if_over(self, *, force: bool = False) -> None:
+        """On the caller's thread: run ``settle`` once the save is finished (or at once, ``force``).
+
+        Only the teardown waits for the removals queued behind a finished save (:meth:`AsyncSaves.close`): that wait
+        reaches a record settled before it only if the record was not logged yet.
+        """
+        if self.settle is not None and (force or self.finished.is_set()):
+            settle, self.settle = self.settle, None
+            settle()
 
     def hurry(self) -> None:
         """A step waits for this save (run in its thread): a live write copies what it has not written yet."""

@@ -12,7 +12,8 @@ tensors the writer is not done with into staging buffers (:meth:`LiveWrite.hurry
 writer takes the copies from then on, a large record from its next piece on (:meth:`LiveWrite.swap`). So a step
 waits about as long as a staging copy of the rest would take, plus at most one piece of each file being written;
 unless the writer, at the rate it wrote so far, would be done sooner than those copies (fresh staging buffers cost a
-page fault per 4 KiB page on their first use): then the step just waits for it.
+page fault per 4 KiB page on their first use): then the step just waits for it (not with ``patient=False``, the
+choice under ``when_busy="skip"``, where a step never waits for the storage).
 The version counter of each live tensor is checked when the writer is done with it or when it is copied: a tensor
 changed in place before then (outside an optimizer step, since steps are held) fails the save with a
 :class:`~lightning_dcp.engine.save.staging.StagingRaceError` naming it, as a deferred staging copy does; a checkpoint
@@ -55,6 +56,8 @@ class LiveWrite:
         stager: Where their staging buffers come from, should a step arrive before the writer is done.
         release: Lets optimizer steps go on; called once, when no live tensor is needed any more.
         rate: Bytes per second the last live write wrote (:attr:`rate`), for estimates before this one wrote any.
+        patient: Whether a step may wait for the writer when it would be done sooner than the copies
+            (:meth:`hurry`); ``False``: a step always copies the rest, never waiting for the storage.
     """
 
     def __init__(
@@ -65,8 +68,10 @@ class LiveWrite:
         stager: Stager,
         release: Callable[[], None],
         rate: float | None = None,
+        patient: bool = True,
     ) -> None:
         self.staged = staged
+        self.patient = patient
         self._live = {copy_.index: copy_ for copy_ in live}
         self._state: dict[Any, int] = {}
         self._writing = 0  # items handed to the writer live and not reported written
@@ -152,7 +157,7 @@ class LiveWrite:
             if self._hurried or self._released:
                 return
             rest = [copy_ for index, copy_ in self._live.items() if self._state.get(index, _WRITING) == _WRITING]
-            if self._sooner_written(rest):
+            if self.patient and self._sooner_written(rest):
                 return
             self._hurried = True
             for copy_ in rest:

@@ -5,14 +5,33 @@ next save, and two writers would share the disk anyway. When saves are requested
 new save finds the previous write unfinished, and the front ends offer two policies:
 
 - ``"wait"`` (the default): the call blocks until the previous save is committed, then saves. Every requested
-  checkpoint is written; the loop pays the rest of the previous write.
+  checkpoint is written; the loop pays the rest of the previous write (counted in that save's
+  ``checkpoint/save_blocked_s``).
 - ``"skip"``: the call returns at once without saving and warns naming the step and path skipped (never silently).
-  The loop pays nothing; the checkpoint of that step does not exist. A save of the same step as the one in flight
+  The loop pays nothing for it (the vote below, counted on the save in flight); the checkpoint of that step does not
+  exist. A save of the same step as the one in flight
   (``ModelCheckpoint``'s ``last.ckpt`` right after its top-k file) is never skipped: it waits. Removals requested
   after a skipped save (``ModelCheckpoint`` pruning the file the skipped one would have replaced) are held until a
   later save commits, so a checkpoint is never removed before a newer one exists; those left when the run ends stay
   on disk. A ``last`` link to a skipped path dangles; ``ckpt_path="last"`` loads the newest committed checkpoint of
   the directory anyway (:func:`lightning_dcp.engine.catalog.lookup.candidates`).
+
+**When a save is busy.** ``checkpoint/save_blocked_s`` (:mod:`lightning_dcp.engine.save_log`) counts every wait of
+the loop for a save: its call, the optimizer steps after it waiting at the step gate for its staging copies (or its
+live write), a later call waiting for its write, and the teardown. Of these, only the wait of a later call depends
+on the storage (how long the write takes); the call and the steps wait for memory copies that every save costs. So
+``"skip"`` skips exactly the saves that would wait for the storage: a save is skipped when, at its call, the
+previous save's write is not finished on some rank, which is when ``"wait"`` would block the call for it (and count
+that block on the previous save). A save the steps already waited for is not busy: those waits were its copies. For
+this to hold with live writes (:mod:`lightning_dcp.engine.save.live_write`), under ``"skip"`` a step that arrives
+while the writer still reads the live tensors never waits for the writer: it copies what is left and goes on, so the
+write goes on in the background and the next call finds it unfinished. Under ``"skip"``, then, the loop waits for a
+save's copies (in its call and the next step: what its ``save_blocked_s`` shows), for at most one 16 MiB piece of
+each file being written, for the first save of a run (and a save whose plan changed) to be planned before its
+copies are made, and at the end of training for the last save's write (the teardown); never for a write still
+running when the next save is called. The time a background write takes from the training in other ways (cores,
+memory bandwidth and the kernel's work for the write on a machine the training keeps busy) is no wait and is in no
+metric: compare a fit with and without saves (``python -m benchmarks.bench_loop_cost``).
 
 A second set of staging buffers (a save staged while the previous one writes) was not taken: it doubles the pinned
 or page-locked memory of the state and only helps while the disk keeps up on average, which is when ``"wait"``

@@ -19,13 +19,15 @@ from lightning_dcp.engine.save.live_write import LiveWrite
 from lightning_dcp.engine.save.staging import Stager, StagingRaceError
 
 
-def _live_write(tensors: dict[str, torch.Tensor]) -> tuple[LiveWrite, dict[str, WriteItem], threading.Event]:
+def _live_write(
+    tensors: dict[str, torch.Tensor], *, patient: bool = True
+) -> tuple[LiveWrite, dict[str, WriteItem], threading.Event]:
     items = {name: WriteItem(index=MetadataIndex(name, [0]), type=WriteItemType.TENSOR) for name in tensors}
     data = {item.index: tensors[name] for name, item in items.items()}
     stager = Stager(pin_memory=False)
     staged, live = stager.stage_items(items.values(), lambda i: data[i.index], defer=lambda i, t: True, live=True)
     released = threading.Event()
-    return LiveWrite(staged, live, stager=stager, release=released.set), items, released
+    return LiveWrite(staged, live, stager=stager, release=released.set, patient=patient), items, released
 
 
 def test_a_hurried_live_write_hands_the_writer_copies_and_lets_steps_go_once_no_live_tensor_is_read():
@@ -58,6 +60,28 @@ def test_a_step_waits_for_a_writer_that_would_be_done_before_the_copies():
     live_write.record_written(items["b"])
     assert released.is_set()  # once the writer is done
     live_write.finish()
+
+
+def test_under_skip_a_step_copies_the_rest_even_when_the_writer_would_be_done_sooner():
+    """``patient=False`` (``when_busy="skip"``): the step that arrives never waits for the storage, only for copies."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    old_b = b.clone()
+    live_write, items, released = _live_write({"a": a, "b": b}, patient=False)
+    live_write.resolve_data(items["a"])
+    live_write.record_written(items["a"])  # the same fast writer as above
+    live_write.hurry()
+    assert released.is_set()  # "b" was copied: steps go on before the writer reaches it
+    copy_b = live_write.resolve_data(items["b"])
+    assert copy_b.data_ptr() != b.data_ptr()
+    b.add_(1.0)  # the optimizer step
+    assert torch.equal(copy_b, old_b)
+    live_write.record_written(items["b"])
+    live_write.finish()
+
+
+def test_skip_makes_the_checkpointers_live_writes_impatient():
+    assert Checkpointer(async_save=True, when_busy="skip")._async.steps_wait_for_writer is False
+    assert Checkpointer(async_save=True)._async.steps_wait_for_writer is True
 
 
 def test_a_live_tensor_changed_before_the_writer_is_done_with_it_fails_the_write_naming_it():

@@ -37,11 +37,15 @@ def _documented() -> list[str]:
 def _workers(agent: int) -> dict[int, int]:
     """``{rank: pid}`` of the agent's worker processes."""
     found = {}
-    for pid in subprocess.run(["pgrep", "-P", str(agent)], capture_output=True, text=True).stdout.split():
+    for pid in (p for p in os.listdir("/proc") if p.isdigit()):
         try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                stat = f.read()
+            if int(stat[stat.rfind(b")") + 2 :].split()[1]) != agent:  # its parent
+                continue
             with open(f"/proc/{pid}/environ", "rb") as f:
                 env = dict(item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item)
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
         if b"RANK" in env:
             found[int(env[b"RANK"])] = int(pid)

@@ -43,6 +43,7 @@ except ImportError:  # older DCP stamps none
     DCP_METADATA_VERSION = None
 
 __all__ = [
+    "buffer_fqns",
     "DCPFsspecFileSystem",
     "DCP_METADATA_VERSION",
     "FsspecReader",
@@ -57,6 +58,7 @@ __all__ = [
     "narrow_tensor_by_index",
     "optimizer_load_hooked",
     "own_state_tensors",
+    "parameter_fqns",
     "rebuild_tensor",
     "rebuild_tensor_v3",
     "set_element",
@@ -209,3 +211,40 @@ def sync_module_states(module: torch.nn.Module, *, process_group: Any, skip: fro
         src=0,
         params_and_buffers_to_ignore=skip,
     )
+
+
+def parameter_fqns(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` under each of its DCP FQNs (``get_optimizer_state_dict``'s names).
+
+    The names ``module.named_parameters(remove_duplicate=False)`` gives, with DCP's ``_get_fqns`` applied: the DDP
+    ``module.`` prefix, ``torch.compile``'s ``_orig_mod.`` and activation-checkpoint wrappers' prefixes removed, a
+    module's ``_fqn_modifiers`` honoured (torch 2.13's private helper). A tied parameter is listed under each name.
+    FSDP1's flat parameters are not resolved here (DCP maps them through FSDP's own optimizer state API).
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        for fqn in _get_fqns(module, name):
+            out.setdefault(fqn, param)
+    return out
+
+
+def buffer_fqns(module: torch.nn.Module) -> list[str]:
+    """The state-dict keys of ``module``'s persistent buffers as DCP names them (``get_model_state_dict``'s keys).
+
+    DCP's ``_get_fqns`` of each name ``module.named_buffers(remove_duplicate=False)`` gives, for buffers that
+    ``state_dict()`` saves (not in their module's ``_non_persistent_buffers_set``; torch 2.x's private names).
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    skipped = {
+        f"{prefix}.{name}" if prefix else name
+        for prefix, sub in module.named_modules(remove_duplicate=False)
+        for name in sub._non_persistent_buffers_set
+    }
+    out: list[str] = []
+    for name, _ in module.named_buffers(remove_duplicate=False):
+        if name not in skipped:
+            out.extend(sorted(_get_fqns(module, name)))
+    return out

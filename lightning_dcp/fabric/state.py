@@ -4,7 +4,8 @@
 in the checkpoint (see :mod:`lightning_dcp.engine.format.layout`):
 
 - a module: its ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded), a DCP entry per tensor;
-- an optimizer: its ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN);
+- an optimizer: its ``optimizer.state_dict()`` keyed by parameter FQN (``get_optimizer_state_dict``'s layout: state
+  only for the parameters that have it, every param group with all its options);
 - any other value holding tensors (a tensor, or a dict of tensors and plain values, also from an object's
   ``state_dict()``): DCP entries;
 - everything else: the rank-0 blob, as ``torch.save`` would keep it.
@@ -16,7 +17,7 @@ applies it (a key left without any item is not saved).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,10 +27,10 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_dcp._compat.torch_dcp import flatten_state_dict
+from lightning_dcp._compat.torch_dcp import buffer_fqns
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict
-from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries
+from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict, parameters_by_fqn
+from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "is_stateful",
     "load_targets",
     "owner_of",
+    "rank0_paths",
     "saved_keys",
     "split_state",
     "unwrap",
@@ -135,6 +137,7 @@ def split_state(
     tree: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     roles: dict[str, list[str]] = {layout.MODULES_INFO: [], layout.OPTIMIZERS_INFO: []}
+    lists: dict[str, list[list[str]]] = {}
     for key, obj in state.items():
         role = None
         if isinstance(obj, Module):
@@ -150,12 +153,49 @@ def split_state(
         if role is not None:
             tree[key] = value
             roles[role].append(key)
+            if role == layout.OPTIMIZERS_INFO and (found := layout.list_paths(value)):
+                lists[key] = found
         elif all(_tensor_tree(value)):
             tree[key] = value
         else:
             objects[key] = value
-    info = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
+    info: dict[str, Any] = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
+    if lists:
+        info[layout.OPTIMIZER_LISTS] = lists
     return tree, objects, info
+
+
+def rank0_paths(
+    state: Mapping[str, Any],
+    tree: Mapping[str, Any],
+    info: Mapping[str, Any],
+    *,
+    synced: Collection[int] | None = None,
+) -> list[tuple[Any, ...]]:
+    """The paths in ``tree`` whose values rank 0 writes (:func:`~lightning_dcp.engine.format.layout.build_state`).
+
+    Each module's buffers (BatchNorm statistics differ between DDP's broadcasts at each forward), every entry that is
+    neither a module's nor an optimizer's state (tensors a user keeps, which may differ between ranks) and, given
+    ``synced`` (the ids of the parameters DDP all-reduces), the other parameters with their optimizer state (frozen
+    when DDP wrapped the module, trained apart on each rank since): stock Fabric writes rank 0's copy of all of these.
+    """
+    paths: list[tuple[Any, ...]] = []
+    modules = info.get(layout.MODULES_INFO, ())
+    for key in modules:
+        module, saved = state.get(key), tree.get(key, {})
+        if not isinstance(module, Module):
+            continue
+        module = unwrap(module)
+        paths += [(key, fqn) for fqn in buffer_fqns(module) if fqn in saved]
+        if synced is None or all(id(p) in synced for p in module.parameters()):
+            continue
+        unsynced = [fqn for fqn, p in parameters_by_fqn(module).items() if id(p) not in synced]
+        paths += [(key, fqn) for fqn in unsynced if fqn in saved]
+        for name in info.get(layout.OPTIMIZERS_INFO, ()):
+            held = tree.get(name, {}).get("state", {})
+            paths += [(name, "state", fqn) for fqn in unsynced if fqn in held]
+    held_keys = {*modules, *info.get(layout.OPTIMIZERS_INFO, ())}
+    return paths + [(key,) for key in tree if key not in held_keys]
 
 
 # ------------------------------------------------------------------------------------------------------- load
@@ -238,12 +278,13 @@ def load_targets(
         strict: Module keys must match exactly (otherwise the shared ones load); optimizers always must.
         extra_keys: Further tree keys to read as full CPU tensors (values not in ``state``, for the remainder).
 
-    Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives). An optimizer without state
-    yet is not stepped: its target holds the state tensors the checkpoint records
-    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`).
+    Collective: call on all ranks. An optimizer's target holds what the checkpoint records for it
+    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`), whatever the optimizer holds now; it is
+    applied with the optimizer's own ``load_state_dict`` once read.
 
     Raises:
-        StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; the message names them.
+        StateDictMismatchError: Keys (``strict``), shapes or dtypes differ, or an optimizer has another number of
+            param groups than its saved state; the message names them.
     """
     saved = saved_keys(metadata)
     modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, Module)}
@@ -256,10 +297,10 @@ def load_targets(
             targets.modules[key] = modules[key]
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
-            live = optimizer_state_dict(owner, obj)
-            fill_pending({key: live}, saved_entries(metadata=metadata))  # no state yet: allocate the saved state
-            _check_exact(path, key, live, saved[key])
-            targets.tree[key] = live
+            target = OptimizerTarget.of(parameters_by_fqn(owner), obj)  # made from what the checkpoint holds
+            fill_pending({key: target}, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
+            _check_optimizer(path, key, obj, target)
+            targets.tree[key] = target
             targets.optimizers[key] = (owner, obj)
         elif key not in roles.modules and key not in roles.optimizers:
             targets.tree[key] = _full_target(metadata, key)
@@ -289,19 +330,16 @@ def _module_target(
     return {fqn: value for fqn, value in live.items() if fqn in saved_fqns}
 
 
-def _check_exact(path: str, key: str, live: dict[str, Any], saved: Mapping[str, Any]) -> None:
-    flat, _ = flatten_state_dict({key: live})
-    missing = sorted(k for k in flat if k not in saved)
-    unexpected = sorted(k for k in saved if k not in flat)
-    mismatched = _mismatched({k: (saved[k], v) for k, v in flat.items() if k in saved})
-    if missing or unexpected or mismatched:
+def _check_optimizer(path: str, key: str, optimizer: Optimizer, target: Mapping[str, Any]) -> None:
+    """Refuse, before anything loads, an optimizer state saved with another number of param groups."""
+    saved = len(target.get("param_groups", ()))
+    if saved != len(optimizer.param_groups):
         raise StateDictMismatchError(
             path,
-            missing_keys=missing,
-            unexpected_keys=unexpected,
-            mismatched=mismatched,
-            hint=f"The optimizer state under {key!r} does not fit this optimizer (other parameters, or another"
-            " optimizer type): resume with the same model and optimizer, or leave it out of the state.",
+            reason=f"The optimizer state under {key!r} has {saved} param group(s), but the optimizer has"
+            f" {len(optimizer.param_groups)}.",
+            hint="torch.optim restores a state into the same groups in the same order: build the optimizer as at"
+            " the save (with the groups added by `add_param_group` since), or leave it out of the state.",
         )
 
 

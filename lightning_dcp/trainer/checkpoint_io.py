@@ -158,6 +158,7 @@ class DCPCheckpointIO(CheckpointIO):
         info: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
         volatile: Iterable[torch.Tensor] | None = None,
+        from_rank0: Iterable[tuple[str, ...]] = (),
     ) -> None:
         """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
 
@@ -175,6 +176,9 @@ class DCPCheckpointIO(CheckpointIO):
                 next optimizer step (the module's buffers); staged before this returns, the other CPU tensors in the
                 background. ``None`` (Lightning's own strategies call without it): everything is staged before this
                 returns.
+            from_rank0: Paths in the checkpoint dict (``("state_dict", "bn.running_mean")``, ``("ema",)``) of
+                replicated values that may differ between ranks: rank 0's copy is written, as stock Lightning writes
+                rank 0's checkpoint dict (:meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`).
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -196,6 +200,7 @@ class DCPCheckpointIO(CheckpointIO):
             collective=collective,
             volatile=volatile,
             step=checkpoint.get("global_step"),
+            from_rank0=from_rank0,
         )
 
     # ----------------------------------------------------------------------------------------------- load

@@ -213,9 +213,8 @@ def _load_one(
         _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
         return {}
     loaders = _loader_states(found.url, state, head, info.get(LOADERS_INFO, []))  # refused before anything loads
-    lists = info.get(layout.OPTIMIZER_LISTS, {})
     remainder = _load_dict(
-        checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders, lists
+        checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders, info
     )
     for key, value in loaders.items():
         if key in state:
@@ -324,13 +323,14 @@ def _load_dict(
     strict: bool,
     weights_only: bool,
     loaders: Mapping[str, Any],
-    lists: Mapping[str, Any],
+    info: Mapping[str, Any],
 ) -> dict[str, Any]:
     saved = saved_keys(metadata)
     objects = dict(head.objects)
     check_requested(url, state, [*saved, *objects, *loaders], strict=strict)
     unasked = [k for k in saved if k not in state and k not in roles.modules and k not in roles.optimizers]
-    targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked)
+    kinds, lists = info.get(layout.OPTIMIZER_KINDS, {}), info.get(layout.OPTIMIZER_LISTS, {})
+    targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked, kinds=kinds)
     tree: dict[str, Any] = {}
     if targets.tree:
         only = list(targets.tree)

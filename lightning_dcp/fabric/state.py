@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_dcp._compat.torch_dcp import buffer_fqns
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict, parameters_by_fqn
+from lightning_dcp.engine.state.optimizer_restore import check_groups, check_kind, optimizer_kind
 from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
@@ -138,6 +139,7 @@ def split_state(
     objects: dict[str, Any] = {}
     roles: dict[str, list[str]] = {layout.MODULES_INFO: [], layout.OPTIMIZERS_INFO: []}
     lists: dict[str, list[list[str]]] = {}
+    kinds: dict[str, list[str]] = {}
     for key, obj in state.items():
         role = None
         if isinstance(obj, Module):
@@ -153,8 +155,10 @@ def split_state(
         if role is not None:
             tree[key] = value
             roles[role].append(key)
-            if role == layout.OPTIMIZERS_INFO and (found := layout.list_paths(value)):
-                lists[key] = found
+            if role == layout.OPTIMIZERS_INFO:
+                kinds[key] = optimizer_kind(obj)
+                if found := layout.list_paths(value):
+                    lists[key] = found
         elif all(_tensor_tree(value)):
             tree[key] = value
         else:
@@ -162,6 +166,8 @@ def split_state(
     info: dict[str, Any] = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
     if lists:
         info[layout.OPTIMIZER_LISTS] = lists
+    if kinds:
+        info[layout.OPTIMIZER_KINDS] = kinds
     return tree, objects, info
 
 
@@ -267,6 +273,7 @@ def load_targets(
     roles: layout.TreeRoles,
     strict: bool,
     extra_keys: Iterable[str] = (),
+    kinds: Mapping[str, list[str]] | None = None,
 ) -> Targets:
     """Build the in-place load targets for ``state`` and check them against the checkpoint before anything loads.
 
@@ -277,6 +284,7 @@ def load_targets(
         roles: Which of its keys are modules and optimizers.
         strict: Module keys must match exactly (otherwise the shared ones load); optimizers always must.
         extra_keys: Further tree keys to read as full CPU tensors (values not in ``state``, for the remainder).
+        kinds: Per optimizer key, the saved optimizer's kind (the checkpoint's info), to refuse another kind.
 
     Collective: call on all ranks. An optimizer's target holds what the checkpoint records for it
     (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`), whatever the optimizer holds now; it is
@@ -299,7 +307,7 @@ def load_targets(
             owner = owner_of(key, obj, modules)
             target = OptimizerTarget.of(parameters_by_fqn(owner), obj)  # made from what the checkpoint holds
             fill_pending({key: target}, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
-            _check_optimizer(path, key, obj, target)
+            _check_optimizer(path, key, obj, target, (kinds or {}).get(key))
             targets.tree[key] = target
             targets.optimizers[key] = (owner, obj)
         elif key not in roles.modules and key not in roles.optimizers:
@@ -330,17 +338,13 @@ def _module_target(
     return {fqn: value for fqn, value in live.items() if fqn in saved_fqns}
 
 
-def _check_optimizer(path: str, key: str, optimizer: Optimizer, target: Mapping[str, Any]) -> None:
-    """Refuse, before anything loads, an optimizer state saved with another number of param groups."""
-    saved = len(target.get("param_groups", ()))
-    if saved != len(optimizer.param_groups):
-        raise StateDictMismatchError(
-            path,
-            reason=f"The optimizer state under {key!r} has {saved} param group(s), but the optimizer has"
-            f" {len(optimizer.param_groups)}.",
-            hint="torch.optim restores a state into the same groups in the same order: build the optimizer as at"
-            " the save (with the groups added by `add_param_group` since), or leave it out of the state.",
-        )
+def _check_optimizer(
+    path: str, key: str, optimizer: Optimizer, target: Mapping[str, Any], kind: list[str] | None
+) -> None:
+    """Refuse, before anything loads, an optimizer state of another kind of optimizer or number of param groups."""
+    what = f"The optimizer state under {key!r}"
+    check_kind(optimizer, kind, path, what=what)
+    check_groups(optimizer, list(target.get("param_groups", ())), path, what=what)
 
 
 def _mismatched(pairs: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple]:

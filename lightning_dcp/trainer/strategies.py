@@ -46,7 +46,7 @@ from lightning_dcp.engine.state.module_state import (
     optimizer_state_dict,
     parameters_by_fqn,
 )
-from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict
+from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict, optimizer_kind
 from lightning_dcp.engine.state.optimizer_target import OptimizerTarget
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -270,7 +270,11 @@ class DCPStrategyMixin:
             filepath,
             storage_options=storage_options,
             collective=True,
-            info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
+            info={
+                "strategy": type(self).__name__,
+                "state_dict_type": "sharded",
+                layout.OPTIMIZER_KINDS: {str(i): optimizer_kind(o) for i, o in enumerate(self.optimizers)},
+            },
             rank_state=collect_rank_state(self.lightning_module.trainer, checkpoint),  # RNG, this rank's loaders
             volatile=list(module.buffers()),  # a forward pass changes buffers before the next step
             from_rank0=self._dcp_from_rank0(checkpoint),
@@ -379,7 +383,8 @@ class DCPStrategyMixin:
         Raises:
             CheckpointError: The checkpoint holds another number of optimizers than ``configure_optimizers``
                 returned.
-            StateDictMismatchError: An optimizer's param groups differ in number or size from the saved ones.
+            StateDictMismatchError: An optimizer's param groups differ in number or size from the saved ones, or it
+                is another kind of optimizer than the saved one.
         """
         if not self._dcp_sharded:
             return super().load_optimizer_state_dict(checkpoint)
@@ -391,8 +396,9 @@ class DCPStrategyMixin:
                 f" {len(self.optimizers)}. Resume with the same optimizers, or load weights only."
             )
         where = getattr(self, "_dcp_loaded_from", "the checkpoint")
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            load_optimizer_state_dict(module, optimizer, state, where=where)
+        kinds = checkpoint.get(layout.INFO_KEY, {}).get(layout.OPTIMIZER_KINDS, {})
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, states, strict=True)):
+            load_optimizer_state_dict(module, optimizer, state, where=where, kind=kinds.get(str(i)))
 
 
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:

@@ -41,6 +41,7 @@ __all__ = [
     "INFO_KEY",
     "MODEL_KEY",
     "OPTIMIZER_KEY",
+    "OPTIMIZER_KINDS",
     "OPTIMIZER_LISTS",
     "RANK_KEY",
     "SafeLoadPlanner",
@@ -72,6 +73,9 @@ MODULES_INFO = "modules"
 OPTIMIZERS_INFO = "optimizers"
 """Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
 
+OPTIMIZER_KINDS = "optimizer_kinds"
+"""Info entry: per optimizer (its index, or its key in a Fabric checkpoint), the qualified names of its class and bases
+(:func:`~lightning_dcp.engine.state.optimizer_restore.optimizer_kind`)."""
 OPTIMIZER_LISTS = "optimizer_lists"
 """Info entry: per optimizer (its index, or its key in a Fabric checkpoint), the paths of lists in its state
 (:func:`list_paths`)."""

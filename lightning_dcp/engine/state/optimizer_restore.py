@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_dcp._compat.torch_dcp import optimizer_load_hooked
 from lightning_dcp.errors import NotACheckpointError, StateDictMismatchError
 
-__all__ = ["load_optimizer_state_dict"]
+__all__ = ["check_groups", "check_kind", "load_optimizer_state_dict", "optimizer_kind"]
 
 
 def load_optimizer_state_dict(
@@ -39,6 +39,7 @@ def load_optimizer_state_dict(
     state: Mapping[str, Any],
     *,
     where: str = "the checkpoint",
+    kind: list[str] | None = None,
 ) -> None:
     """Give ``optimizer`` the saved ``state``, as ``optimizer.load_state_dict`` of the saved ``state_dict()`` would.
 
@@ -49,13 +50,14 @@ def load_optimizer_state_dict(
             (or ids) as names: this rank's shards loaded in place, or full tensors from a single file (then a
             DTensor parameter's state tensors of its global shape are cut to this rank's shards).
         where: The checkpoint, for messages.
+        kind: The saved optimizer's :func:`optimizer_kind`, where the save recorded it (:func:`check_kind`).
 
     Not collective (each rank applies what it read).
 
     Raises:
         NotACheckpointError: ``state`` has no valid ``param_groups``.
         StateDictMismatchError: The optimizer has another number of param groups, or groups of other sizes, than the
-            saved one (the message names both and the fix).
+            saved one, or is another kind of optimizer (:func:`check_kind`); the message names both and the fix.
     """
     groups = state.get("param_groups")
     if not isinstance(groups, list) or not all(
@@ -64,6 +66,7 @@ def load_optimizer_state_dict(
         raise NotACheckpointError(
             f"{where}: its optimizer state has no valid 'param_groups'; resume from another checkpoint."
         )
+    check_kind(optimizer, kind, where)
     _check_groups(optimizer, groups, where)
     saved = state.get("state") or {}
     names = [name for group in groups for name in group["params"]]
@@ -81,15 +84,63 @@ def load_optimizer_state_dict(
     optimizer.load_state_dict(split)
 
 
+def optimizer_kind(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The qualified names of ``optimizer``'s class and its bases (what a save records of each optimizer)."""
+    return [f"{c.__module__}.{c.__qualname__}" for c in type(optimizer).__mro__ if c is not object]
+
+
+def check_kind(
+    optimizer: torch.optim.Optimizer,
+    saved_kind: list[str] | None,
+    where: str,
+    *,
+    what: str = "Its optimizer state",
+) -> None:
+    """Refuse a saved state of another kind of optimizer (``saved_kind``: :func:`optimizer_kind` at the save).
+
+    ``load_state_dict`` takes any state: AdamW's loaded into SGD replaces SGD's options by AdamW's. The kinds fit
+    when either class derives from the other (a subclass of the saved optimizer, AdamW for Adam). A checkpoint that
+    recorded no kind (older saves, stock files) is not checked. ``where``: the checkpoint; ``what``: the saved
+    state, in messages.
+
+    Raises:
+        StateDictMismatchError: The classes are unrelated; the message names both.
+    """
+    if not saved_kind:
+        return
+    mine = optimizer_kind(optimizer)
+    if saved_kind[0] in mine or mine[0] in saved_kind:
+        return
+    raise StateDictMismatchError(
+        where,
+        reason=f"{what} was saved from a {saved_kind[0]}, which is not a {type(optimizer).__name__} (nor the other"
+        " way round): another kind of optimizer. Resume with the optimizer the checkpoint was saved with, or leave"
+        " the optimizer state out (load the weights only).",
+    )
+
+
+def check_groups(
+    optimizer: torch.optim.Optimizer, groups: list[Mapping[str, Any]], where: str, *, what: str = "Its optimizer state"
+) -> None:
+    """Refuse a saved state with another number of param groups (``groups``: saved, or a target before the read)."""
+    if len(groups) != len(optimizer.param_groups):
+        saved = [len(g["params"]) if isinstance(g.get("params"), list) else "?" for g in groups]
+        _refuse(optimizer, saved, where, what)
+
+
 def _check_groups(optimizer: torch.optim.Optimizer, groups: list[Mapping[str, Any]], where: str) -> None:
     """Raise what ``load_state_dict`` would (a bare ``ValueError``) as an error that names the sizes and the fix."""
     saved = [len(group["params"]) for group in groups]
     mine = [len(group["params"]) for group in optimizer.param_groups]
-    if saved == mine:
-        return
+    if saved != mine:
+        _refuse(optimizer, saved, where, "Its optimizer state")
+
+
+def _refuse(optimizer: torch.optim.Optimizer, saved: list[Any], where: str, what: str) -> None:
+    mine = [len(group["params"]) for group in optimizer.param_groups]
     raise StateDictMismatchError(
         where,
-        reason=f"Its optimizer state ({type(optimizer).__name__}) has {len(saved)} param group(s) of"
+        reason=f"{what} ({type(optimizer).__name__}) has {len(saved)} param group(s) of"
         f" {saved} parameters, but the optimizer has {len(mine)} of {mine}. torch.optim restores a state into the same"
         " groups in the same order: build the optimizer as at the save (`configure_optimizers`); groups that a"
         " callback adds during training (BackboneFinetuning, `add_param_group`) are re-added when that callback's"

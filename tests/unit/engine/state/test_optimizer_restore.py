@@ -131,6 +131,26 @@ def test_a_param_group_added_after_the_read_is_restored():
     assert torch.equal(fresh.state[fresh_net[4].weight]["exp_avg"], optimizer.state[net[4].weight]["exp_avg"])
 
 
+def test_another_kind_of_optimizer_is_refused_and_a_related_one_is_not():
+    net = _net()
+    optimizer = torch.optim.AdamW(_groups(net))
+    _train(net, optimizer)
+    model_state_dict(net)
+    saved, kind = optimizer_state_dict(net, optimizer), optimizer_restore.optimizer_kind(optimizer)
+    assert kind[:2] == ["torch.optim.adamw.AdamW", "torch.optim.adam.Adam"]
+    sgd = torch.optim.SGD(_groups(net), lr=0.1, momentum=0.9)
+    with pytest.raises(StateDictMismatchError, match="saved from a torch.optim.adamw.AdamW, which is not a SGD"):
+        load_optimizer_state_dict(net, sgd, copy.deepcopy(saved), where="ckpt", kind=kind)
+    assert sgd.state == {} and sgd.param_groups[0]["momentum"] == 0.9  # nothing applied
+
+    class Mine(torch.optim.AdamW):
+        pass
+
+    for related in (Mine(_groups(net)), torch.optim.Adam(_groups(net))):  # a subclass, a base: load_state_dict's
+        load_optimizer_state_dict(net, related, copy.deepcopy(saved), kind=kind)
+        assert torch.equal(related.state[net[0].weight]["exp_avg"], optimizer.state[net[0].weight]["exp_avg"])
+
+
 def test_own_load_state_dict_and_hooks_are_honoured():
     net = _net()
     optimizer = torch.optim.AdamW(_groups(net))

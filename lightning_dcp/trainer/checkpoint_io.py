@@ -108,7 +108,7 @@ class DCPCheckpointIO(CheckpointIO):
         incremental: bool = False,
     ) -> None:
         check_storage_options(storage_options)
-        self.checkpointer = CheckpointerConfig(
+        self._config = CheckpointerConfig(
             storage_options=storage_options,
             thread_count=thread_count,
             sync_files=sync_files,
@@ -118,8 +118,25 @@ class DCPCheckpointIO(CheckpointIO):
             local_dir=local_dir,
             local_keep=local_keep,
             incremental=incremental,
-        ).build()
+        )
+        self.checkpointer = self._config.build()
         """The engine that does the work (:class:`lightning_dcp.engine.checkpointer.Checkpointer`)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or a pickle of the plugin holds: its options, not its running engine.
+
+        ``copy.deepcopy(trainer.callbacks)`` (a progress bar refers to the Trainer) and ``torch.save(trainer)`` reach
+        the plugin, as they reach Lightning's ``TorchCheckpointIO``; the engine's threads, locks and save in flight
+        stay with the original. The copy builds an engine of its own with the same options (a memory tier attached
+        later is not carried over).
+        """
+        state = dict(self.__dict__)
+        state.pop("checkpointer", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.checkpointer = self._config.build()
 
     @property
     def storage_options(self) -> dict[str, Any]:

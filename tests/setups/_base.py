@@ -8,6 +8,7 @@ To add a setup, write a subclass of :class:`Setup` in :mod:`tests.setups.zoo` wi
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -16,6 +17,18 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 SETUPS: dict[str, type[Setup]] = {}
+
+FULL = os.environ.get("LIGHTNING_DCP_ZOO") == "all"
+"""Run every setup (``nox -s zoo``); otherwise only the setups marked :attr:`Setup.ci` (the default test run)."""
+
+
+def selected(**flags: bool) -> list[str]:
+    """The names of the setups to run (:data:`FULL` or the CI slice) that have every attribute in ``flags`` set."""
+    return sorted(
+        name
+        for name, setup in SETUPS.items()
+        if (FULL or setup.ci) and all(getattr(setup, flag) == value for flag, value in flags.items())
+    )
 
 
 def register(cls: type[Setup]) -> type[Setup]:
@@ -42,6 +55,7 @@ class Setup:
             uninterrupted run (rank 0's copy of state that differs between ranks).
         fabric: The setup also runs through Fabric's ``fabric.save`` / ``fabric.load`` (:mod:`tests.setups._fabric`).
         fsdp2: ... and through Fabric under FSDP2 (``DCPModelParallelStrategy``: DTensor parameters and state).
+        ci: In the slice of the default test run (the whole zoo: ``nox -s zoo``, ``LIGHTNING_DCP_ZOO=all``).
     """
 
     name = ""
@@ -53,6 +67,7 @@ class Setup:
     continues = True
     fabric = False
     fsdp2 = False
+    ci = False
 
     def continues_at(self, world_size: int) -> bool:
         """Whether the resumed run at ``world_size`` ends where the uninterrupted one does (:attr:`continues`)."""

@@ -3,6 +3,7 @@
 At 1 and 2 ranks (DDP) what our load restored equals what stock Fabric's load of its own file restored, and our
 resumed loop ends where our uninterrupted loop ends. Under FSDP2 (DTensor state, ours only) what the load restored
 equals the state at the save. Both 2-rank saves are loaded at 1 rank too (FSDP2's into a plain single-device model).
+The default run takes the setups marked ``ci``; ``nox -s zoo`` (``LIGHTNING_DCP_ZOO=all``) every setup.
 """
 
 from __future__ import annotations
@@ -12,12 +13,12 @@ import pytest
 from tests._spawn import spawn
 from tests._trainer import assert_same
 from tests.setups import zoo  # noqa: F401  (registers the setups)
-from tests.setups._base import SETUPS
+from tests.setups._base import SETUPS, selected
 from tests.setups._fabric import load_fabric_results, run_fabric_zoo
 
-NAMES = sorted(name for name, setup in SETUPS.items() if setup.fabric)
-TWO_RANKS = sorted(name for name in NAMES if 2 in SETUPS[name].ranks)
-FSDP2 = sorted(name for name in TWO_RANKS if SETUPS[name].fsdp2)
+NAMES = selected(fabric=True)
+TWO_RANKS = [name for name in NAMES if 2 in SETUPS[name].ranks]
+FSDP2 = [name for name in TWO_RANKS if SETUPS[name].fsdp2]
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,8 @@
 
 At 1 and 2 ranks and resharded 2 -> 1 (:mod:`tests.setups._run`): each setup trained to an epoch's end, saved,
 resumed in new objects, the restored state compared bit for bit with stock Lightning's resume of the same run, and
-our resumed run's end with our uninterrupted run's (stock does not restore RNG states).
+our resumed run's end with our uninterrupted run's (stock does not restore RNG states). The default run takes the
+setups marked ``ci``; ``nox -s zoo`` (``LIGHTNING_DCP_ZOO=all``) every setup.
 """
 
 from __future__ import annotations
@@ -12,11 +13,11 @@ import pytest
 from tests._spawn import spawn
 from tests._trainer import assert_same
 from tests.setups import zoo  # noqa: F401  (registers the setups)
-from tests.setups._base import SETUPS
+from tests.setups._base import SETUPS, selected
 from tests.setups._run import load_results, run_zoo
 
-NAMES = sorted(SETUPS)
-TWO_RANKS = sorted(name for name in NAMES if 2 in SETUPS[name].ranks)
+NAMES = selected()
+TWO_RANKS = [name for name in NAMES if 2 in SETUPS[name].ranks]
 
 
 @pytest.fixture(scope="module")

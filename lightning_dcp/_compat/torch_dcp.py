@@ -43,7 +43,6 @@ except ImportError:  # older DCP stamps none
     DCP_METADATA_VERSION = None
 
 __all__ = [
-    "buffer_fqns",
     "DCPFsspecFileSystem",
     "DCP_METADATA_VERSION",
     "FsspecReader",
@@ -227,24 +226,4 @@ def parameter_fqns(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     for name, param in module.named_parameters(remove_duplicate=False):
         for fqn in _get_fqns(module, name):
             out.setdefault(fqn, param)
-    return out
-
-
-def buffer_fqns(module: torch.nn.Module) -> list[str]:
-    """The state-dict keys of ``module``'s persistent buffers as DCP names them (``get_model_state_dict``'s keys).
-
-    DCP's ``_get_fqns`` of each name ``module.named_buffers(remove_duplicate=False)`` gives, for buffers that
-    ``state_dict()`` saves (not in their module's ``_non_persistent_buffers_set``; torch 2.x's private names).
-    """
-    from torch.distributed.checkpoint.state_dict import _get_fqns
-
-    skipped = {
-        f"{prefix}.{name}" if prefix else name
-        for prefix, sub in module.named_modules(remove_duplicate=False)
-        for name in sub._non_persistent_buffers_set
-    }
-    out: list[str] = []
-    for name, _ in module.named_buffers(remove_duplicate=False):
-        if name not in skipped:
-            out.extend(sorted(_get_fqns(module, name)))
     return out

@@ -27,7 +27,6 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_dcp._compat.torch_dcp import buffer_fqns
 from lightning_dcp.engine import layout
 from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict, parameters_by_fqn
 from lightning_dcp.engine.state.optimizer_restore import check_groups, check_kind, optimizer_kind
@@ -191,11 +190,11 @@ def rank0_paths(
         module, saved = state.get(key), tree.get(key, {})
         if not isinstance(module, Module):
             continue
-        module = unwrap(module)
-        paths += [(key, fqn) for fqn in buffer_fqns(module) if fqn in saved]
-        if synced is None or all(id(p) in synced for p in module.parameters()):
+        params = parameters_by_fqn(unwrap(module))
+        paths += [(key, name) for name in saved if name not in params]  # buffers (and modules' extra state)
+        if synced is None or all(id(p) in synced for p in params.values()):
             continue
-        unsynced = [fqn for fqn, p in parameters_by_fqn(module).items() if id(p) not in synced]
+        unsynced = [fqn for fqn, p in params.items() if id(p) not in synced]
         paths += [(key, fqn) for fqn in unsynced if fqn in saved]
         for name in info.get(layout.OPTIMIZERS_INFO, ()):
             held = tree.get(name, {}).get("state", {})

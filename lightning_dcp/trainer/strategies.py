@@ -38,7 +38,6 @@ from lightning_dcp._compat.lightning_run import (
     trainer_run_arguments,
     unwrap_checkpoint_io,
 )
-from lightning_dcp._compat.torch_dcp import buffer_fqns
 from lightning_dcp.engine import STEP_GATE, layout
 from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
@@ -284,12 +283,13 @@ class DCPStrategyMixin:
         """The paths of ``checkpoint`` whose values rank 0 writes (see :meth:`save_checkpoint`)."""
         module = self._dcp_module()
         model = checkpoint.get(layout.MODEL_KEY, {})
-        paths: list[tuple[Any, ...]] = [(layout.MODEL_KEY, fqn) for fqn in buffer_fqns(module) if fqn in model]
+        params = parameters_by_fqn(module)
+        paths: list[tuple[Any, ...]] = [(layout.MODEL_KEY, key) for key in model if key not in params]  # buffers
         paths += [(key,) for key in checkpoint if key not in (layout.MODEL_KEY, layout.OPTIMIZER_KEY)]
         synced = getattr(self, "_dcp_synced", None)
-        if synced is None or all(id(p) in synced for p in module.parameters()):
+        if synced is None or all(id(p) in synced for p in params.values()):
             return paths
-        unsynced = [fqn for fqn, p in parameters_by_fqn(module).items() if id(p) not in synced]
+        unsynced = [fqn for fqn, p in params.items() if id(p) not in synced]
         paths += [(layout.MODEL_KEY, fqn) for fqn in unsynced if fqn in model]
         for i, state in enumerate(checkpoint.get(layout.OPTIMIZER_KEY, ())):
             held = state.get("state", {}) if isinstance(state, Mapping) else {}

@@ -19,6 +19,7 @@ checkpoint (:mod:`~lightning_dcp.engine.state.optimizer_target`) and applied wit
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from typing import Any
 
@@ -89,12 +90,43 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
                 return built
         _OPTIMIZERS.pop(optimizer, None)
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    _warn_per_rank_state(optimizer)
     if optimizer.state and module in _MODELS:
         fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
         built = _by_fqn(optimizer.state_dict(), fqns)
         if built is not None and _equal_optimizer_states(built, state):
             _OPTIMIZERS[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
     return state
+
+
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_per_rank_state(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per kind and key) of state that no checkpoint can reshard: a sharded parameter's per-rank tensor.
+
+    torch.optim's optimizers keep a DTensor parameter's state as DTensors (``zeros_like(param)``), which DCP writes
+    shard by shard. A plain tensor of the shape of this rank's shard is each rank's own: DCP writes one rank's copy
+    under its key, so no resume, at any world size, gives every rank its own back
+    (:func:`~lightning_dcp.engine.state.optimizer_restore.load_optimizer_state_dict` refuses it).
+    """
+    for param, values in optimizer.state.items():
+        if not isinstance(param, DTensor) or not isinstance(values, dict):
+            continue
+        local = tuple(param.to_local().shape)
+        for key, value in values.items():
+            if type(value) is torch.Tensor and value.dim() > 0 and tuple(value.shape) == local != tuple(param.shape):
+                found = (type(optimizer).__name__, str(key))
+                if found not in _WARNED:
+                    _WARNED.add(found)
+                    warnings.warn(
+                        f"lightning_dcp: {type(optimizer).__name__} keeps its state {key!r} of a sharded (DTensor)"
+                        f" parameter as a plain tensor of this rank's shard ({local} of {tuple(param.shape)}): each"
+                        " rank's is its own, and a checkpoint keeps one copy under its key, so no resume can restore"
+                        " it. Make the optimizer create its state as DTensors (`torch.zeros_like(param)`), or save"
+                        " with `state_dict_type='full'`.",
+                        stacklevel=3,
+                    )
 
 
 def parameters_by_fqn(module: torch.nn.Module) -> dict[str, torch.Tensor]:

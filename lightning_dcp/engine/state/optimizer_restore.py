@@ -28,7 +28,7 @@ import torch
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_dcp._compat.torch_dcp import optimizer_load_hooked
-from lightning_dcp.errors import NotACheckpointError, StateDictMismatchError
+from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError
 
 __all__ = ["check_groups", "check_kind", "load_optimizer_state_dict", "optimizer_kind"]
 
@@ -58,6 +58,7 @@ def load_optimizer_state_dict(
         NotACheckpointError: ``state`` has no valid ``param_groups``.
         StateDictMismatchError: The optimizer has another number of param groups, or groups of other sizes, than the
             saved one, or is another kind of optimizer (:func:`check_kind`); the message names both and the fix.
+        CheckpointError: A sharded parameter's state was saved as a per-rank plain tensor (the save warned).
     """
     groups = state.get("param_groups")
     if not isinstance(groups, list) or not all(
@@ -71,7 +72,7 @@ def load_optimizer_state_dict(
     saved = state.get("state") or {}
     names = [name for group in groups for name in group["params"]]
     params = [param for group in optimizer.param_groups for param in group["params"]]
-    saved = _onto_shards(saved, names, params)
+    saved = _onto_shards(saved, names, params, where)
     split = {"state": saved, "param_groups": [{**g, "params": _Members(g["params"])} for g in groups]}
     if _stock_load(optimizer):
         if _holds_optimizer_tensors(optimizer, split):
@@ -148,11 +149,17 @@ def _refuse(optimizer: torch.optim.Optimizer, saved: list[Any], where: str, what
     )
 
 
-def _onto_shards(saved: Mapping[Any, Any], names: list[Any], params: list[torch.Tensor]) -> Mapping[Any, Any]:
+def _onto_shards(
+    saved: Mapping[Any, Any], names: list[Any], params: list[torch.Tensor], where: str
+) -> Mapping[Any, Any]:
     """``saved`` with each full state tensor of a DTensor parameter's global shape cut to this rank's shard.
 
     A restore in place already holds DTensors; a single-file checkpoint holds full tensors (each rank read them
-    all), which ``distribute_tensor`` narrows locally (``src_data_rank=None``: no communication).
+    all), which ``distribute_tensor`` narrows locally (``src_data_rank=None``: no communication). A plain tensor of
+    one rank's shard's shape (a per-rank state, which no checkpoint keeps for every rank) is refused.
+
+    Raises:
+        CheckpointError: Such a per-rank state; the message names it and the fix.
     """
     sharded = {name: param for name, param in zip(names, params, strict=True) if isinstance(param, DTensor)}
     if not sharded:
@@ -163,10 +170,21 @@ def _onto_shards(saved: Mapping[Any, Any], names: list[Any], params: list[torch.
         if not isinstance(values, Mapping):
             continue
         placed = dict(values)
+        local = tuple(param.to_local().shape)
         for key, value in values.items():
-            if type(value) is torch.Tensor and value.dim() > 0 and value.shape == param.shape:
-                local = value.to(param.device_mesh.device_type)
-                placed[key] = distribute_tensor(local, param.device_mesh, param.placements, src_data_rank=None)
+            if type(value) is not torch.Tensor or value.dim() == 0:
+                continue
+            if value.shape == param.shape:
+                whole = value.to(param.device_mesh.device_type)
+                placed[key] = distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)
+            elif tuple(value.shape) == local:
+                raise CheckpointError(
+                    f"{where}: the optimizer state {key!r} of the sharded parameter {name!r} was saved as a plain"
+                    f" tensor of one rank's shard ({local} of {tuple(param.shape)}; the save warned of it): each rank"
+                    " held its own and the checkpoint keeps one copy, so it cannot be restored. Resume without this"
+                    " optimizer's state (load the weights only), and make the optimizer create its state as DTensors"
+                    " (`torch.zeros_like(param)`) or save with `state_dict_type='full'`.",
+                )
         out[name] = placed
     return out
 

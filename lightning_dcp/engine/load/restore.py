@@ -34,7 +34,7 @@ from lightning_dcp.engine.load.loading import (
     read_lightning_meta,
 )
 from lightning_dcp.engine.load.local_load import FastLoadPlanner
-from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries
+from lightning_dcp.engine.state.optimizer_target import drop_unsaved, fill_pending, saved_entries
 from lightning_dcp.engine.storage.location import Location, read_commit
 from lightning_dcp.errors import checkpoint_failure
 
@@ -141,9 +141,11 @@ def load_one(
             records = probed[0].records if probed else ahead
             loaded = Loaded(url=location.url, kind="dcp", tree={}, objects={}, in_place=True)
             loaded.saved_world_size = layout.saved_world_size(records or {})
+            state = dict(target)
             if records is not None:  # optimizer targets: the entries the checkpoint holds for them, as recorded
-                fill_pending(target, saved_entries(records=records))
-            state = _with_blobs(dict(target), loaded.saved_world_size, rank, world_size)
+                fill_pending(state, saved_entries(records=records))
+                drop_unsaved(state)
+            state = _with_blobs(state, loaded.saved_world_size, rank, world_size)
             try:
                 done = index_load.load_indexed(
                     location.path,
@@ -174,6 +176,7 @@ def load_one(
                 state = _to_lightning_layout(state, model_key)
             # optimizer targets: the entries the checkpoint holds for them (lists, ids and FQNs by their saved paths)
             fill_pending(state, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
+            drop_unsaved(state)
             state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )

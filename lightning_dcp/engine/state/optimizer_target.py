@@ -37,7 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_dcp._compat.torch_dcp import set_element
 
-__all__ = ["OptimizerTarget", "fill_pending", "no_init_step", "pending_targets", "saved_entries"]
+__all__ = ["OptimizerTarget", "drop_unsaved", "fill_pending", "no_init_step", "pending_targets", "saved_entries"]
 
 SavedEntries = Mapping[str, "tuple[torch.dtype, tuple[int, ...]] | None"]
 """Flat DCP key -> ``(dtype, global shape)`` of a saved tensor, ``None`` for a bytes entry."""
@@ -157,11 +157,35 @@ def fill_pending(tree: Mapping[str, Any], entries: SavedEntries, *, paths: Mappi
                 path = _parse(key[len(prefix) :], target)
             if path is None:
                 continue
-            set_element(target, path, b"" if entry is None else _tensor(target, path, *entry))
+            value = b"" if entry is None else _tensor(target, path, *entry)
+            if len(path) == 3 and path[0] == "state":  # a parameter's state value: most entries, set directly
+                states = target.get("state")
+                if states is None:
+                    states = target["state"] = {}
+                leaf = states.get(path[1])
+                if leaf is None:
+                    leaf = states[path[1]] = {}
+                leaf[path[2]] = value
+            else:
+                set_element(target, path, value)
             found = True
         if found:
             target.setdefault("state", {})  # DCP stores no entry for an empty ``state`` (a save before any step)
         target.filled = True
+
+
+def drop_unsaved(tree: dict[str, Any]) -> None:
+    """Remove from ``tree`` the optimizer targets for which the checkpoint held nothing (a weights-only save).
+
+    A top-level target (Fabric), or a top-level list of them (the Trainer) when every one is empty: the loaded
+    checkpoint then has no optimizer state at all, as stock Lightning's weights-only file has none (Lightning's
+    restore says so itself).
+    """
+    for key in list(tree):
+        value = tree[key]
+        targets = value if isinstance(value, list) else [value]
+        if targets and all(isinstance(t, OptimizerTarget) and t.filled and not t for t in targets):
+            del tree[key]
 
 
 def _saved_path(paths: Mapping[str, tuple] | None, key: str, base: tuple) -> tuple | None:
@@ -190,9 +214,10 @@ def _split_state(rest: str, target: OptimizerTarget) -> list[str]:
     The name is the longest FQN of the module that prefixes it, else a parameter id, else everything up to the
     last component.
     """
+    params = target.params
     end = rest.rfind(".")
     while end > 0:
-        if rest[:end] in target.params:
+        if rest[:end] in params:
             return [rest[:end], *rest[end + 1 :].split(".")]
         end = rest.rfind(".", 0, end)
     head, _, tail = rest.partition(".")

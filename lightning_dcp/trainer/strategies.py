@@ -1,10 +1,11 @@
 """Strategies whose every rank writes its own shard: ``DCPStrategyMixin`` and four ready-made strategies.
 
 ``state_dict_type="sharded"`` (the default) routes every checkpoint through :class:`DCPCheckpointIO` with all ranks
-taking part: model and optimizer state come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FQN
-keys, every optimizer), replicated tensors (DDP) are written once with the bytes spread over ranks, sharded tensors
-(DTensor) by their owners, and loading reshards to the current world size. ``"full"`` keeps Lightning's own
-behaviour of the parent strategy (one consolidated file written by rank 0).
+taking part: the model state is ``get_model_state_dict``'s (FQN keys) and each optimizer's is its
+``optimizer.state_dict()`` keyed by FQN (restored with its own ``load_state_dict``: torch.optim's semantics),
+replicated tensors (DDP) are written once with the bytes spread over ranks (rank 0's copy of those that may differ
+between ranks), sharded tensors (DTensor) by their owners, and loading reshards to the current world size. ``"full"``
+keeps Lightning's own behaviour of the parent strategy (one consolidated file written by rank 0).
 
 Importing ``lightning_dcp`` registers ``"dcp_single_device"``, ``"dcp_ddp"``, ``"dcp_fsdp"`` and
 ``"dcp_model_parallel"`` in Lightning's strategy registry, so ``Trainer(strategy="dcp_ddp")`` works.

@@ -49,13 +49,11 @@ __all__ = [
     "build_state",
     "fqns_to_param_ids",
     "require_trainer_layout",
-    "param_ids_to_fqns",
     "restore_lists",
     "join_checkpoint",
     "list_paths",
     "metadata_target",
     "saved_optimizer_count",
-    "saved_optimizer_ids",
     "saved_world_size",
     "split_checkpoint",
     "tree_roles",
@@ -368,21 +366,6 @@ def join_checkpoint(
     return checkpoint
 
 
-def saved_optimizer_ids(metadata: Metadata) -> dict[int, bool]:
-    """``{optimizer index: keyed by parameter ids}`` of a checkpoint's ``optimizer_states`` entries.
-
-    ``True`` where the saved state is keyed by integer parameter ids (written from ``optimizer.state_dict()`` under a
-    stock strategy), ``False`` where keyed by FQN (``get_optimizer_state_dict``) or where the state is empty.
-    """
-    found: dict[int, bool] = {}
-    for key, path in (metadata.planner_data or {}).items():
-        if len(path) >= 2 and path[0] == OPTIMIZER_KEY and key in metadata.state_dict_metadata:
-            index = int(path[1])
-            ids = len(path) >= 4 and path[2] == "state" and str(path[3]).isdigit()
-            found[index] = found.get(index, False) or ids
-    return found
-
-
 def saved_optimizer_count(metadata: Metadata) -> int:
     """How many optimizers' states a checkpoint holds (0 for a weights-only checkpoint)."""
     indices = {int(path[1]) for path in (metadata.planner_data or {}).values() if path and path[0] == OPTIMIZER_KEY}
@@ -437,27 +420,6 @@ def metadata_target(metadata: Metadata, *, prefixes: tuple[str, ...] | None = No
         else:
             target[key] = value
     return target
-
-
-def param_ids_to_fqns(
-    state: Mapping[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Re-key an ``optimizer.state_dict()`` (integer ids) by parameter FQN, for ``set_optimizer_state_dict``.
-
-    Ids follow the order of ``optimizer.param_groups`` (as ``torch.optim.Optimizer.load_state_dict`` assumes).
-    """
-    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    if len(saved) != len(order):
-        raise CheckpointError(
-            f"The checkpoint's optimizer state covers {len(saved)} parameters but the optimizer has {len(order)}."
-        )
-    fqn_of = dict(zip(saved, order, strict=True))
-    return {
-        "state": {fqn_of[i]: v for i, v in state.get("state", {}).items()},
-        "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
 
 
 def fqns_to_param_ids(state: Mapping[str, Any], *, where: str = "The checkpoint") -> dict[str, Any]:

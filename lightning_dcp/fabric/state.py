@@ -28,7 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict, parameters_by_fqn
+from lightning_dcp.engine.state.module_state import (
+    model_state_dict,
+    optimizer_state_dict,
+    optimizer_target,
+    parameters_by_fqn,
+)
 from lightning_dcp.engine.state.optimizer_restore import check_groups, check_kind, optimizer_kind
 from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
@@ -304,9 +309,10 @@ def load_targets(
             targets.modules[key] = modules[key]
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
-            target = OptimizerTarget.of(parameters_by_fqn(owner), obj)  # made from what the checkpoint holds
+            target = optimizer_target(owner, obj)  # made from what the checkpoint holds
             fill_pending({key: target}, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
-            _check_optimizer(path, key, obj, target, (kinds or {}).get(key))
+            if isinstance(target, OptimizerTarget):  # not FSDP1's (DCP's own, checked by DCP)
+                _check_optimizer(path, key, obj, target, (kinds or {}).get(key))
             targets.tree[key] = target
             targets.optimizers[key] = (owner, obj)
         elif key not in roles.modules and key not in roles.optimizers:

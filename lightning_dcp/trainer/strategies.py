@@ -44,10 +44,10 @@ from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
     model_state_dict,
     optimizer_state_dict,
+    optimizer_target,
     parameters_by_fqn,
 )
 from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict, optimizer_kind
-from lightning_dcp.engine.state.optimizer_target import OptimizerTarget
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.ddp_resume import SyncAfterRestore
@@ -321,9 +321,8 @@ class DCPStrategyMixin:
         module = self._dcp_module()
         target: dict[str, Any] = {layout.MODEL_KEY: model_state_dict(module)}
         trainer = self.lightning_module.trainer
-        if self.optimizers and trainer.state.fn == TrainerFn.FITTING:  # built from what the checkpoint holds
-            params = parameters_by_fqn(module)
-            target[layout.OPTIMIZER_KEY] = [OptimizerTarget.of(params, optimizer) for optimizer in self.optimizers]
+        if self.optimizers and trainer.state.fn == TrainerFn.FITTING:  # made from what the checkpoint holds
+            target[layout.OPTIMIZER_KEY] = [optimizer_target(module, optimizer) for optimizer in self.optimizers]
         self._dcp_loaded_from = str(checkpoint_path)
         checkpoint = self._dcp_io.load_checkpoint(
             checkpoint_path,

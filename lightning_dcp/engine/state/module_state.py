@@ -34,9 +34,16 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_dcp._compat.torch_dcp import ShardedTensor, own_state_tensors, parameter_fqns
-from lightning_dcp.engine.state.optimizer_target import no_init_step
+from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, no_init_step
 
-__all__ = ["load_model_state_dict", "model_state_dict", "optimizer_state_dict", "parameters_by_fqn"]
+__all__ = [
+    "has_fsdp1",
+    "load_model_state_dict",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "optimizer_target",
+    "parameters_by_fqn",
+]
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
@@ -127,6 +134,18 @@ def _warn_per_rank_state(optimizer: torch.optim.Optimizer) -> None:
                         " with `state_dict_type='full'`.",
                         stacklevel=3,
                     )
+
+
+def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The restore target of ``optimizer``, made by the read from what the checkpoint holds.
+
+    An empty :class:`~lightning_dcp.engine.state.optimizer_target.OptimizerTarget`. Under FSDP1 (flat parameters,
+    GPU only) DCP's own target (:func:`optimizer_state_dict`) and restore are kept: FSDP's optimizer state API maps
+    its flat parameters.
+    """
+    if _has_fsdp1(module):
+        return optimizer_state_dict(module, optimizer)
+    return OptimizerTarget.of(parameters_by_fqn(module), optimizer)
 
 
 def parameters_by_fqn(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -265,8 +284,12 @@ def _plain(values: Any) -> bool:
     return not any(isinstance(v, (DTensor, ShardedTensor)) for v in values)
 
 
-def _has_fsdp1(module: torch.nn.Module) -> bool:
+def has_fsdp1(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds FSDP1 (``FullyShardedDataParallel``) wrappers."""
     return any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+
+
+_has_fsdp1 = has_fsdp1
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -15,6 +15,9 @@ after the callbacks that add them, as Lightning orders it).
 Two shortcuts give exactly ``load_state_dict``'s result without its per-tensor work, and only where nothing can
 differ: a stock ``load_state_dict`` without hooks, no ``fused``/``capturable`` group, and state values that are
 the optimizer's own tensors (a restore in place) or tensors that its casts would return unchanged.
+
+Under FSDP1 (flat parameters; GPU only) DCP's ``set_optimizer_state_dict`` is kept, as its targets are
+(:func:`~lightning_dcp.engine.state.module_state.optimizer_target`).
 """
 
 from __future__ import annotations
@@ -25,9 +28,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_dcp._compat.torch_dcp import optimizer_load_hooked
+from lightning_dcp._compat.torch_dcp import ShardedTensor, optimizer_load_hooked
+from lightning_dcp.engine.state.module_state import has_fsdp1
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, StateDictMismatchError
 
 __all__ = ["check_groups", "check_kind", "load_optimizer_state_dict", "optimizer_kind"]
@@ -60,6 +65,10 @@ def load_optimizer_state_dict(
             saved one, or is another kind of optimizer (:func:`check_kind`); the message names both and the fix.
         CheckpointError: A sharded parameter's state was saved as a per-rank plain tensor (the save warned).
     """
+    if has_fsdp1(module):  # FSDP's optimizer state API maps its flat parameters (DCP's own restore, as before)
+        full = not any(isinstance(v, (DTensor, ShardedTensor)) for v in _leaves(state.get("state", {})))
+        set_optimizer_state_dict(module, optimizer, dict(state), options=StateDictOptions(full_state_dict=full))
+        return
     groups = state.get("param_groups")
     if not isinstance(groups, list) or not all(
         isinstance(g, Mapping) and isinstance(g.get("params"), list) for g in groups
@@ -127,6 +136,12 @@ def check_groups(
     if len(groups) != len(optimizer.param_groups):
         saved = [len(g["params"]) if isinstance(g.get("params"), list) else "?" for g in groups]
         _refuse(optimizer, saved, where, what)
+
+
+def _leaves(value: Any) -> list[Any]:
+    if isinstance(value, Mapping):
+        return [leaf for item in value.values() for leaf in _leaves(item)]
+    return [value]
 
 
 def _check_groups(optimizer: torch.optim.Optimizer, groups: list[Mapping[str, Any]], where: str) -> None:

@@ -159,29 +159,29 @@ def _one(setup: Setup, root: str, world_size: int, kind: str, saved_at: int, res
     return out
 
 
-def run_fabric_zoo(rank: int, world_size: int, root: str, names: list[str], kind: str) -> None:
-    """Run each named setup through Fabric (see the module docstring); record this rank's results under ``root``.
+def run_fabric_zoo(rank: int, world_size: int, root: str, names: dict[str, list[str]]) -> None:
+    """Run the named setups of each kind through Fabric (see the module docstring); record this rank's results.
 
-    ``kind``: ``"ddp"`` (stock against ours at ``world_size``: single device at 1), ``"fsdp2"`` (ours under FSDP2),
-    ``"reshard"`` (at ``world_size``, the 2-rank ``"ddp"`` and ``"fsdp2"`` saves).
+    ``names``: per kind, the setups: ``"ddp"`` (stock against ours at ``world_size``: single device at 1),
+    ``"fsdp2"`` (ours under FSDP2), ``"reshard"`` (at ``world_size``, the 2-rank ``"ddp"`` and ``"fsdp2"`` saves).
+    Every kind runs in this one process group.
     """
     assert zoo.__name__  # the setups are registered by importing the zoo
-    results: dict[str, Any] = {}
-    for name in names:
-        setup = SETUPS[name]()
-        try:
-            if kind == "reshard":
-                results[name] = {
-                    "ddp": _one(setup, root, world_size, "ddp", 2, True),
-                    "fsdp2": _one(setup, root, world_size, "fsdp2", 2, True) if setup.fsdp2 else None,
-                }
-            elif kind == "fsdp2" and not setup.fsdp2:
-                continue
-            else:
-                results[name] = _one(setup, root, world_size, kind, world_size, False)
-        except BaseException:  # noqa: BLE001 - recorded and reported by the test, per setup
-            results[name] = {"error": traceback.format_exc()}
-    torch.save(results, os.path.join(root, f"fabric-{kind}-ws{world_size}-rank{rank}.pt"))
+    for kind, chosen in names.items():
+        results: dict[str, Any] = {}
+        for name in chosen:
+            setup = SETUPS[name]()
+            try:
+                if kind == "reshard":
+                    results[name] = {
+                        "ddp": _one(setup, root, world_size, "ddp", 2, True),
+                        "fsdp2": _one(setup, root, world_size, "fsdp2", 2, True) if setup.fsdp2 else None,
+                    }
+                else:
+                    results[name] = _one(setup, root, world_size, kind, world_size, False)
+            except BaseException:  # noqa: BLE001 - recorded and reported by the test, per setup
+                results[name] = {"error": traceback.format_exc()}
+        torch.save(results, os.path.join(root, f"fabric-{kind}-ws{world_size}-rank{rank}.pt"))
 
 
 def load_fabric_results(root: str, kind: str, world_size: int, rank: int) -> dict[str, Any]:

@@ -128,35 +128,37 @@ def _fit(setup: Setup, world_size: int, strategy: str, dirpath: str, *, ckpt_pat
     return probe
 
 
-def run_zoo(rank: int, world_size: int, root: str, names: list[str], mode: str) -> None:
-    """Run each named setup (see the module docstring); record the results of this rank under ``root``.
+def run_zoo(rank: int, world_size: int, root: str, names: dict[str, list[str]]) -> None:
+    """Run the named setups of each mode (see the module docstring); record the results of this rank under ``root``.
 
-    ``mode``: ``"train"`` (train, save and resume at ``world_size``) or ``"reshard"`` (resume at ``world_size`` the
-    checkpoints a 2-rank ``"train"`` wrote).
+    ``names``: per mode, the setups: ``"train"`` (train, save and resume at ``world_size``) or ``"reshard"`` (resume
+    at ``world_size`` the checkpoints a 2-rank ``"train"`` wrote). Every mode runs in this one process group.
     """
     assert zoo.__name__  # the setups are registered by importing the zoo
-    results: dict[str, Any] = {}
-    for name in names:
-        setup = SETUPS[name]()
-        saved_at = 2 if mode == "reshard" else world_size
-        run = os.path.join(root, name, f"ws{saved_at}")
-        stock, ours = _strategies(setup, world_size)
-        last = setup.resume_from or f"epoch={setup.epochs - 1}.ckpt"
-        out: dict[str, Any] = {}
-        try:
-            if mode == "train":
-                out["stock_full"] = _fit(setup, world_size, stock, f"{run}/stock", ckpt_path=None).final
-            probe = _fit(setup, world_size, stock, f"{run}/stock", ckpt_path=f"{run}/stock/{last}")
-            out["stock"], out["stock_loaded"], out["stock_final"] = probe.restored, probe.loaded, probe.final
-            if mode == "train":
-                out["ours_full"] = _fit(setup, world_size, ours, f"{run}/ours", ckpt_path=None).final
-            probe = _fit(setup, world_size, ours, f"{run}/ours", ckpt_path=f"{run}/ours/{last}")
-            out["ours"], out["ours_loaded"], out["ours_final"] = probe.restored, probe.loaded, probe.final
-            out = _replace(out, run)
-        except BaseException:  # noqa: BLE001 - recorded and reported by the test, per setup
-            out["error"] = traceback.format_exc()
-        results[name] = out
-    torch.save(results, os.path.join(root, f"{mode}-ws{world_size}-rank{rank}.pt"))
+    for mode, chosen in names.items():
+        results = {name: _run_setup(SETUPS[name](), world_size, root, mode) for name in chosen}
+        torch.save(results, os.path.join(root, f"{mode}-ws{world_size}-rank{rank}.pt"))
+
+
+def _run_setup(setup: Setup, world_size: int, root: str, mode: str) -> dict[str, Any]:
+    saved_at = 2 if mode == "reshard" else world_size
+    run = os.path.join(root, setup.name, f"ws{saved_at}")
+    stock, ours = _strategies(setup, world_size)
+    last = setup.resume_from or f"epoch={setup.epochs - 1}.ckpt"
+    out: dict[str, Any] = {}
+    try:
+        if mode == "train":
+            out["stock_full"] = _fit(setup, world_size, stock, f"{run}/stock", ckpt_path=None).final
+        probe = _fit(setup, world_size, stock, f"{run}/stock", ckpt_path=f"{run}/stock/{last}")
+        out["stock"], out["stock_loaded"], out["stock_final"] = probe.restored, probe.loaded, probe.final
+        if mode == "train":
+            out["ours_full"] = _fit(setup, world_size, ours, f"{run}/ours", ckpt_path=None).final
+        probe = _fit(setup, world_size, ours, f"{run}/ours", ckpt_path=f"{run}/ours/{last}")
+        out["ours"], out["ours_loaded"], out["ours_final"] = probe.restored, probe.loaded, probe.final
+        out = _replace(out, run)
+    except BaseException:  # noqa: BLE001 - recorded and reported by the test, per setup
+        out["error"] = traceback.format_exc()
+    return out
 
 
 def _replace(value: Any, run: str) -> Any:

@@ -27,15 +27,8 @@ def fabric_root(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_rank(fabric_root: str) -> list[dict]:
-    spawn(run_fabric_zoo, 1, fabric_root, NAMES, "ddp", timeout=900)
-    return [load_fabric_results(fabric_root, "ddp", 1, 0)]
-
-
-@pytest.fixture(scope="module")
 def two_ranks(fabric_root: str) -> list[dict]:
-    spawn(run_fabric_zoo, 2, fabric_root, TWO_RANKS, "ddp", timeout=900)
-    spawn(run_fabric_zoo, 2, fabric_root, FSDP2, "fsdp2", timeout=900)
+    spawn(run_fabric_zoo, 2, fabric_root, {"ddp": TWO_RANKS, "fsdp2": FSDP2}, timeout=900)
     return [
         {**load_fabric_results(fabric_root, "ddp", 2, r), "fsdp2": load_fabric_results(fabric_root, "fsdp2", 2, r)}
         for r in range(2)
@@ -43,9 +36,20 @@ def two_ranks(fabric_root: str) -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def resharded(fabric_root: str, two_ranks: list[dict]) -> list[dict]:
-    spawn(run_fabric_zoo, 1, fabric_root, TWO_RANKS, "reshard", timeout=900)
-    return [load_fabric_results(fabric_root, "reshard", 1, 0)]
+def one_rank_runs(fabric_root: str, two_ranks: list[dict]) -> str:
+    """One process: every setup at 1 rank, and the 2-rank saves loaded (resharded)."""
+    spawn(run_fabric_zoo, 1, fabric_root, {"ddp": NAMES, "reshard": TWO_RANKS}, timeout=900)
+    return fabric_root
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_runs: str) -> list[dict]:
+    return [load_fabric_results(one_rank_runs, "ddp", 1, 0)]
+
+
+@pytest.fixture(scope="module")
+def resharded(one_rank_runs: str) -> list[dict]:
+    return [load_fabric_results(one_rank_runs, "reshard", 1, 0)]
 
 
 def _check(out: dict, where: str, *, reference: str, final: bool) -> None:

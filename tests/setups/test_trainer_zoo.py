@@ -26,21 +26,26 @@ def zoo_root(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_rank(zoo_root: str) -> list[dict]:
-    spawn(run_zoo, 1, zoo_root, NAMES, "train", timeout=900)
-    return [load_results(zoo_root, "train", 1, 0)]
-
-
-@pytest.fixture(scope="module")
 def two_ranks(zoo_root: str) -> list[dict]:
-    spawn(run_zoo, 2, zoo_root, TWO_RANKS, "train", timeout=900)
+    spawn(run_zoo, 2, zoo_root, {"train": TWO_RANKS}, timeout=900)
     return [load_results(zoo_root, "train", 2, rank) for rank in range(2)]
 
 
 @pytest.fixture(scope="module")
-def resharded(zoo_root: str, two_ranks: list[dict]) -> list[dict]:
-    spawn(run_zoo, 1, zoo_root, TWO_RANKS, "reshard", timeout=900)
-    return [load_results(zoo_root, "reshard", 1, 0)]
+def one_rank_runs(zoo_root: str, two_ranks: list[dict]) -> str:
+    """One process: every setup trained and resumed at 1 rank, and the 2-rank checkpoints resumed (resharded)."""
+    spawn(run_zoo, 1, zoo_root, {"train": NAMES, "reshard": TWO_RANKS}, timeout=900)
+    return zoo_root
+
+
+@pytest.fixture(scope="module")
+def one_rank(one_rank_runs: str) -> list[dict]:
+    return [load_results(one_rank_runs, "train", 1, 0)]
+
+
+@pytest.fixture(scope="module")
+def resharded(one_rank_runs: str) -> list[dict]:
+    return [load_results(one_rank_runs, "reshard", 1, 0)]
 
 
 def _check(results: list[dict], name: str, *, final: bool) -> None:

@@ -1,5 +1,6 @@
-"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``gpu``, ``lint``, ``bench``,
-``chaos`` (the fault-injection campaign), ``exits`` (the exit campaign), ``docs`` (the API reference).
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``zoo`` (every training setup),
+``gpu``, ``lint``, ``bench``, ``chaos`` (the fault-injection campaign), ``exits`` (the exit campaign), ``docs`` (the
+API reference).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -42,6 +43,15 @@ def tests(session: nox.Session) -> None:
     session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", "--durations=15", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def zoo(session: nox.Session) -> None:
+    """The whole zoo of training setups (tests/setups, docs/setups.md): each one resumed through lightning_dcp and
+    compared bit for bit with stock Lightning's resume, Trainer and Fabric, at 1 and 2 ranks, resharded 2 -> 1 and
+    under FSDP2 (about 4 minutes on 2 cores). The default test run takes a slice of it (the setups marked ``ci``)."""
+    _install(session, "test")
+    session.run("python", "-m", "pytest", "-q", "tests/setups", *session.posargs, env={"LIGHTNING_DCP_ZOO": "all"})
 
 
 @nox.session(python=PYTHON)

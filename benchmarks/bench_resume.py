@@ -26,7 +26,7 @@ while it restores) and the first step's own spread (about 1 s for ``bert`` on 2 
 ``phases`` (``load`` only): per resume, the slowest rank's seconds in each part of our restore up to
 ``on_train_start``, found by wrapping the functions the strategy calls (in the child processes only; the library has
 no timers), each without the full collections that ran inside it:
-``target`` (the model's and optimizers' targets: ``model_state_dict``, ``optimizer_state_dict``), ``probe``
+``target`` (the model's and optimizers' targets: ``model_state_dict``, ``parameters_by_fqn``), ``probe``
 (which checkpoint, its ``.commit``/metadata), ``plan`` (the record index's plan), ``read`` (reading and checking
 the records into the targets), ``dcp`` (the general DCP load, where the index declines), ``apply``
 (``load_model_state_dict``, ``load_optimizer_state_dict``), ``gc`` (full collections from ``setup`` to
@@ -102,7 +102,7 @@ def _instrument(strategy: Any, collections: _Collections) -> _Clock:
     from lightning_dcp.trainer import strategies
 
     clock = _Clock(collections)
-    for name in ("model_state_dict", "optimizer_state_dict"):
+    for name in ("model_state_dict", "parameters_by_fqn"):  # the optimizers' targets: their parameters by FQN
         clock.wrap(strategies, name, "target")
     for name in ("load_model_state_dict", "load_optimizer_state_dict"):
         if hasattr(strategies, name):

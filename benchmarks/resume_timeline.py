@@ -84,7 +84,7 @@ def task_timeline(
     from lightning_dcp.trainer import strategies
 
     wrap(page_cache, "_fill", "prefetch")
-    for name, tag in (("model_state_dict", "target-model"), ("optimizer_state_dict", "target-optimizer")):
+    for name, tag in (("model_state_dict", "target-model"), ("parameters_by_fqn", "target-optimizer")):
         wrap(strategies, name, tag)
     for name, tag in (("load_model_state_dict", "apply-model"), ("load_optimizer_state_dict", "apply-optimizer")):
         wrap(strategies, name, tag)

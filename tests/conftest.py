@@ -20,7 +20,7 @@ def _restore_environ():
         os.environ.update(saved)
 
 
-_TIER_ORDER = ("unit", "lightning_suite", "integration", "distributed", "chaos", "gpu")
+_TIER_ORDER = ("unit", "lightning_suite", "integration", "distributed", "setups", "chaos", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -57,6 +57,7 @@ __all__ = [
     "narrow_tensor_by_index",
     "optimizer_load_hooked",
     "own_state_tensors",
+    "parameter_fqns",
     "rebuild_tensor",
     "rebuild_tensor_v3",
     "set_element",
@@ -209,3 +210,20 @@ def sync_module_states(module: torch.nn.Module, *, process_group: Any, skip: fro
         src=0,
         params_and_buffers_to_ignore=skip,
     )
+
+
+def parameter_fqns(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` under each of its DCP FQNs (``get_optimizer_state_dict``'s names).
+
+    The names ``module.named_parameters(remove_duplicate=False)`` gives, with DCP's ``_get_fqns`` applied: the DDP
+    ``module.`` prefix, ``torch.compile``'s ``_orig_mod.`` and activation-checkpoint wrappers' prefixes removed, a
+    module's ``_fqn_modifiers`` honoured (torch 2.13's private helper). A tied parameter is listed under each name.
+    FSDP1's flat parameters are not resolved here (DCP maps them through FSDP's own optimizer state API).
+    """
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    out: dict[str, torch.Tensor] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        for fqn in _get_fqns(module, name):
+            out.setdefault(fqn, param)
+    return out

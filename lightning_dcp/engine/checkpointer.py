@@ -172,6 +172,7 @@ class Checkpointer:
         collective: bool = False,
         volatile: Iterable[torch.Tensor] | None = None,
         step: int | None = None,
+        from_rank0: Iterable[tuple[str, ...]] = (),
     ) -> None:
         """Write ``tree`` (and the blobs) as a DCP directory at ``path`` and commit it.
 
@@ -190,6 +191,11 @@ class Checkpointer:
                 before this returns.
             step: The training step (Lightning's ``global_step``), recorded in ``.commit`` beside the directory's save
                 counter: together they order the checkpoints of a directory (``ckpt_path="last"``), never a clock.
+            from_rank0: Paths in ``tree`` of replicated values that may differ between ranks (module buffers): rank
+                0's copy is written (:func:`~lightning_dcp.engine.format.layout.build_state`). Replicated values of
+                other paths are written once, spread over the ranks that hold them, as long as the ranks' non-tensor
+                values agree; where those differ (a learning rate set by a per-rank scheduler) rank 0 writes every
+                replicated value (:func:`~lightning_dcp.engine.save.saving.prepare`).
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -205,7 +211,7 @@ class Checkpointer:
         waited = self._await_pending(collective)  # the previous save's wait, counted on its record
         self._call_began = called + waited
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
-            self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step)
+            self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step, from_rank0)
 
     def _save(self, *args: Any) -> None:
         transaction.save(self, *args)

@@ -56,6 +56,7 @@ def save(
     collective: bool,
     volatile: Iterable[torch.Tensor] | None,
     step: int | None,
+    from_rank0: Iterable[tuple[str, ...]] = (),
 ) -> None:
     """The save of :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`: write, then commit or clean up.
 
@@ -76,6 +77,7 @@ def save(
             info={**(info or {}), **versions()},
             collective=collective,
             step=step,
+            from_rank0=from_rank0,
         )
         return
     if is_internal_name(location.name):
@@ -156,7 +158,12 @@ def save(
         cp.incremental.attach(writer, previous=previous, local=location.local)
     try:
         state = layout.build_state(
-            tree, objects=objects if rank == 0 else None, info=info, rank=rank, rank_objects=rank_objects
+            tree,
+            objects=objects if rank == 0 else None,
+            info=info,
+            rank=rank,
+            rank_objects=rank_objects,
+            from_rank0=from_rank0,
         )
         if cp._async is not None:
             cp._async.start(

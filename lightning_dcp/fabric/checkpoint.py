@@ -24,17 +24,13 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
 from lightning.fabric.wrappers import _FabricOptimizer
 from lightning_utilities.core.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -54,7 +50,8 @@ from lightning_dcp.engine import (
     torch_load_error,
 )
 from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, reshards_itself
-from lightning_dcp.engine.state.module_state import load_model_state_dict, load_optimizer_state_dict
+from lightning_dcp.engine.state.module_state import load_model_state_dict
+from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict
 from lightning_dcp.engine.state.rng import collect_rng_states, resume_rng_states
 from lightning_dcp.engine.tiers import memory_io, recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
@@ -64,6 +61,7 @@ from lightning_dcp.fabric.state import (
     is_stateful,
     load_targets,
     owner_of,
+    rank0_paths,
     saved_keys,
     split_state,
     unwrap,
@@ -80,8 +78,12 @@ def save_state(
     filters: Mapping[str, Callable[[str, Any], bool]] | None = None,
     info: Mapping[str, Any] | None = None,
     storage_options: dict[str, Any] | None = None,
+    synced: Collection[int] | None = None,
 ) -> None:
     """Save a Fabric state dict as a DCP checkpoint at ``path``; every rank writes its part.
+
+    ``synced``: the ids of the parameters DDP all-reduces (``None``: not under DDP); the others are written from
+    rank 0 (:func:`~lightning_dcp.fabric.state.rank0_paths`).
 
     Collective: call on all ranks with the same ``path``.
 
@@ -106,6 +108,7 @@ def save_state(
         storage_options=storage_options,
         collective=True,
         volatile=_volatile(state, tree, layout_info),
+        from_rank0=rank0_paths(state, tree, layout_info, synced=synced),
         step=next((v for k in _STEP_KEYS if isinstance(v := state.get(k), int) and not isinstance(v, bool)), None),
     )
 
@@ -210,7 +213,9 @@ def _load_one(
         _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
         return {}
     loaders = _loader_states(found.url, state, head, info.get(LOADERS_INFO, []))  # refused before anything loads
-    remainder = _load_dict(checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders)
+    remainder = _load_dict(
+        checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders, info
+    )
     for key, value in loaders.items():
         if key in state:
             state[key].load_state_dict(value)
@@ -318,12 +323,14 @@ def _load_dict(
     strict: bool,
     weights_only: bool,
     loaders: Mapping[str, Any],
+    info: Mapping[str, Any],
 ) -> dict[str, Any]:
     saved = saved_keys(metadata)
     objects = dict(head.objects)
     check_requested(url, state, [*saved, *objects, *loaders], strict=strict)
     unasked = [k for k in saved if k not in state and k not in roles.modules and k not in roles.optimizers]
-    targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked)
+    kinds, lists = info.get(layout.OPTIMIZER_KINDS, {}), info.get(layout.OPTIMIZER_LISTS, {})
+    targets = load_targets(url, state, metadata, roles=roles, strict=strict, extra_keys=unasked, kinds=kinds)
     tree: dict[str, Any] = {}
     if targets.tree:
         only = list(targets.tree)
@@ -333,8 +340,9 @@ def _load_dict(
         tree = loaded.tree
     for key, module in targets.modules.items():  # filled in place: DCP's set_* where they do more than copy
         load_model_state_dict(module, tree[key], strict=False)
-    for key, (owner, optimizer) in targets.optimizers.items():
-        load_optimizer_state_dict(owner, optimizer, tree[key])
+    for key, (owner, optimizer) in targets.optimizers.items():  # torch.optim's semantics: its own load_state_dict
+        layout.restore_lists(tree[key], lists.get(key, ()))
+        load_optimizer_state_dict(owner, optimizer, tree[key], where=url)
     remainder = objects
     for key, obj in list(state.items()):
         if key in targets.modules or key in targets.optimizers:
@@ -414,11 +422,8 @@ def _load_file(
             _expect_state_dict(location.url, repr(key), value)
         if isinstance(obj, Module):
             set_model_state_dict(modules[key], value, options=full)
-        elif isinstance(obj, Optimizer):
-            owner = owner_of(key, obj, modules)
-            if layout.optimizer_layout([value]) == layout.PARAM_ID:
-                value = layout.param_ids_to_fqns(value, owner, obj)
-            set_optimizer_state_dict(owner, obj, value, options=StateDictOptions(full_state_dict=True))
+        elif isinstance(obj, Optimizer):  # full tensors (ids or FQNs): cut to this rank's shards where sharded
+            load_optimizer_state_dict(owner_of(key, obj, modules), obj, value, where=location.url)
         else:
             _restore(state, key, obj, value)
     return checkpoint

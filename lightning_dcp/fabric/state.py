@@ -4,7 +4,8 @@
 in the checkpoint (see :mod:`lightning_dcp.engine.format.layout`):
 
 - a module: its ``get_model_state_dict`` (FQN keys; DTensor shards stay sharded), a DCP entry per tensor;
-- an optimizer: its ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN);
+- an optimizer: its ``optimizer.state_dict()`` keyed by parameter FQN (``get_optimizer_state_dict``'s layout: state
+  only for the parameters that have it, every param group with all its options);
 - any other value holding tensors (a tensor, or a dict of tensors and plain values, also from an object's
   ``state_dict()``): DCP entries;
 - everything else: the rank-0 blob, as ``torch.save`` would keep it.
@@ -16,7 +17,7 @@ applies it (a key left without any item is not saved).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -26,10 +27,15 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_dcp._compat.torch_dcp import flatten_state_dict
 from lightning_dcp.engine import layout
-from lightning_dcp.engine.state.module_state import model_state_dict, optimizer_state_dict
-from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries
+from lightning_dcp.engine.state.module_state import (
+    model_state_dict,
+    optimizer_state_dict,
+    optimizer_target,
+    parameters_by_fqn,
+)
+from lightning_dcp.engine.state.optimizer_restore import check_groups, check_kind, optimizer_kind
+from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, fill_pending, saved_entries
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = [
@@ -39,6 +45,7 @@ __all__ = [
     "is_stateful",
     "load_targets",
     "owner_of",
+    "rank0_paths",
     "saved_keys",
     "split_state",
     "unwrap",
@@ -135,6 +142,8 @@ def split_state(
     tree: dict[str, Any] = {}
     objects: dict[str, Any] = {}
     roles: dict[str, list[str]] = {layout.MODULES_INFO: [], layout.OPTIMIZERS_INFO: []}
+    lists: dict[str, list[list[str]]] = {}
+    kinds: dict[str, list[str]] = {}
     for key, obj in state.items():
         role = None
         if isinstance(obj, Module):
@@ -150,12 +159,53 @@ def split_state(
         if role is not None:
             tree[key] = value
             roles[role].append(key)
+            if role == layout.OPTIMIZERS_INFO:
+                kinds[key] = optimizer_kind(obj)
+                if found := layout.list_paths(value):
+                    lists[key] = found
         elif all(_tensor_tree(value)):
             tree[key] = value
         else:
             objects[key] = value
-    info = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
+    info: dict[str, Any] = {"front_end": FRONT_END, **roles, "optimizer_layout": layout.FQN}
+    if lists:
+        info[layout.OPTIMIZER_LISTS] = lists
+    if kinds:
+        info[layout.OPTIMIZER_KINDS] = kinds
     return tree, objects, info
+
+
+def rank0_paths(
+    state: Mapping[str, Any],
+    tree: Mapping[str, Any],
+    info: Mapping[str, Any],
+    *,
+    synced: Collection[int] | None = None,
+) -> list[tuple[Any, ...]]:
+    """The paths in ``tree`` whose values rank 0 writes (:func:`~lightning_dcp.engine.format.layout.build_state`).
+
+    Each module's buffers (BatchNorm statistics differ between DDP's broadcasts at each forward), every entry that is
+    neither a module's nor an optimizer's state (tensors a user keeps, which may differ between ranks) and, given
+    ``synced`` (the ids of the parameters DDP all-reduces), the other parameters with their optimizer state (frozen
+    when DDP wrapped the module, trained apart on each rank since): stock Fabric writes rank 0's copy of all of these.
+    """
+    paths: list[tuple[Any, ...]] = []
+    modules = info.get(layout.MODULES_INFO, ())
+    for key in modules:
+        module, saved = state.get(key), tree.get(key, {})
+        if not isinstance(module, Module):
+            continue
+        params = parameters_by_fqn(unwrap(module))
+        paths += [(key, name) for name in saved if name not in params]  # buffers (and modules' extra state)
+        if synced is None or all(id(p) in synced for p in params.values()):
+            continue
+        unsynced = [fqn for fqn, p in params.items() if id(p) not in synced]
+        paths += [(key, fqn) for fqn in unsynced if fqn in saved]
+        for name in info.get(layout.OPTIMIZERS_INFO, ()):
+            held = tree.get(name, {}).get("state", {})
+            paths += [(name, "state", fqn) for fqn in unsynced if fqn in held]
+    held_keys = {*modules, *info.get(layout.OPTIMIZERS_INFO, ())}
+    return paths + [(key,) for key in tree if key not in held_keys]
 
 
 # ------------------------------------------------------------------------------------------------------- load
@@ -227,6 +277,7 @@ def load_targets(
     roles: layout.TreeRoles,
     strict: bool,
     extra_keys: Iterable[str] = (),
+    kinds: Mapping[str, list[str]] | None = None,
 ) -> Targets:
     """Build the in-place load targets for ``state`` and check them against the checkpoint before anything loads.
 
@@ -237,13 +288,15 @@ def load_targets(
         roles: Which of its keys are modules and optimizers.
         strict: Module keys must match exactly (otherwise the shared ones load); optimizers always must.
         extra_keys: Further tree keys to read as full CPU tensors (values not in ``state``, for the remainder).
+        kinds: Per optimizer key, the saved optimizer's kind (the checkpoint's info), to refuse another kind.
 
-    Collective: call on all ranks (``get_optimizer_state_dict`` may run collectives). An optimizer without state
-    yet is not stepped: its target holds the state tensors the checkpoint records
-    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`).
+    Collective: call on all ranks. An optimizer's target holds what the checkpoint records for it
+    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`), whatever the optimizer holds now; it is
+    applied with the optimizer's own ``load_state_dict`` once read.
 
     Raises:
-        StateDictMismatchError: Keys (``strict``), shapes or dtypes differ; the message names them.
+        StateDictMismatchError: Keys (``strict``), shapes or dtypes differ, or an optimizer has another number of
+            param groups than its saved state; the message names them.
     """
     saved = saved_keys(metadata)
     modules = {k: unwrap(v) for k, v in state.items() if isinstance(v, Module)}
@@ -256,10 +309,11 @@ def load_targets(
             targets.modules[key] = modules[key]
         elif isinstance(obj, Optimizer):
             owner = owner_of(key, obj, modules)
-            live = optimizer_state_dict(owner, obj)
-            fill_pending({key: live}, saved_entries(metadata=metadata))  # no state yet: allocate the saved state
-            _check_exact(path, key, live, saved[key])
-            targets.tree[key] = live
+            target = optimizer_target(owner, obj)  # made from what the checkpoint holds
+            fill_pending({key: target}, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
+            if isinstance(target, OptimizerTarget):  # not FSDP1's (DCP's own, checked by DCP)
+                _check_optimizer(path, key, obj, target, (kinds or {}).get(key))
+            targets.tree[key] = target
             targets.optimizers[key] = (owner, obj)
         elif key not in roles.modules and key not in roles.optimizers:
             targets.tree[key] = _full_target(metadata, key)
@@ -289,20 +343,13 @@ def _module_target(
     return {fqn: value for fqn, value in live.items() if fqn in saved_fqns}
 
 
-def _check_exact(path: str, key: str, live: dict[str, Any], saved: Mapping[str, Any]) -> None:
-    flat, _ = flatten_state_dict({key: live})
-    missing = sorted(k for k in flat if k not in saved)
-    unexpected = sorted(k for k in saved if k not in flat)
-    mismatched = _mismatched({k: (saved[k], v) for k, v in flat.items() if k in saved})
-    if missing or unexpected or mismatched:
-        raise StateDictMismatchError(
-            path,
-            missing_keys=missing,
-            unexpected_keys=unexpected,
-            mismatched=mismatched,
-            hint=f"The optimizer state under {key!r} does not fit this optimizer (other parameters, or another"
-            " optimizer type): resume with the same model and optimizer, or leave it out of the state.",
-        )
+def _check_optimizer(
+    path: str, key: str, optimizer: Optimizer, target: Mapping[str, Any], kind: list[str] | None
+) -> None:
+    """Refuse, before anything loads, an optimizer state of another kind of optimizer or number of param groups."""
+    what = f"The optimizer state under {key!r}"
+    check_kind(optimizer, kind, path, what=what)
+    check_groups(optimizer, list(target.get("param_groups", ())), path, what=what)
 
 
 def _mismatched(pairs: Mapping[str, tuple[Any, Any]]) -> dict[str, tuple]:

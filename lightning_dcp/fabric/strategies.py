@@ -13,6 +13,7 @@ registry, so ``Fabric(strategy="dcp_ddp")`` works. ``memory=MemoryTier(...)`` tu
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -173,6 +174,7 @@ class DCPStrategyMixin:
                 filters=filter,
                 info={"strategy": type(self).__name__},
                 storage_options=storage_options,
+                synced=getattr(self, "_dcp_synced", None),
             )
         if memory is not None:
             self._preemption.after_save(memory, anywhere=lambda flag: self.reduce_boolean_decision(flag, all=False))
@@ -268,10 +270,30 @@ class _ElasticAttempt:
 class DCPDDPStrategy(DCPStrategyMixin, _ElasticAttempt, DDPStrategy):
     """``DDPStrategy`` whose ranks each write a part of the replicated state.
 
-    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin].
+    See [`DCPStrategyMixin`][lightning_dcp.fabric.DCPStrategyMixin]. Replicated values that may differ between ranks
+    are written from rank 0, as stock Fabric's save writes rank 0's: buffers, tensors outside modules and optimizers,
+    and parameters DDP does not all-reduce (frozen when ``setup_module`` wrapped the module) with their optimizer
+    state.
     """
 
     strategy_name = "dcp_ddp"
+
+    @override
+    def setup_module(self, module: Module) -> Any:
+        """Wrap as DDP does, noting the parameters it all-reduces (those requiring grad now)."""
+        ignored = set(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+        alive = {k: r for k, r in getattr(self, "_dcp_synced_refs", {}).items() if r() is not None}
+        for name, param in module.named_parameters():
+            if param.requires_grad and name not in ignored:
+                alive[id(param)] = weakref.ref(param)
+        self._dcp_synced_refs = alive
+        return super().setup_module(module)
+
+    @property
+    def _dcp_synced(self) -> set[int] | None:
+        """The ids of the live parameters DDP all-reduces (of every module :meth:`setup_module` wrapped)."""
+        refs = getattr(self, "_dcp_synced_refs", None)
+        return None if refs is None else {k for k, r in refs.items() if r() is not None}
 
 
 class DCPFSDPStrategy(DCPStrategyMixin, _ElasticAttempt, FSDPStrategy):

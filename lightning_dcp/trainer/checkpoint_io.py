@@ -112,7 +112,7 @@ class DCPCheckpointIO(CheckpointIO):
         incremental: bool = False,
     ) -> None:
         check_storage_options(storage_options)
-        self.checkpointer = CheckpointerConfig(
+        self._config = CheckpointerConfig(
             storage_options=storage_options,
             thread_count=thread_count,
             sync_files=sync_files,
@@ -122,8 +122,25 @@ class DCPCheckpointIO(CheckpointIO):
             local_dir=local_dir,
             local_keep=local_keep,
             incremental=incremental,
-        ).build()
+        )
+        self.checkpointer = self._config.build()
         """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What a copy or a pickle of the plugin holds: its options, not its running engine.
+
+        ``copy.deepcopy(trainer.callbacks)`` (a progress bar refers to the Trainer) and ``torch.save(trainer)`` reach
+        the plugin, as they reach Lightning's ``TorchCheckpointIO``; the engine's threads, locks and save in flight
+        stay with the original. The copy builds an engine of its own with the same options (a memory tier attached
+        later is not carried over).
+        """
+        state = dict(self.__dict__)
+        state.pop("checkpointer", None)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.checkpointer = self._config.build()
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -166,6 +183,7 @@ class DCPCheckpointIO(CheckpointIO):
         info: Mapping[str, Any] | None = None,
         rank_state: Mapping[str, Any] | None = None,
         volatile: Iterable[torch.Tensor] | None = None,
+        from_rank0: Iterable[tuple[str, ...]] = (),
     ) -> None:
         """Write ``checkpoint`` as a DCP directory at ``path`` and commit it.
 
@@ -183,6 +201,9 @@ class DCPCheckpointIO(CheckpointIO):
                 next optimizer step (the module's buffers); staged before this returns, the other CPU tensors in the
                 background. ``None`` (Lightning's own strategies call without it): everything is staged before this
                 returns.
+            from_rank0: Paths in the checkpoint dict (``("state_dict", "bn.running_mean")``, ``("ema",)``) of
+                replicated values that may differ between ranks: rank 0's copy is written, as stock Lightning writes
+                rank 0's checkpoint dict (:meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`).
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 
@@ -204,6 +225,7 @@ class DCPCheckpointIO(CheckpointIO):
             collective=collective,
             volatile=volatile,
             step=checkpoint.get("global_step"),
+            from_rank0=from_rank0,
         )
 
     # ----------------------------------------------------------------------------------------------- load

@@ -1,10 +1,11 @@
 """Strategies whose every rank writes its own shard: ``DCPStrategyMixin`` and four ready-made strategies.
 
 ``state_dict_type="sharded"`` (the default) routes every checkpoint through :class:`DCPCheckpointIO` with all ranks
-taking part: model and optimizer state come from ``torch.distributed.checkpoint.state_dict.get_state_dict`` (FQN
-keys, every optimizer), replicated tensors (DDP) are written once with the bytes spread over ranks, sharded tensors
-(DTensor) by their owners, and loading reshards to the current world size. ``"full"`` keeps Lightning's own
-behaviour of the parent strategy (one consolidated file written by rank 0).
+taking part: the model state is ``get_model_state_dict``'s (FQN keys) and each optimizer's is its
+``optimizer.state_dict()`` keyed by FQN (restored with its own ``load_state_dict``: torch.optim's semantics),
+replicated tensors (DDP) are written once with the bytes spread over ranks (rank 0's copy of those that may differ
+between ranks), sharded tensors (DTensor) by their owners, and loading reshards to the current world size. ``"full"``
+keeps Lightning's own behaviour of the parent strategy (one consolidated file written by rank 0).
 
 Importing ``lightning_dcp`` registers ``"dcp_single_device"``, ``"dcp_ddp"``, ``"dcp_fsdp"`` and
 ``"dcp_model_parallel"`` in Lightning's strategy registry, so ``Trainer(strategy="dcp_ddp")`` works.
@@ -29,11 +30,7 @@ from lightning.pytorch.strategies import (
 )
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from typing_extensions import override
 
 from lightning_dcp._compat import lightning_hooks
@@ -46,10 +43,12 @@ from lightning_dcp._compat.lightning_run import (
 from lightning_dcp.engine import STEP_GATE, layout
 from lightning_dcp.engine.state.module_state import (
     load_model_state_dict,
-    load_optimizer_state_dict,
     model_state_dict,
     optimizer_state_dict,
+    optimizer_target,
+    parameters_by_fqn,
 )
+from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict, optimizer_kind
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.ddp_resume import SyncAfterRestore
@@ -241,7 +240,11 @@ class DCPStrategyMixin:
 
     @override
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """Sharded: ``get_optimizer_state_dict`` (state and param_groups keyed by parameter FQN)."""
+        """Sharded: ``optimizer.state_dict()`` keyed by parameter FQN (``get_optimizer_state_dict``'s layout).
+
+        State only for the parameters that have it, every param group with all its options, in the optimizer's
+        own layout: what stock Lightning saves, with names instead of ids so that a load can reshard it.
+        """
         if not self._dcp_sharded:
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
@@ -252,19 +255,50 @@ class DCPStrategyMixin:
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: str, storage_options: Any | None = None) -> None:
         """Sharded: every rank writes its shard; committed once all ranks finished.
 
+        Replicated values that may differ between ranks are written from rank 0, as stock Lightning writes rank 0's
+        checkpoint dict: the module's buffers (BatchNorm statistics differ between DDP's broadcasts at each forward),
+        checkpoint entries other than the model's and the optimizers' (an EMA copy's state) and, under DDP, the
+        parameters DDP does not synchronise (frozen when it wrapped the model and unfrozen since: progressive
+        unfreezing, ``BackboneFinetuning``) with their optimizer state. Where the ranks' non-tensor values differ (a
+        learning rate set from an unsynced metric), rank 0 writes everything
+        (:meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`).
+
         Collective: call on all ranks (``Trainer.save_checkpoint`` does).
         """
         if not self._dcp_sharded:
             return super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+        module = self._dcp_module()
         self._dcp_io.save_checkpoint(
             checkpoint,
             filepath,
             storage_options=storage_options,
             collective=True,
-            info={"strategy": type(self).__name__, "state_dict_type": "sharded"},
+            info={
+                "strategy": type(self).__name__,
+                "state_dict_type": "sharded",
+                layout.OPTIMIZER_KINDS: {str(i): optimizer_kind(o) for i, o in enumerate(self.optimizers)},
+            },
             rank_state=collect_rank_state(self.lightning_module.trainer, checkpoint),  # RNG, this rank's loaders
-            volatile=list(self._dcp_module().buffers()),  # a forward pass changes buffers before the next step
+            volatile=list(module.buffers()),  # a forward pass changes buffers before the next step
+            from_rank0=self._dcp_from_rank0(checkpoint),
         )
+
+    def _dcp_from_rank0(self, checkpoint: Mapping[str, Any]) -> list[tuple[Any, ...]]:
+        """The paths of ``checkpoint`` whose values rank 0 writes (see :meth:`save_checkpoint`)."""
+        module = self._dcp_module()
+        model = checkpoint.get(layout.MODEL_KEY, {})
+        params = parameters_by_fqn(module)
+        paths: list[tuple[Any, ...]] = [(layout.MODEL_KEY, key) for key in model if key not in params]  # buffers
+        paths += [(key,) for key in checkpoint if key not in (layout.MODEL_KEY, layout.OPTIMIZER_KEY)]
+        synced = getattr(self, "_dcp_synced", None)
+        if synced is None or all(id(p) in synced for p in params.values()):
+            return paths
+        unsynced = [fqn for fqn, p in params.items() if id(p) not in synced]
+        paths += [(layout.MODEL_KEY, fqn) for fqn in unsynced if fqn in model]
+        for i, state in enumerate(checkpoint.get(layout.OPTIMIZER_KEY, ())):
+            held = state.get("state", {}) if isinstance(state, Mapping) else {}
+            paths += [(layout.OPTIMIZER_KEY, i, "state", fqn) for fqn in unsynced if fqn in held]
+        return paths
 
     @override
     def remove_checkpoint(self, filepath: str) -> None:
@@ -290,8 +324,9 @@ class DCPStrategyMixin:
         module = self._dcp_module()
         target: dict[str, Any] = {layout.MODEL_KEY: model_state_dict(module)}
         trainer = self.lightning_module.trainer
-        if self.optimizers and trainer.state.fn == TrainerFn.FITTING:
-            target[layout.OPTIMIZER_KEY] = [optimizer_state_dict(module, optimizer) for optimizer in self.optimizers]
+        if self.optimizers and trainer.state.fn == TrainerFn.FITTING:  # made from what the checkpoint holds
+            target[layout.OPTIMIZER_KEY] = [optimizer_target(module, optimizer) for optimizer in self.optimizers]
+        self._dcp_loaded_from = str(checkpoint_path)
         checkpoint = self._dcp_io.load_checkpoint(
             checkpoint_path,
             weights_only=weights_only,
@@ -340,10 +375,22 @@ class DCPStrategyMixin:
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Sharded: apply each optimizer's state with ``set_optimizer_state_dict``."""
+        """Sharded: give each optimizer its saved state as stock Lightning does, with its own ``load_state_dict``.
+
+        Lightning calls this after the callbacks' ``on_fit_start``, so param groups that a callback re-adds from
+        its restored state (``BackboneFinetuning``) are there. The saved groups map onto the optimizer's by
+        position; parameters without saved state stay without; state tensors are this rank's shards (read in
+        place) or, from a single file, full tensors cut to them
+        (:func:`~lightning_dcp.engine.state.optimizer_restore.load_optimizer_state_dict`).
+
+        Raises:
+            CheckpointError: The checkpoint holds another number of optimizers than ``configure_optimizers``
+                returned.
+            StateDictMismatchError: An optimizer's param groups differ in number or size from the saved ones, or it
+                is another kind of optimizer than the saved one.
+        """
         if not self._dcp_sharded:
             return super().load_optimizer_state_dict(checkpoint)
-        full = _is_single_file(checkpoint)
         module = self._dcp_module()
         states = checkpoint[layout.OPTIMIZER_KEY]
         if len(states) != len(self.optimizers):
@@ -351,13 +398,10 @@ class DCPStrategyMixin:
                 f"The checkpoint holds the state of {len(states)} optimizer(s) but `configure_optimizers` returned"
                 f" {len(self.optimizers)}. Resume with the same optimizers, or load weights only."
             )
-        for optimizer, state in zip(self.optimizers, states, strict=True):
-            if layout.optimizer_layout([state]) == layout.PARAM_ID:
-                state = layout.param_ids_to_fqns(state, module, optimizer)
-            if full:
-                set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions(full_state_dict=True))
-            else:
-                load_optimizer_state_dict(module, optimizer, state)
+        where = getattr(self, "_dcp_loaded_from", "the checkpoint")
+        kinds = checkpoint.get(layout.INFO_KEY, {}).get(layout.OPTIMIZER_KINDS, {})
+        for i, (optimizer, state) in enumerate(zip(self.optimizers, states, strict=True)):
+            load_optimizer_state_dict(module, optimizer, state, where=where, kind=kinds.get(str(i)))
 
 
 def _is_single_file(checkpoint: Mapping[str, Any]) -> bool:
@@ -398,6 +442,17 @@ class DCPDDPStrategy(SyncAfterRestore, DCPStrategyMixin, ElasticAttempt, DDPStra
     """
 
     strategy_name = "dcp_ddp"
+
+    @override
+    def _setup_model(self, model: torch.nn.Module) -> Any:
+        """Wrap as DDP does, noting the parameters it synchronises (those requiring grad now, not ignored).
+
+        A parameter frozen at this point and unfrozen later is never all-reduced: each rank trains its own copy, and
+        a save writes rank 0's (:meth:`save_checkpoint`).
+        """
+        ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+        self._dcp_synced = {id(p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored}
+        return super()._setup_model(model)
 
 
 class DCPFSDPStrategy(DCPStrategyMixin, ElasticAttempt, FSDPStrategy):

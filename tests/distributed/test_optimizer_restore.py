@@ -209,3 +209,52 @@ def test_fabric_load_restores_fresh_optimizers_as_saved_without_a_step(tmp_path)
         assert steps_run == [], name
         assert_same([opt.state_dict() for opt in (new_adamw, new_sgd)], saved, name)
         assert all(_next_step_matches(o.optimizer, s) for o, s in zip((new_adamw, new_sgd), saved, strict=True))
+
+
+class _PerRankMomentum(torch.optim.Optimizer):
+    """A third-party optimizer that keeps a sharded parameter's state as a plain tensor of this rank's shard."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("buf", torch.zeros_like(p.to_local()))
+                    buf.add_(p.grad.to_local())
+                    p.to_local().add_(buf, alpha=-group["lr"])
+
+
+def _per_rank_worker(rank: int, world_size: int, tmp: str) -> None:
+    import warnings
+
+    import pytest
+    from lightning.fabric import Fabric
+
+    from lightning_dcp import CheckpointError
+
+    fabric = Fabric(accelerator="cpu", devices=world_size, strategy="dcp_model_parallel")
+    fabric.launch()
+
+    def setup() -> tuple[Any, Any]:
+        model = fabric.setup_module(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)))
+        return model, fabric.setup_optimizers(_PerRankMomentum(model.parameters()))
+
+    model, optimizer = setup()
+    fabric.backward(model(torch.randn(3, 4)).sum())
+    optimizer.step()
+    path = os.path.join(tmp, "per_rank")
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        fabric.save(path, {"model": model, "optimizer": optimizer})
+    assert any("plain tensor of this rank's shard" in str(w.message) for w in seen), [str(w.message) for w in seen]
+    model, optimizer = setup()
+    with pytest.raises(CheckpointError, match="'buf' of the sharded parameter '0.weight'.*cannot be restored"):
+        fabric.load(path, {"model": model, "optimizer": optimizer})
+
+
+def test_state_no_checkpoint_can_reshard_is_named_at_the_save_and_refused_at_the_resume(tmp_path):
+    """A sharded parameter's per-rank plain-tensor state: the save warns naming it, the resume names the fix."""
+    spawn(_per_rank_worker, 2, str(tmp_path))

@@ -38,7 +38,8 @@ failure's traceback and message)."""
 
 DELIBERATE = {
     "test_trainer_save_checkpoint_storage_options": "storage_options that are not a dict of fsspec options are a"
-    " TypeError (the test passes a string and counts mocked TorchCheckpointIO calls)",
+    " TypeError naming the fix (Lightning's TorchCheckpointIO raises TypeError for any storage_options); the test"
+    " passes a string, and also asserts calls to a mocked TorchCheckpointIO, which the swapped plugin never makes",
     "test_local_cross_device_checkpoint": "a filesystem where every os.rename fails with EXDEV (the test patches"
     " os.rename): DCP renames .metadata.tmp within the staging directory; real cross-device commits copy",
 }

@@ -203,3 +203,16 @@ def test_a_bare_module_state_dict_round_trips(tmp_path):
     assert loaded.keys() == weights.keys() and all(torch.equal(loaded[k], weights[k]) for k in weights)
     with pytest.raises(CheckpointError, match="no 'state_dict' entry"):  # anything else still needs Lightning's dict
         io.save_checkpoint({"epoch": 1}, str(tmp_path / "x.ckpt"))
+
+
+def test_a_copy_or_pickle_of_the_plugin_keeps_its_options_and_builds_its_own_engine(tmp_path):
+    """``copy.deepcopy(trainer.callbacks)`` and ``torch.save(trainer)`` reach the plugin, as they reach Lightning's."""
+    import copy
+    import pickle
+
+    io = DCPCheckpointIO(storage_options={"anon": True}, thread_count=2, sync_files=False)
+    for other in (copy.deepcopy(io), pickle.loads(pickle.dumps(io))):
+        assert other.checkpointer is not io.checkpointer
+        assert other.storage_options == {"anon": True} and other.checkpointer.thread_count == 2
+        other.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "epoch": 1}, str(tmp_path / "copy"))
+        assert torch.equal(other.load_checkpoint(str(tmp_path / "copy"))["state_dict"]["w"], torch.ones(2))

@@ -38,7 +38,7 @@ def flatten(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple
                     else:
                         visit((*path, k), f"{key}.{k}", v)
                 return
-            if isinstance(value, list) and not _terminal_list(value):
+            if isinstance(value, list) and not terminal_list(value):
                 for i, v in enumerate(value):
                     visit((*path, i), f"{key}.{i}", v)
                 return
@@ -53,11 +53,11 @@ def flatten(state_dict: dict[str, Any]) -> tuple[dict[str, Any], dict[str, tuple
     return flat, mappings
 
 
-def _terminal_list(values: list) -> bool:
+def terminal_list(values: list) -> bool:
     """DCP's test of whether a list is a leaf: it holds no tensor and nothing that is walked."""
     for entry in values:
         if isinstance(entry, torch.Tensor):
             return False
-        if isinstance(entry, Mapping) or (isinstance(entry, list) and not _terminal_list(entry)):
+        if isinstance(entry, Mapping) or (isinstance(entry, list) and not terminal_list(entry)):
             return False
     return True

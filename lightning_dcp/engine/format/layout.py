@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from lightning_dcp._compat.torch_dcp import set_element
 from lightning_dcp.engine.format.archive import load_checked
 from lightning_dcp.engine.format.blob import encode_extra
+from lightning_dcp.engine.format.keys import terminal_list
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 
 __all__ = [
@@ -40,18 +41,19 @@ __all__ = [
     "INFO_KEY",
     "MODEL_KEY",
     "OPTIMIZER_KEY",
+    "OPTIMIZER_KINDS",
+    "OPTIMIZER_LISTS",
     "RANK_KEY",
     "SafeLoadPlanner",
     "TreeRoles",
-    "align_optimizer_target",
     "build_state",
     "fqns_to_param_ids",
     "require_trainer_layout",
-    "param_ids_to_fqns",
+    "restore_lists",
     "join_checkpoint",
+    "list_paths",
     "metadata_target",
     "saved_optimizer_count",
-    "saved_optimizer_ids",
     "saved_world_size",
     "split_checkpoint",
     "tree_roles",
@@ -69,6 +71,12 @@ MODULES_INFO = "modules"
 OPTIMIZERS_INFO = "optimizers"
 """Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
 
+OPTIMIZER_KINDS = "optimizer_kinds"
+"""Info entry: per optimizer (its index, or its key in a Fabric checkpoint), the qualified names of its class and bases
+(:func:`~lightning_dcp.engine.state.optimizer_restore.optimizer_kind`)."""
+OPTIMIZER_LISTS = "optimizer_lists"
+"""Info entry: per optimizer (its index, or its key in a Fabric checkpoint), the paths of lists in its state
+(:func:`list_paths`)."""
 PARAM_ID = "param_id"
 """Optimizer layout of ``torch.optim.Optimizer.state_dict()``: state keyed by integer parameter index."""
 FQN = "fqn"
@@ -141,7 +149,7 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     Returns:
         ``(tree, objects, info)``: ``{"state_dict", "optimizer_states"}`` and any other entry that is a state dict
         of tensors (``EMAWeightAveraging``'s ``"current_model_state"``) for DCP, the rest of the dict for the
-        rank-0 blob, and ``{"optimizer_layout": ...}`` to record.
+        rank-0 blob, and ``{"optimizer_layout": ..., "optimizer_lists": ...}`` to record (:func:`list_paths`).
 
     Raises:
         CheckpointError: The dict has no ``"state_dict"``.
@@ -153,6 +161,7 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
     if OPTIMIZER_KEY in checkpoint:
         states = list(checkpoint[OPTIMIZER_KEY])
         optimizers = optimizer_layout(states)
+        lists = {str(i): found for i, osd in enumerate(states) if (found := list_paths(osd))}
         if optimizers == PARAM_ID:
             # DCP rebuilds integer path components as list indices: store the ids as strings.
             states = [{**osd, "state": {str(k): v for k, v in osd.get("state", {}).items()}} for osd in states]
@@ -165,7 +174,10 @@ def split_checkpoint(checkpoint: Mapping[str, Any]) -> tuple[dict[str, Any], dic
             tree[key] = value  # e.g. EMAWeightAveraging's "current_model_state": DCP entries, not the rank-0 blob
         else:
             objects[key] = value
-    return tree, objects, {"optimizer_layout": optimizers}
+    info: dict[str, Any] = {"optimizer_layout": optimizers}
+    if optimizers is not None and lists:
+        info[OPTIMIZER_LISTS] = lists
+    return tree, objects, info
 
 
 def _tensor_dict(value: Any) -> bool:
@@ -184,6 +196,7 @@ def build_state(
     info: Mapping[str, Any],
     rank: int = 0,
     rank_objects: Mapping[str, Any] | None = None,
+    from_rank0: Iterable[tuple[Any, ...]] = (),
 ) -> dict[str, Any]:
     """The DCP state dict of one rank's part of a save.
 
@@ -193,6 +206,11 @@ def build_state(
         info: Recorded under ``"lightning_dcp"`` in the blob, with the format version.
         rank: This process's rank.
         rank_objects: This rank's own state, stored as ``rank_states.{rank}``.
+        from_rank0: Paths in ``tree`` (``("state_dict", "bn.running_mean")``, ``("optimizer_states", 0, "state",
+            "body.0.weight")``, or a whole entry ``("ema",)``; list indices as ``int``) of
+            replicated values that may differ between ranks, such as BatchNorm statistics between DDP's broadcasts:
+            left out of every other rank's part, so rank 0's copy is the one written, as stock Lightning writes rank
+            0's checkpoint. A path whose value holds a DTensor (a shard each rank owns) is kept everywhere.
 
     Raises:
         CheckpointError: ``tree`` uses a reserved key.
@@ -201,6 +219,10 @@ def build_state(
     if reserved:
         raise CheckpointError(f"The keys {sorted(reserved)} are reserved by lightning_dcp; rename these entries.")
     state: dict[str, Any] = dict(tree)
+    if rank != 0:
+        copies: set[int] = {id(state)}
+        for path in from_rank0:
+            _drop(state, tuple(path), copies)
     if objects is not None:
         extra = dict(objects)
         extra[INFO_KEY] = {**info, "format_version": FORMAT_VERSION}
@@ -208,6 +230,98 @@ def build_state(
     if rank_objects is not None:
         state[RANK_KEY] = {str(rank): encode_extra(rank_objects)}
     return state
+
+
+def _drop(state: dict[str, Any], path: tuple[Any, ...], copies: set[int]) -> None:
+    """Remove ``path`` (dict keys, list indices) from the nested ``state``.
+
+    The containers on the way are copied (once; ``copies`` holds the copies' ids), never the caller's changed.
+    """
+    holder: Any = state
+    for part in path[:-1]:
+        child = _child(holder, str(part))
+        if not isinstance(child, (Mapping, list)):
+            return
+        if id(child) not in copies:  # the tree given to the save stays as it is
+            child = dict(child) if isinstance(child, Mapping) else list(child)
+            holder[int(part) if isinstance(holder, list) else part] = child
+            copies.add(id(child))
+        holder = child
+    if not isinstance(holder, Mapping) or not path:
+        return
+    value = holder.get(path[-1])
+    if value is not None and not _holds_dtensor(value):
+        del holder[path[-1]]
+
+
+def _holds_dtensor(value: Any) -> bool:
+    if isinstance(value, torch.Tensor):
+        return type(value) is not torch.Tensor and type(value) is not torch.nn.Parameter
+    if isinstance(value, Mapping):
+        return any(_holds_dtensor(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_dtensor(v) for v in value)
+    return False
+
+
+def list_paths(optimizer_state: Mapping[str, Any]) -> list[list[str]]:
+    """The paths (``["state", FQN, key, ...]``) of the lists in an optimizer state dict's ``state`` that DCP walks.
+
+    DCP saves a list holding tensors (LBFGS's ``old_dirs``, ``old_stps``, ``ro``, ``al``) as one entry per item
+    (``...old_dirs.0``), and a restore through the record index, which has no paths, reads them back as dicts keyed
+    ``"0"``, ``"1"``, ...; the save records these paths in its info so that :func:`restore_lists` makes them lists
+    again. Lists without tensors are single entries and need nothing.
+    """
+    found: list[list[str]] = []
+
+    def walk(value: Any, path: list[str]) -> None:
+        if isinstance(value, Mapping):
+            for key, item in value.items():
+                walk(item, [*path, str(key)])
+        elif isinstance(value, list) and not terminal_list(value):
+            found.append(path)
+            for index, item in enumerate(value):
+                walk(item, [*path, str(index)])
+
+    state = optimizer_state.get("state")
+    for name, values in state.items() if isinstance(state, Mapping) else ():
+        if isinstance(values, Mapping):
+            for key, item in values.items():  # a parameter's state: no tensor walk over its plain tensors
+                if isinstance(item, (Mapping, list)):
+                    walk(item, ["state", str(name), str(key)])
+    return found
+
+
+def restore_lists(optimizer_state: dict[str, Any], paths: Iterable[Iterable[str]]) -> None:
+    """Make each container at ``paths`` (:func:`list_paths`) in a loaded optimizer state dict a list again.
+
+    A container read as a dict keyed by indices becomes the list of its values in index order; one that is a list
+    already (read with DCP's paths) or that the checkpoint lacks is left as it is. Outer lists are rebuilt first.
+    """
+    for path in sorted((list(p) for p in paths), key=len):
+        holder: Any = optimizer_state
+        for part in path[:-1]:
+            holder = _child(holder, part)
+            if holder is None:
+                break
+        value = None if holder is None or not path else _child(holder, path[-1])
+        if not isinstance(value, Mapping) or not value or not all(str(k).isdigit() for k in value):
+            continue
+        items: list[Any] = [None] * (max(int(k) for k in value) + 1)
+        for key, item in value.items():
+            items[int(key)] = item
+        if isinstance(holder, list):
+            holder[int(path[-1])] = items
+        else:
+            holder[path[-1]] = items
+
+
+def _child(container: Any, part: str) -> Any:
+    if isinstance(container, list):
+        return container[int(part)] if part.isdigit() and int(part) < len(container) else None
+    if isinstance(container, Mapping):
+        return container.get(part, container.get(int(part)) if part.isdigit() else None)
+    return None
 
 
 def saved_world_size(entries: Iterable[str]) -> int | None:
@@ -241,49 +355,15 @@ def join_checkpoint(
     if OPTIMIZER_KEY in dcp_state:
         # DCP stores no entry for an empty ``state: {}`` (SGD without momentum, a save before the first step).
         states = [{**osd, "state": dict(osd.get("state", {}))} for osd in dcp_state[OPTIMIZER_KEY]]
+        lists = extra.get(INFO_KEY, {}).get(OPTIMIZER_LISTS, {})
+        for i, osd in enumerate(states):
+            restore_lists(osd, lists.get(str(i), ()))
         if extra.get(INFO_KEY, {}).get("optimizer_layout") == PARAM_ID:
             states = [{**osd, "state": _by_param_id(osd["state"], where)} for osd in states]
         elif not in_place:  # full tensors for a stock strategy or a user: ``optimizer.state_dict()``'s layout
             states = [fqns_to_param_ids(osd, where=where) for osd in states]
         checkpoint[OPTIMIZER_KEY] = states
     return checkpoint
-
-
-def saved_optimizer_ids(metadata: Metadata) -> dict[int, bool]:
-    """``{optimizer index: keyed by parameter ids}`` of a checkpoint's ``optimizer_states`` entries.
-
-    ``True`` where the saved state is keyed by integer parameter ids (written from ``optimizer.state_dict()`` under a
-    stock strategy), ``False`` where keyed by FQN (``get_optimizer_state_dict``) or where the state is empty.
-    """
-    found: dict[int, bool] = {}
-    for key, path in (metadata.planner_data or {}).items():
-        if len(path) >= 2 and path[0] == OPTIMIZER_KEY and key in metadata.state_dict_metadata:
-            index = int(path[1])
-            ids = len(path) >= 4 and path[2] == "state" and str(path[3]).isdigit()
-            found[index] = found.get(index, False) or ids
-    return found
-
-
-def align_optimizer_target(target: dict[str, Any], metadata: Metadata) -> dict[str, Any]:
-    """Re-key FQN-keyed optimizer targets by parameter id where the checkpoint saved ids (and ids as strings).
-
-    A checkpoint written under a stock strategy keys optimizer state by integer parameter id (``"0"``, ``"1"`` on
-    disk); a target from ``get_optimizer_state_dict`` keys it by FQN. The ids follow each optimizer's
-    ``param_groups`` order, which the target's ``params`` lists give; the loaded state is turned back into FQNs by
-    :func:`param_ids_to_fqns`. The tensors are the target's own, so loading still fills them in place.
-    """
-    saved = saved_optimizer_ids(metadata)
-    states = target.get(OPTIMIZER_KEY)
-    if not states or not any(saved.values()):
-        return target
-    aligned = []
-    for i, osd in enumerate(states):
-        if not saved.get(i) or optimizer_layout([osd]) == PARAM_ID:
-            aligned.append(osd)
-            continue
-        ids = {fqn: str(n) for n, fqn in enumerate(p for group in osd["param_groups"] for p in group["params"])}
-        aligned.append({**osd, "state": {ids[fqn]: value for fqn, value in osd["state"].items()}})
-    return {**target, OPTIMIZER_KEY: aligned}
 
 
 def saved_optimizer_count(metadata: Metadata) -> int:
@@ -340,27 +420,6 @@ def metadata_target(metadata: Metadata, *, prefixes: tuple[str, ...] | None = No
         else:
             target[key] = value
     return target
-
-
-def param_ids_to_fqns(
-    state: Mapping[str, Any], module: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> dict[str, Any]:
-    """Re-key an ``optimizer.state_dict()`` (integer ids) by parameter FQN, for ``set_optimizer_state_dict``.
-
-    Ids follow the order of ``optimizer.param_groups`` (as ``torch.optim.Optimizer.load_state_dict`` assumes).
-    """
-    names = {id(p): name for name, p in module.named_parameters(remove_duplicate=False)}
-    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
-    saved = [i for group in state["param_groups"] for i in group["params"]]
-    if len(saved) != len(order):
-        raise CheckpointError(
-            f"The checkpoint's optimizer state covers {len(saved)} parameters but the optimizer has {len(order)}."
-        )
-    fqn_of = dict(zip(saved, order, strict=True))
-    return {
-        "state": {fqn_of[i]: v for i, v in state.get("state", {}).items()},
-        "param_groups": [{**g, "params": [fqn_of[i] for i in g["params"]]} for g in state["param_groups"]],
-    }
 
 
 def fqns_to_param_ids(state: Mapping[str, Any], *, where: str = "The checkpoint") -> dict[str, Any]:

@@ -34,7 +34,7 @@ from lightning_dcp.engine.load.loading import (
     read_lightning_meta,
 )
 from lightning_dcp.engine.load.local_load import FastLoadPlanner
-from lightning_dcp.engine.state.optimizer_target import fill_pending, saved_entries
+from lightning_dcp.engine.state.optimizer_target import drop_unsaved, fill_pending, saved_entries
 from lightning_dcp.engine.storage.location import Location, read_commit
 from lightning_dcp.errors import checkpoint_failure
 
@@ -141,9 +141,11 @@ def load_one(
             records = probed[0].records if probed else ahead
             loaded = Loaded(url=location.url, kind="dcp", tree={}, objects={}, in_place=True)
             loaded.saved_world_size = layout.saved_world_size(records or {})
-            if records is not None:  # optimizers without state yet: their saved state tensors, as recorded
-                fill_pending(target, saved_entries(records=records))
-            state = _with_blobs(dict(target), loaded.saved_world_size, rank, world_size)
+            state = dict(target)
+            if records is not None:  # optimizer targets: the entries the checkpoint holds for them, as recorded
+                fill_pending(state, saved_entries(records=records))
+                drop_unsaved(state)
+            state = _with_blobs(state, loaded.saved_world_size, rank, world_size)
             try:
                 done = index_load.load_indexed(
                     location.path,
@@ -172,9 +174,9 @@ def load_one(
             state = {k: v for k, v in target.items() if only is None or k in only}
             if lightning_layout:
                 state = _to_lightning_layout(state, model_key)
-            fill_pending(state, saved_entries(metadata=metadata))  # optimizers without state yet
-            if not lightning_layout:
-                state = layout.align_optimizer_target(state, metadata)
+            # optimizer targets: the entries the checkpoint holds for them (lists, ids and FQNs by their saved paths)
+            fill_pending(state, saved_entries(metadata=metadata), paths=metadata.planner_data or None)
+            drop_unsaved(state)
             state, loaded.missing_keys, loaded.unexpected_keys = fit_target(
                 location.url, state, metadata, strict=strict, model_key=model_key, exclude=exclude
             )

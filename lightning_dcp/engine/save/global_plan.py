@@ -62,6 +62,8 @@ def global_plan(
     planner: SavePlanner,
     groups: Sequence[Group],
     private: Sequence[SavePlan],
+    *,
+    from_rank0: bool = False,
 ) -> tuple[list[list[int]], Metadata]:
     """Which items every rank writes, and the checkpoint's metadata (coordinator only).
 
@@ -69,6 +71,7 @@ def global_plan(
         planner: The coordinator's save planner; its ``create_global_plan`` builds the metadata of one plan.
         groups: The groups of ranks with equal shared plans (every rank in exactly one group).
         private: Per rank, the items only it writes.
+        from_rank0: Every item rank 0 holds is written by rank 0 (the ranks' replicated values may differ).
 
     Returns:
         ``(positions, metadata)``: ``positions[rank]`` indexes that rank's own ``shared.items + private.items``
@@ -101,8 +104,15 @@ def global_plan(
             tuple(i.offset or ()),
         ),
     )
+    group_of = [0] * world_size
+    for g, group in enumerate(groups):
+        for rank in group.ranks:
+            group_of[rank] = g
     for index in order:
         held = holders[index]
+        if from_rank0 and groups and group_of[0] in held:
+            owner[index] = 0
+            continue
         g = held[0] if len(held) == 1 else min(held, key=lambda g: heaps[g][0])
         heap = heaps[g]
         if len(heap) == 1:  # one rank holds it: no choice to make
@@ -112,10 +122,6 @@ def global_plan(
             used, rank = heapq.heappop(heap)
             heapq.heappush(heap, (used + (nbytes[index] or 1), rank))
         owner[index] = rank
-    group_of = [0] * world_size
-    for g, group in enumerate(groups):
-        for rank in group.ranks:
-            group_of[rank] = g
     positions: list[list[int]] = [[] for _ in range(world_size)]
     for g, group in enumerate(groups):
         for position, item in enumerate(group.plan.items):

@@ -23,15 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
+import pickle
 import secrets
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed.checkpoint import SavePlanner, StorageWriter
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-from torch.distributed.checkpoint.planner import SavePlan
+from torch.distributed.checkpoint.planner import SavePlan, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from lightning_dcp._compat.torch_dcp import StorageInfo
@@ -43,6 +46,8 @@ from lightning_dcp.engine.save.memo import PlanMemo
 from lightning_dcp.engine.save.planning import plan_signature
 
 __all__ = ["PreparedSave", "RankFailure", "agree", "prepare", "save", "write"]
+
+log = logging.getLogger("lightning_dcp.engine.checkpointer")  # the checkpointer's log: filters name it
 
 
 @dataclasses.dataclass
@@ -64,6 +69,7 @@ class _Cached:
     plan: SavePlan
     metadata: Metadata | None
     generation: tuple[bytes, int] | None = None  # which global plan this is: every rank must hold it to reuse it
+    from_rank0: bool = False  # the ranks' replicated values differed: rank 0 writes every one it holds
 
 
 _PLANS = PlanMemo(size=8)  # by (group key, this rank's plan signature): several plans saved in turn each keep theirs
@@ -116,11 +122,14 @@ def prepare(
     size = dist.get_world_size(group)
     key = (type(planner).__name__, type(writer).__name__, id(group), size, rank)
     cached = None if local is None else _PLANS.get(None, (key, signature))
-    shared, private, shared_signature = None, None, None
+    shared, private, shared_signature, values = None, None, None, None
     if local is not None:
         shared, private, shared_signature = _split(local, signature)
-    # 1. The coordinator learns every rank's shared-plan signature, private items and errors (small, O(ranks)).
-    summary = (shared_signature, private, _portable(error), cached.generation if cached is not None else None)
+        values = _values_digest(planner, shared)
+    # 1. The coordinator learns every rank's shared-plan signature, private items, errors and the digest of its
+    # replicated non-tensor values (small, O(ranks)).
+    generation_held = cached.generation if cached is not None else None
+    summary = (shared_signature, private, _portable(error), generation_held, values)
     gathered: list[Any] | None = [None] * size if coordinator else None
     dist.gather_object(summary, gathered, dst=_global_rank(group, 0), group=group)
     decision: list[Any] = [None]
@@ -133,14 +142,14 @@ def prepare(
     if kind == "reuse":  # the same plans everywhere as last time: the same global plan, nothing else sent
         return PreparedSave(planner.finish_plan(cached.plan), planner, writer, group, True, rank, cached.metadata)
     # 2. Each group's lowest rank sends its shared plan; the coordinator makes every rank's final plan.
-    representatives, generation = detail
+    representatives, generation, from_rank0 = detail
     plans_in: list[Any] | None = [None] * size if coordinator else None
     dist.gather_object(shared if rank in representatives else None, plans_in, dst=_global_rank(group, 0), group=group)
     outcome: list[Any] = [None]
     if coordinator:
         try:
             groups = [Group(ranks, plans_in[ranks[0]]) for ranks in _groups([g[0] for g in gathered])]
-            positions, metadata = global_plan(planner, groups, [g[1] for g in gathered])
+            positions, metadata = global_plan(planner, groups, [g[1] for g in gathered], from_rank0=from_rank0)
             scattered: list[Any] = [(p, None, metadata if i == 0 else None) for i, p in enumerate(positions)]
         except Exception as err:
             scattered = [(None, _portable(err), None)] * size
@@ -154,19 +163,65 @@ def prepare(
     prefix = writer.prepare_global_plan([SavePlan([])] * size)[rank].storage_data
     central = dataclasses.replace(local, items=[own[p] for p in mine], storage_data=prefix)
     signatures = [(g[0], plan_signature(g[1])) for g in gathered] if coordinator else []
-    _PLANS.put(None, (key, signature), _Cached(signatures, central, metadata, generation))
+    _PLANS.put(None, (key, signature), _Cached(signatures, central, metadata, generation, from_rank0))
     return PreparedSave(planner.finish_plan(central), planner, writer, group, True, rank, metadata)
 
 
 def _decide(gathered: list[tuple], cached: _Cached | None) -> tuple[str, Any]:
-    """The coordinator's decision: ``("error", (rank, error))``, ``("reuse", None)`` or ``("plan", (reps, gen))``."""
-    for rank, (_, _, error, _) in enumerate(gathered):
+    """The coordinator's decision: ``("error", ...)``, ``("reuse", None)`` or ``("plan", ...)``.
+
+    ``("error", (rank, error))``; ``("plan", (representatives, generation, from_rank0))``.
+
+    ``from_rank0``: the ranks' replicated non-tensor values differ (:func:`_values_digest`), so their replicated
+    tensors may too (a learning rate set by a per-rank scheduler gives each rank other weights): rank 0 writes every
+    item it holds, as stock Lightning writes rank 0's checkpoint.
+    """
+    for rank, (_, _, error, _, _) in enumerate(gathered):
         if error is not None:
             return "error", (rank, error)
+    digests = {g[4] for g in gathered if g[4] is not None}
+    from_rank0 = len(digests) > 1
+    if from_rank0 and not _WARNED:
+        _WARNED.append(True)
+        log.warning(
+            "lightning_dcp: the ranks hold different values of replicated non-tensor state (optimizer param-group"
+            " options such as a learning rate set from a metric that is not synced across ranks, e.g. a"
+            " ReduceLROnPlateau monitoring a metric logged without `sync_dist=True`), so their weights may differ"
+            " too: rank 0's state is saved, as stock Lightning saves rank 0's checkpoint. Log the monitored metric"
+            " with `sync_dist=True` to keep the ranks alike."
+        )
     signatures = [(g[0], plan_signature(g[1])) for g in gathered]
-    if cached is not None and cached.signatures == signatures and all(g[3] == cached.generation for g in gathered):
+    if (
+        cached is not None
+        and cached.signatures == signatures
+        and cached.from_rank0 == from_rank0
+        and all(g[3] == cached.generation for g in gathered)
+    ):
         return "reuse", None
-    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, _next_generation())
+    return "plan", ({ranks[0] for ranks in _groups([g[0] for g in gathered])}, _next_generation(), from_rank0)
+
+
+_WARNED: list[bool] = []
+
+
+def _values_digest(planner: SavePlanner, shared: SavePlan) -> bytes | None:
+    """A digest of this rank's replicated non-tensor values (the bytes items of its shared plan, in plan order).
+
+    Pickled as they are (param-group options, non-tensor optimizer state, modules' extra state are small); ``None``
+    when the planner keeps no flat state dict or a value does not pickle (then nothing is compared).
+    """
+    flat = getattr(planner, "state_dict", None)
+    if not isinstance(flat, dict):
+        return None
+    hasher = xxhash.xxh3_128()
+    try:
+        for item in shared.items:
+            if item.type == WriteItemType.BYTE_IO:
+                hasher.update(item.index.fqn.encode())
+                hasher.update(pickle.dumps(flat[item.index.fqn], protocol=4))
+    except Exception:  # an object that does not pickle, or a planner with other keys: not compared
+        return None
+    return hasher.digest()
 
 
 def _groups(signatures: list[bytes]) -> list[list[int]]:

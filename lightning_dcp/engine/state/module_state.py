@@ -7,14 +7,19 @@ result is ``module.state_dict()`` and ``optimizer.state_dict()`` with parameter 
 call for a model (and optimizer) runs DCP's function and checks that the plain state dict gives exactly the same
 keys and tensors; while the model's keys and the optimizer's parameters stay the same, later calls build the result
 from the plain state dicts. Anything else (DTensor or ShardedTensor values, FSDP1, a mismatch) always goes through
-DCP. An optimizer without state yet is never stepped by DCP here (:mod:`~lightning_dcp.engine.state.optimizer_target`):
-its state is empty, as ``optimizer.state_dict()`` gives, and a restore allocates what the checkpoint holds.
+DCP. An optimizer without state yet is never stepped by DCP here
+(:func:`~lightning_dcp.engine.state.optimizer_target.no_init_step`): its state is empty, as ``optimizer.state_dict()``
+gives it.
+
+A restore does not go through DCP's ``set_optimizer_state_dict`` (which refuses a parameter that requires grad but has
+no saved state, and splits the saved groups by the optimizer's present ones): its target is built from the
+checkpoint (:mod:`~lightning_dcp.engine.state.optimizer_target`) and applied with the optimizer's own
+``load_state_dict`` (:mod:`~lightning_dcp.engine.state.optimizer_restore`).
 """
 
 from __future__ import annotations
 
-import collections
-import copy
+import warnings
 import weakref
 from typing import Any
 
@@ -24,25 +29,26 @@ from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_dcp._compat.torch_dcp import ShardedTensor, optimizer_load_hooked, own_state_tensors
-from lightning_dcp.engine.state.optimizer_target import PendingState, no_init_step
+from lightning_dcp._compat.torch_dcp import ShardedTensor, own_state_tensors, parameter_fqns
+from lightning_dcp.engine.state.optimizer_target import OptimizerTarget, no_init_step
 
-__all__ = ["load_model_state_dict", "load_optimizer_state_dict", "model_state_dict", "optimizer_state_dict"]
+__all__ = [
+    "has_fsdp1",
+    "load_model_state_dict",
+    "model_state_dict",
+    "optimizer_state_dict",
+    "optimizer_target",
+    "parameters_by_fqn",
+]
 
 _MODELS: weakref.WeakKeyDictionary[torch.nn.Module, tuple[str, ...]] = weakref.WeakKeyDictionary()
 _OPTIMIZERS: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
     weakref.WeakKeyDictionary()
 )
-_MAPPED: weakref.WeakKeyDictionary[torch.optim.Optimizer, tuple[Any, tuple[int, ...], list[str]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""Optimizers without state yet, of a plain model: their FQNs as DCP mapped them (no state to check a save's
-shortcut against: :func:`optimizer_state_dict` checks it at its first call with state, as for any optimizer)."""
 
 
 def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
@@ -72,11 +78,11 @@ def model_state_dict(module: torch.nn.Module) -> dict[str, Any]:
 def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """``get_optimizer_state_dict(module, optimizer)`` (default options): state and param_groups keyed by FQN.
 
-    For an optimizer without state yet the ``state`` is empty (a :class:`PendingState`), as in
-    ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on zero gradients to create
-    it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a whole step. A restore into
-    this target allocates the state the checkpoint holds
-    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`). Under FSDP1 DCP's behaviour is kept.
+    What a save writes: ``optimizer.state_dict()`` with each parameter id replaced by its FQN (state only for the
+    parameters that have it, every param group with all its options). For an optimizer without state yet the
+    ``state`` is empty, as in ``optimizer.state_dict()``, instead of DCP's: DCP would first run an optimizer step on
+    zero gradients to create it (``_init_optim_state``), changing the optimizer (its ``step`` counts) and costing a
+    whole step. Under FSDP1 DCP's behaviour is kept.
 
     Collective where DCP's is (FSDP); call on all ranks.
     """
@@ -91,6 +97,7 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
                 return built
         _OPTIMIZERS.pop(optimizer, None)
     state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
+    _warn_per_rank_state(optimizer)
     if optimizer.state and module in _MODELS:
         fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
         built = _by_fqn(optimizer.state_dict(), fqns)
@@ -99,8 +106,61 @@ def optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimiz
     return state
 
 
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _warn_per_rank_state(optimizer: torch.optim.Optimizer) -> None:
+    """Warn (once per kind and key) of state that no checkpoint can reshard: a sharded parameter's per-rank tensor.
+
+    torch.optim's optimizers keep a DTensor parameter's state as DTensors (``zeros_like(param)``), which DCP writes
+    shard by shard. A plain tensor of the shape of this rank's shard is each rank's own: DCP writes one rank's copy
+    under its key, so no resume, at any world size, gives every rank its own back
+    (:func:`~lightning_dcp.engine.state.optimizer_restore.load_optimizer_state_dict` refuses it).
+    """
+    for param, values in optimizer.state.items():
+        if not isinstance(param, DTensor) or not isinstance(values, dict):
+            continue
+        local = tuple(param.to_local().shape)
+        for key, value in values.items():
+            if type(value) is torch.Tensor and value.dim() > 0 and tuple(value.shape) == local != tuple(param.shape):
+                found = (type(optimizer).__name__, str(key))
+                if found not in _WARNED:
+                    _WARNED.add(found)
+                    warnings.warn(
+                        f"lightning_dcp: {type(optimizer).__name__} keeps its state {key!r} of a sharded (DTensor)"
+                        f" parameter as a plain tensor of this rank's shard ({local} of {tuple(param.shape)}): each"
+                        " rank's is its own, and a checkpoint keeps one copy under its key, so no resume can restore"
+                        " it. Make the optimizer create its state as DTensors (`torch.zeros_like(param)`), or save"
+                        " with `state_dict_type='full'`.",
+                        stacklevel=3,
+                    )
+
+
+def optimizer_target(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The restore target of ``optimizer``, made by the read from what the checkpoint holds.
+
+    An empty :class:`~lightning_dcp.engine.state.optimizer_target.OptimizerTarget`. Under FSDP1 (flat parameters,
+    GPU only) DCP's own target (:func:`optimizer_state_dict`) and restore are kept: FSDP's optimizer state API maps
+    its flat parameters.
+    """
+    if _has_fsdp1(module):
+        return optimizer_state_dict(module, optimizer)
+    return OptimizerTarget.of(parameters_by_fqn(module), optimizer)
+
+
+def parameters_by_fqn(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter of ``module`` under each of its FQNs as DCP names them (a tied one under each name).
+
+    For a plain model (:func:`model_state_dict` found its FQNs are its own names) these are
+    ``named_parameters(remove_duplicate=False)``; otherwise DCP's mapping of each name.
+    """
+    if module in _MODELS or _plain_tree(module):
+        return dict(module.named_parameters(remove_duplicate=False))
+    return parameter_fqns(module)
+
+
 def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, a pending state.
+    """:func:`optimizer_state_dict` of an optimizer without state: DCP's FQN mapping, no step, no state.
 
     For a plain model (:func:`model_state_dict` found its FQNs are its own names) the mapping is DCP's without DCP:
     each parameter's first name in ``named_parameters()``, in the groups of ``optimizer.state_dict()``.
@@ -109,13 +169,7 @@ def _stateless(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dic
     if state is None:
         with no_init_step(optimizer):
             state = get_optimizer_state_dict(module, optimizer, options=StateDictOptions())
-    fqns = [fqn for group in state.get("param_groups", ()) for fqn in group["params"]]
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if state.get("state") or len(fqns) != len(params) or len(set(fqns)) != len(fqns):
-        return state  # shared parameters (DCP lists them by group): no pending target, DCP's empty state
-    state["state"] = PendingState(dict(zip(fqns, params, strict=True)))
-    if module in _MODELS:  # a plain model: the FQNs of its parameters, as DCP maps them, for applying a restore
-        _MAPPED[optimizer] = (weakref.ref(module), _param_ids(optimizer), fqns)
+    state["state"] = {}  # as optimizer.state_dict() gives it (DCP may have created it for the parameter it marked)
     return state
 
 
@@ -170,109 +224,6 @@ def load_model_state_dict(module: torch.nn.Module, state: dict[str, Any], *, str
         set_model_state_dict(module, state, options=StateDictOptions(strict=strict))
 
 
-def load_optimizer_state_dict(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """``set_optimizer_state_dict(module, optimizer, state)`` (default options) without its per-call FQN mapping.
-
-    For an optimizer whose FQNs :func:`optimizer_state_dict` mapped once (plain model, same parameters since), and
-    a ``state`` whose param_groups list exactly those FQNs in the optimizer's order, with state for every parameter
-    that requires grad, this builds what DCP's function hands ``optimizer.load_state_dict`` (each group's
-    ``params`` then its saved options; the state of the parameters that require grad) and calls it. Anything else
-    goes to DCP (which raises for missing state).
-
-    Collective where DCP's is (FSDP); call on all ranks.
-    """
-    split = _split_by_fqn(module, optimizer, state)
-    if split is None:
-        with no_init_step(optimizer):  # DCP would step an optimizer without state before loading into it
-            set_optimizer_state_dict(module, optimizer, state, options=StateDictOptions())
-    elif _holds_optimizer_tensors(optimizer, split):
-        _set_param_groups(optimizer, split["param_groups"])
-    elif (uncast := _uncast_state(optimizer, split)) is not None:
-        _set_param_groups(optimizer, split["param_groups"], state=uncast)
-    else:
-        optimizer.load_state_dict(split)
-
-
-def _holds_optimizer_tensors(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> bool:
-    """Whether ``optimizer.load_state_dict(split)`` would give every parameter the very state values it holds.
-
-    So it is after a restore in place (the target was :func:`optimizer_state_dict`'s, whose tensors are the
-    optimizer's own): ``load_state_dict`` would re-key and re-cast 3,600 tensors onto themselves (~7 ms for 1,200
-    parameters with AdamW) and only its parameter groups' options would change. Not for an optimizer class with its
-    own ``load_state_dict`` or with load hooks registered.
-    """
-    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict or optimizer_load_hooked(optimizer):
-        return False
-    saved, own = split["state"], optimizer.state
-    if len(saved) != len(own):
-        return False
-    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
-        for name, param in zip(loaded["params"], group["params"], strict=True):
-            values = saved.get(name)
-            if values is None:
-                continue  # neither holds state for it (the lengths are equal and every saved entry is matched)
-            mine = own.get(param)
-            if type(values) is not dict or type(mine) is not dict or values.keys() != mine.keys():
-                return False
-            for key, value in values.items():
-                if value is not mine[key]:
-                    return False
-    return True
-
-
-def _uncast_state(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> dict[Any, Any] | None:
-    """The state ``optimizer.load_state_dict(split)`` would build when its casts change nothing; else ``None``.
-
-    So it is for a fresh optimizer's state that the restore allocated like its parameters
-    (:func:`~lightning_dcp.engine.state.optimizer_target.fill_pending`) and filled: ``load_state_dict`` casts
-    each state tensor to its parameter's dtype and device (``to`` returns the tensor itself when both match) and
-    hands ``step`` on as it is, then keeps each parameter's values in a new dict (skipping that took the ``conv``
-    resume's ``apply`` from 0.045-0.050 s to 0.037 s, 4,800 state tensors). Only for a stock ``load_state_dict``
-    without hooks, no ``fused`` or ``capturable`` group (whose ``step`` is cast) and state values that are all
-    tensors of the parameter's device (and dtype, for a floating-point parameter).
-    """
-    if type(optimizer).load_state_dict is not torch.optim.Optimizer.load_state_dict or optimizer_load_hooked(optimizer):
-        return None
-    saved = split["state"]
-    state: dict[Any, Any] = collections.defaultdict(dict)
-    tensor = torch.Tensor
-    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
-        if group.get("fused") or group.get("capturable") or loaded.get("fused") or loaded.get("capturable"):
-            return None
-        for name, param in zip(loaded["params"], group["params"], strict=True):
-            values = saved.get(name)
-            if values is None:
-                continue
-            if type(values) is not dict:
-                return None
-            floating = param.is_floating_point()
-            for key, value in values.items():
-                if not isinstance(value, tensor) or value.device != param.device:
-                    return None
-                if floating and key != "step" and value.dtype != param.dtype:
-                    return None
-            state[param] = dict(values)
-    return state if len(state) == len(saved) else None
-
-
-def _set_param_groups(
-    optimizer: torch.optim.Optimizer, groups: list[dict[str, Any]], *, state: dict[Any, Any] | None = None
-) -> None:
-    """What ``Optimizer.load_state_dict`` ends with when its casts change nothing.
-
-    The saved groups' options (deep-copied) with the optimizer's parameters, handed to ``__setstate__`` with
-    ``state`` (default: the optimizer's own, unchanged), as torch 2.6-2.13's ``load_state_dict`` does after its casts.
-    """
-    updated = []
-    for group, loaded in zip(optimizer.param_groups, groups, strict=True):
-        new = copy.deepcopy({k: v for k, v in loaded.items() if k != "params"})
-        new["params"] = group["params"]
-        if "param_names" in group and "param_names" not in new:
-            new["param_names"] = group["param_names"]
-        updated.append(new)
-    optimizer.__setstate__({"state": optimizer.state if state is None else state, "param_groups": updated})
-
-
 def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
     """Whether loading ``state`` into ``module`` would only copy each of the module's tensors onto itself.
 
@@ -294,55 +245,6 @@ def _holds_module_tensors(module: torch.nn.Module, state: Any) -> bool:
         if key != expected or type(value) is not plain or value.dtype is not mine.dtype or not value.is_set_to(mine):
             return False  # is_set_to: the same storage, offset, sizes and strides
     return True
-
-
-def _split_by_fqn(module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Any) -> dict[str, Any] | None:
-    """DCP's per-optimizer split of an FQN-keyed ``state`` for ``optimizer``; ``None`` where DCP must do it."""
-    cached = _OPTIMIZERS.get(optimizer) or _MAPPED.get(optimizer)
-    if cached is None or cached[0]() is not module or _param_ids(optimizer) != cached[1]:
-        return None
-    if not isinstance(state, dict) or set(state) != {"state", "param_groups"}:
-        return None
-    fqns, saved, groups = cached[2], state["state"], state["param_groups"]
-    if not isinstance(saved, dict) or not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
-        return None
-    if not saved or not all(isinstance(k, str) for k in saved):  # DCP passes integer-keyed state on as it is
-        return None
-    if len(set(fqns)) != len(fqns):  # shared parameters: DCP matches them by group
-        return None
-    split_state: dict[str, Any] = {}
-    split_groups: list[dict[str, Any]] = []
-    start = 0
-    for group, loaded in zip(optimizer.param_groups, groups, strict=True):
-        names = fqns[start : start + len(group["params"])]
-        start += len(names)
-        if not names or not isinstance(loaded, dict) or loaded.get("params") != names:
-            return None
-        for name, param in zip(names, group["params"], strict=True):
-            if param.requires_grad:
-                if name not in saved:
-                    return None  # DCP raises for it
-                split_state[name] = saved[name]
-        split_groups.append({"params": _Members(names), **{k: v for k, v in loaded.items() if k != "params"}})
-    return {"state": split_state, "param_groups": split_groups}
-
-
-class _Members(list):
-    """A list of FQNs whose ``in`` is a set lookup.
-
-    ``Optimizer.load_state_dict`` asks, for every state tensor, which saved group holds its parameter with
-    ``fqn in group["params"]``: a scan of the list, so thousands of parameters cost seconds. The saved groups only
-    live through that call (each group's ``params`` is replaced by the optimizer's own list).
-    """
-
-    def __contains__(self, value: object) -> bool:
-        members = self.__dict__.get("members")
-        if members is None:
-            members = self.__dict__["members"] = frozenset(self)
-        try:
-            return value in members
-        except TypeError:  # unhashable: the list's own scan
-            return list.__contains__(self, value)
 
 
 def _by_fqn(state: dict[str, Any], fqns: list[str]) -> dict[str, Any] | None:
@@ -382,8 +284,12 @@ def _plain(values: Any) -> bool:
     return not any(isinstance(v, (DTensor, ShardedTensor)) for v in values)
 
 
-def _has_fsdp1(module: torch.nn.Module) -> bool:
+def has_fsdp1(module: torch.nn.Module) -> bool:
+    """Whether ``module`` holds FSDP1 (``FullyShardedDataParallel``) wrappers."""
     return any(type(m).__name__ == "FullyShardedDataParallel" for m in module.modules())
+
+
+_has_fsdp1 = has_fsdp1
 
 
 def _same(a: Any, b: Any) -> bool:

@@ -1,22 +1,29 @@
-"""The restore target of an optimizer that holds no state yet, built from what the checkpoint records.
+"""The restore target of an optimizer's state: built from what the checkpoint holds, not from the live optimizer.
 
-DCP's ``get_optimizer_state_dict`` and ``set_optimizer_state_dict`` first run ``_init_optim_state`` on an optimizer
-without state: a whole optimizer step on zero gradients (learning rate set to 0), so that the state tensors exist to
-be filled. On a fresh process resuming a BERT-base model with AdamW on 2 CPU ranks that step took 4.1 of the
-restore's 5.0 s. A resume does not need it: the checkpoint says which state tensors each parameter has (the flat
-keys ``<optimizer path>.state.<FQN>.<key>``), their dtypes and global shapes (the record index in ``.commit``, or
-``.metadata``). So:
+A checkpoint keeps each optimizer's ``optimizer.state_dict()`` with parameter ids replaced by FQNs: the flat keys
+``<optimizer path>.state.<FQN>.<key>`` for the parameters that have state (torch.optim keeps none for a parameter
+that never stepped) and ``<optimizer path>.param_groups.<n>.<option>`` for every param group with all its options,
+in the optimizer's own layout (LBFGS keeps its whole state under its first parameter, partly in lists). A restore
+must give the optimizer exactly that, as stock Lightning's ``optimizer.load_state_dict`` of its saved file does,
+whatever the optimizer holds when the checkpoint is read: no state yet (a fresh process), fewer param groups (a
+callback such as ``BackboneFinetuning`` re-adds its groups between the read and the restore), parameters frozen
+since. So the target of the read is made from the checkpoint's own entries, once the restore knows them:
 
-- :func:`no_init_step`: around DCP's calls, one parameter gets a zero gradient for the duration, so DCP's
-  ``_init_optim_state`` returns at once (it initialises only when no parameter has a gradient); the gradient is
-  dropped again afterwards. Nothing steps, nothing else changes.
-- :class:`PendingState`: what :func:`~lightning_dcp.engine.state.module_state.optimizer_state_dict` gives as the
-  ``state`` of such an optimizer: empty (as ``optimizer.state_dict()`` is: a save writes no state, as stock
-  Lightning's does), knowing each FQN's parameter.
-- :func:`fill_pending`: once the restore knows the checkpoint's entries, it allocates each saved state tensor in a
-  pending target: like the parameter (same device, and for a DTensor parameter a DTensor on the same mesh with the
-  same placements) where the saved shape is the parameter's, otherwise a plain CPU tensor (``step``). The load then
-  fills them in place, and ``optimizer.load_state_dict`` takes them as it takes stock Lightning's loaded state.
+- :class:`OptimizerTarget` (:meth:`OptimizerTarget.of`): empty, knowing the module's parameters by FQN (so that a
+  state tensor of a parameter's shape is allocated like the parameter: a DTensor of the same mesh and placements
+  reshards through DCP) and the optimizer's present state tensors (filled in place where a saved entry has their
+  dtype and shape: a second ``fit`` in one process allocates nothing);
+- :func:`fill_pending`: allocates in every unfilled target of a tree each saved entry under its path, tensors
+  uninitialised and placeholders for the non-tensor values (param-group options among them), which the read fills.
+
+``optimizer.load_state_dict`` then gives the optimizer that state, mapping the saved groups onto its own by position
+as torch.optim does (:mod:`~lightning_dcp.engine.state.optimizer_restore`). The record index in ``.commit`` names
+entries without their paths, so lists of tensors in a state (LBFGS's history) are read as dicts keyed ``"0"``,
+``"1"``, ...; the save notes where lists were (:func:`~lightning_dcp.engine.format.layout.list_paths`) and the load
+turns them back.
+
+:func:`no_init_step`: around DCP's ``get_optimizer_state_dict`` of an optimizer without state, which would otherwise
+run a whole optimizer step on zero gradients to create it (``_init_optim_state``).
 """
 
 from __future__ import annotations
@@ -28,37 +35,39 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-__all__ = ["PendingState", "fill_pending", "no_init_step", "pending_states", "saved_entries"]
+from lightning_dcp._compat.torch_dcp import set_element
+
+__all__ = ["OptimizerTarget", "drop_unsaved", "fill_pending", "no_init_step", "pending_targets", "saved_entries"]
 
 SavedEntries = Mapping[str, "tuple[torch.dtype, tuple[int, ...]] | None"]
 """Flat DCP key -> ``(dtype, global shape)`` of a saved tensor, ``None`` for a bytes entry."""
 
 
-class PendingState(dict):
-    """The (empty) ``state`` of an optimizer target whose optimizer holds no state yet; see the module docstring.
+class OptimizerTarget(dict):
+    """The restore target of one optimizer: empty until :func:`fill_pending` gives it the checkpoint's entries.
 
     Args:
-        params: FQN -> the optimizer's parameter, in the optimizer's ``param_groups`` order (the ids of a
-            checkpoint keyed by parameter id follow it).
-
-    Copies and pickles are plain dicts of its entries: a save hands it on as ``optimizer.state_dict()``'s ``{}``.
+        params: FQN -> parameter of the module that names the optimizer's state (DCP's FQNs).
+        current: FQN -> the optimizer's present state of that parameter (its tensors are reused where they fit).
+        order: The optimizer's parameters in ``param_groups`` order (for state keyed by parameter id: a stock
+            strategy's save).
     """
 
-    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+    def __init__(self, params: Mapping[str, torch.Tensor], current: Mapping[str, Any], order: list[torch.Tensor]):
         super().__init__()
         self.params = params
+        self.current = current
+        self.order = order
         self.filled = False
 
-    def __reduce__(self) -> Any:
-        return (dict, (dict(self),))
-
-    def __copy__(self) -> dict:
-        return dict(self)
-
-    def __deepcopy__(self, memo: dict) -> dict:
-        import copy
-
-        return {k: copy.deepcopy(v, memo) for k, v in self.items()}
+    @classmethod
+    def of(cls, params: Mapping[str, torch.Tensor], optimizer: torch.optim.Optimizer) -> OptimizerTarget:
+        """The empty target of ``optimizer``, whose parameters ``params`` (FQN -> parameter) names."""
+        names: dict[torch.Tensor, str] = {}
+        for fqn, param in params.items():
+            names.setdefault(param, fqn)
+        current = {names[p]: v for p, v in optimizer.state.items() if p in names and isinstance(v, dict)}
+        return cls(params, current, [p for group in optimizer.param_groups for p in group["params"]])
 
 
 @contextlib.contextmanager
@@ -87,21 +96,20 @@ def no_init_step(optimizer: torch.optim.Optimizer) -> Iterator[None]:
             marked.grad = None
 
 
-def pending_states(tree: Mapping[str, Any]) -> list[tuple[str, PendingState]]:
-    """``(flat key prefix of its state entries, pending state)`` of each unfilled optimizer target in ``tree``.
+def pending_targets(tree: Mapping[str, Any]) -> list[tuple[tuple, OptimizerTarget]]:
+    """``(path in the tree, target)`` of each unfilled optimizer target of ``tree``.
 
-    Optimizer targets sit at a top-level key (Fabric: ``{"optimizer": {"state": ..., "param_groups": ...}}``) or in
-    a top-level list (the Trainer: ``{"optimizer_states": [...]}``).
+    Optimizer targets sit at a top-level key (Fabric: ``{"optimizer": target}``) or in a top-level list (the Trainer:
+    ``{"optimizer_states": [target, ...]}``).
     """
-    found: list[tuple[str, PendingState]] = []
+    found: list[tuple[tuple, OptimizerTarget]] = []
     for key, value in tree.items():
-        candidates = [(f"{key}.", value)] if isinstance(value, dict) else []
+        candidates = [((key,), value)] if isinstance(value, dict) else []
         if isinstance(value, list):
-            candidates = [(f"{key}.{i}.", item) for i, item in enumerate(value)]
-        for prefix, osd in candidates:
-            state = osd.get("state") if isinstance(osd, dict) else None
-            if isinstance(state, PendingState) and not state.filled:
-                found.append((prefix + "state.", state))
+            candidates = [((key, i), item) for i, item in enumerate(value)]
+        for path, target in candidates:
+            if isinstance(target, OptimizerTarget) and not target.filled:
+                found.append((path, target))
     return found
 
 
@@ -123,49 +131,117 @@ def saved_entries(*, records: Mapping[str, Any] | None = None, metadata: Any = N
     return out
 
 
-def fill_pending(tree: Mapping[str, Any], entries: SavedEntries) -> None:
-    """Allocate, in every pending optimizer target of ``tree``, the state entries the checkpoint holds for it.
+def fill_pending(tree: Mapping[str, Any], entries: SavedEntries, *, paths: Mapping[str, tuple] | None = None) -> None:
+    """Allocate, in every unfilled optimizer target of ``tree``, each entry the checkpoint holds for it.
 
-    A saved entry whose parameter the optimizer lacks is left out (the load reports it as it did before); state
-    keyed by parameter id (a stock strategy's save) is allocated under the FQN of the id's parameter (the load
-    re-keys it). Bytes entries get a placeholder the load replaces.
+    Args:
+        tree: The restore's tree (see :func:`pending_targets`).
+        entries: The checkpoint's entries (:func:`saved_entries`).
+        paths: Each flat key's path in the saved tree (DCP ``.metadata``'s ``planner_data``), where known. Without
+            it a flat key is split by the module's FQNs (the longest one that prefixes it; else a parameter id; else
+            its last component is the state key), and lists come back as dicts keyed by index.
+
+    A state tensor of a parameter's (global) shape is allocated like the parameter (device; a DTensor on the same
+    mesh and placements), any other (``step``, a factored second moment, LBFGS's flat history) as a CPU tensor; the
+    optimizer's present tensor is taken instead where it has the saved dtype and shape. Bytes entries get a
+    placeholder the read replaces.
     """
-    pendings = pending_states(tree)
-    if not pendings:
-        return
-    for prefix, pending in pendings:
-        order = list(pending.params)
+    for base, target in pending_targets(tree):
+        prefix = ".".join(str(part) for part in base) + "."
+        found = False
         for key, entry in entries.items():
             if not key.startswith(prefix):
                 continue
-            found = _split(key[len(prefix) :], pending.params, order)
-            if found is None:
+            path = _saved_path(paths, key, base)
+            if path is None:
+                path = _parse(key[len(prefix) :], target)
+            if path is None:
                 continue
-            fqn, path = found
-            leaf = pending.setdefault(fqn, {})
-            for part in path[:-1]:
-                leaf = leaf.setdefault(part, {})
-            leaf[path[-1]] = b"" if entry is None else _allocate(pending.params[fqn], path[-1], *entry)
-        pending.filled = True
+            value = b"" if entry is None else _tensor(target, path, *entry)
+            if len(path) == 3 and path[0] == "state":  # a parameter's state value: most entries, set directly
+                states = target.get("state")
+                if states is None:
+                    states = target["state"] = {}
+                leaf = states.get(path[1])
+                if leaf is None:
+                    leaf = states[path[1]] = {}
+                leaf[path[2]] = value
+            else:
+                set_element(target, path, value)
+            found = True
+        if found:
+            target.setdefault("state", {})  # DCP stores no entry for an empty ``state`` (a save before any step)
+        target.filled = True
 
 
-def _split(rest: str, params: Mapping[str, Any], order: list[str]) -> tuple[str, list[str]] | None:
-    """``(FQN, state key path)`` of ``rest`` (``"<FQN>.<key>"``): the longest FQN the optimizer has, else an id."""
+def drop_unsaved(tree: dict[str, Any]) -> None:
+    """Remove from ``tree`` the optimizer targets for which the checkpoint held nothing (a weights-only save).
+
+    A top-level target (Fabric), or a top-level list of them (the Trainer) when every one is empty: the loaded
+    checkpoint then has no optimizer state at all, as stock Lightning's weights-only file has none (Lightning's
+    restore says so itself).
+    """
+    for key in list(tree):
+        value = tree[key]
+        targets = value if isinstance(value, list) else [value]
+        if targets and all(isinstance(t, OptimizerTarget) and t.filled and not t for t in targets):
+            del tree[key]
+
+
+def _saved_path(paths: Mapping[str, tuple] | None, key: str, base: tuple) -> tuple | None:
+    """The saved path of ``key`` below the target's own path ``base``, when ``paths`` knows it."""
+    if paths is None or key not in paths:
+        return None
+    path = tuple(paths[key])
+    if len(path) <= len(base) or any(str(a) != str(b) for a, b in zip(path, base, strict=False)):
+        return None
+    return path[len(base) :]
+
+
+def _parse(rest: str, target: OptimizerTarget) -> tuple | None:
+    """The path of ``rest`` (a flat key below the target) in an optimizer state dict, without saved paths."""
+    if rest.startswith("state."):
+        return ("state", *_split_state(rest[len("state.") :], target))
+    if rest.startswith("param_groups."):
+        index, _, option = rest[len("param_groups.") :].partition(".")
+        return ("param_groups", int(index), *option.split(".")) if index.isdigit() and option else None
+    return tuple(rest.split("."))
+
+
+def _split_state(rest: str, target: OptimizerTarget) -> list[str]:
+    """``[name, *state key path]`` of ``rest`` (``"<FQN or id>.<key>..."``).
+
+    The name is the longest FQN of the module that prefixes it, else a parameter id, else everything up to the
+    last component.
+    """
+    params = target.params
     end = rest.rfind(".")
     while end > 0:
-        head = rest[:end]
-        if head in params:
-            return head, rest[end + 1 :].split(".")
+        if rest[:end] in params:
+            return [rest[:end], *rest[end + 1 :].split(".")]
         end = rest.rfind(".", 0, end)
     head, _, tail = rest.partition(".")
-    if tail and head.isdigit() and int(head) < len(order):
-        return order[int(head)], tail.split(".")
-    return None
+    if tail and head.isdigit():
+        return [head, *tail.split(".")]
+    name, _, key = rest.rpartition(".")
+    return [name, key] if name else [rest]
 
 
-def _allocate(param: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised state tensor for ``param``: like it where the saved shape is its shape, else a CPU tensor."""
-    if name != "step" and shape == tuple(param.shape):
+def _tensor(target: OptimizerTarget, path: tuple, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """The tensor a saved entry at ``path`` is read into (see :func:`fill_pending`)."""
+    if path[0] != "state" or len(path) < 3:
+        return torch.empty(shape, dtype=dtype)  # a tensor option of a param group (a tensor lr)
+    name = str(path[1])
+    param = target.params.get(name)
+    if param is None and name.isdigit() and int(name) < len(target.order):
+        param = target.order[int(name)]  # state keyed by parameter id
+    elif len(path) == 3:
+        mine = target.current.get(name, {}).get(path[2])
+        if isinstance(mine, torch.Tensor) and mine.dtype == dtype and tuple(mine.shape) == shape:
+            return mine  # the optimizer's own tensor: filled in place
+    if param is None:
+        return torch.empty(shape, dtype=dtype)
+    if path[-1] != "step" and shape == tuple(param.shape):
         if isinstance(param, DTensor):
             return torch.empty_like(param, dtype=dtype)  # a DTensor: the parameter's mesh and placements
         return torch.empty(shape, dtype=dtype, device=param.device)

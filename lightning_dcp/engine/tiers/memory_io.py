@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterable
 from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -77,6 +78,7 @@ def save_to_memory(
     info: dict[str, Any],
     collective: bool,
     step: int | None,
+    from_rank0: Iterable[tuple[str, ...]] = (),
 ) -> None:
     """Save to the memory tier under ``location``'s name (persisted into ``location``'s directory). Collective."""
     memory = checkpointer.memory
@@ -101,6 +103,7 @@ def save_to_memory(
         info={**info, "world_size": world_size},
         rank=rank,
         rank_objects=rank_objects,
+        from_rank0=from_rank0,
     )
     memory.save(state, name=location.name, counter=counter, step=step, distributed=distributed(collective))
     checkpointer.record(started, location, "saved to the memory tier")

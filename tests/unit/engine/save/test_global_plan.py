@@ -65,3 +65,39 @@ def test_grouped_planning_writes_every_item_once_by_a_holder_with_dcps_metadata(
     # The replicated chunks (12 of 64 KiB) are spread over the ranks: nobody writes more than two.
     replicated = [r for index, r in written.items() if index.fqn.startswith(layout.MODEL_KEY)]
     assert max(replicated.count(r) for r in range(world)) <= 2
+
+
+def test_ranks_whose_replicated_values_differ_get_every_item_written_by_rank_0():
+    """``from_rank0`` (the coordinator found the ranks' non-tensor values differ): rank 0 writes all it holds."""
+    world = 4
+    locals_ = [_local(r, 1) for r in range(world)]
+    split = [split_private(p) for p in locals_]
+    planner = BalancedSavePlanner(split=True, chunk_bytes=64 << 10)
+    planner.set_up_planner({}, is_coordinator=True)
+    groups = [Group(list(range(world)), split[0][0])]
+    positions, _ = global_plan(planner, groups, [p for _, p in split], from_rank0=True)
+    shared = len(split[0][0].items)
+    assert sorted(positions[0][:shared]) == list(range(shared))  # every shared item, from rank 0's own copy
+    for rank in range(1, world):  # the others write their private items only (their RNG blobs)
+        assert [split[rank][1].items[p - shared].index.fqn for p in positions[rank]] == [f"{layout.RANK_KEY}.{rank}"]
+
+
+def test_the_coordinator_decides_rank_0_where_the_ranks_values_differ():
+    from lightning_dcp.engine.save import saving
+
+    summary = (b"s", saving.SavePlan([]), None, None)
+    same = [(*summary, b"d1"), (*summary, b"d1")]
+    assert saving._decide(same, None)[1][2] is False
+    differ = [(*summary, b"d1"), (*summary, b"d2")]
+    assert saving._decide(differ, None)[1][2] is True
+    cached = saving._Cached([(b"s", saving.plan_signature(saving.SavePlan([])))] * 2, saving.SavePlan([]), None)
+    assert saving._decide(same, cached)[0] == "reuse"  # the plan of then: the same decision
+    assert saving._decide(differ, cached)[0] == "plan"  # the decision changed: planned again
+    planner = BalancedSavePlanner(split=False)
+    planner.set_up_planner({"o": {"lr": 0.1, "w": torch.zeros(2)}}, is_coordinator=True)
+    plan = planner.create_local_plan()
+    digest = saving._values_digest(planner, plan)
+    planner.set_up_planner({"o": {"lr": 0.2, "w": torch.ones(2)}}, is_coordinator=True)
+    assert saving._values_digest(planner, plan) != digest  # another learning rate
+    planner.set_up_planner({"o": {"lr": 0.1, "w": torch.ones(2)}}, is_coordinator=True)
+    assert saving._values_digest(planner, plan) == digest  # tensors are not compared

@@ -291,7 +291,7 @@ class DCPDDPStrategy(DCPStrategyMixin, _ElasticAttempt, DDPStrategy):
 
     @property
     def _dcp_synced(self) -> set[int] | None:
-        """The ids of the live parameters DDP all-reduces (of every module :meth:`setup_module` wrapped)."""
+        """The ids of the live parameters DDP all-reduces (of every module ``setup_module`` wrapped)."""
         refs = getattr(self, "_dcp_synced_refs", None)
         return None if refs is None else {k for k, r in refs.items() if r() is not None}
 

@@ -203,7 +203,7 @@ class DCPCheckpointIO(CheckpointIO):
                 returns.
             from_rank0: Paths in the checkpoint dict (``("state_dict", "bn.running_mean")``, ``("ema",)``) of
                 replicated values that may differ between ranks: rank 0's copy is written, as stock Lightning writes
-                rank 0's checkpoint dict (:meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`).
+                rank 0's checkpoint dict (``Checkpointer.save``).
 
         Collective: call on all ranks when ``collective=True``; otherwise on one process only.
 

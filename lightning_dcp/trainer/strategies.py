@@ -261,7 +261,7 @@ class DCPStrategyMixin:
         parameters DDP does not synchronise (frozen when it wrapped the model and unfrozen since: progressive
         unfreezing, ``BackboneFinetuning``) with their optimizer state. Where the ranks' non-tensor values differ (a
         learning rate set from an unsynced metric), rank 0 writes everything
-        (:meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`).
+        (``Checkpointer.save``).
 
         Collective: call on all ranks (``Trainer.save_checkpoint`` does).
         """
@@ -284,7 +284,7 @@ class DCPStrategyMixin:
         )
 
     def _dcp_from_rank0(self, checkpoint: Mapping[str, Any]) -> list[tuple[Any, ...]]:
-        """The paths of ``checkpoint`` whose values rank 0 writes (see :meth:`save_checkpoint`)."""
+        """The paths of ``checkpoint`` whose values rank 0 writes (see ``save_checkpoint``)."""
         module = self._dcp_module()
         model = checkpoint.get(layout.MODEL_KEY, {})
         params = parameters_by_fqn(module)
@@ -381,7 +381,7 @@ class DCPStrategyMixin:
         its restored state (``BackboneFinetuning``) are there. The saved groups map onto the optimizer's by
         position; parameters without saved state stay without; state tensors are this rank's shards (read in
         place) or, from a single file, full tensors cut to them
-        (:func:`~lightning_dcp.engine.state.optimizer_restore.load_optimizer_state_dict`).
+        (``load_optimizer_state_dict`` of ``lightning_dcp.engine.state.optimizer_restore``).
 
         Raises:
             CheckpointError: The checkpoint holds another number of optimizers than ``configure_optimizers``
@@ -448,7 +448,7 @@ class DCPDDPStrategy(SyncAfterRestore, DCPStrategyMixin, ElasticAttempt, DDPStra
         """Wrap as DDP does, noting the parameters it synchronises (those requiring grad now, not ignored).
 
         A parameter frozen at this point and unfrozen later is never all-reduced: each rank trains its own copy, and
-        a save writes rank 0's (:meth:`save_checkpoint`).
+        a save writes rank 0's (``save_checkpoint``).
         """
         ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
         self._dcp_synced = {id(p) for n, p in model.named_parameters() if p.requires_grad and n not in ignored}

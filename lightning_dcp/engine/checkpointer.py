@@ -221,14 +221,20 @@ class Checkpointer:
 
         Lightning's stock strategies write rank 0's name; a metric logged without ``sync_dist`` in
         ``ModelCheckpoint``'s ``filename`` formats another name on each rank. A rank whose own path differs warns,
-        once per pair of paths.
+        once per pair of paths. A save into the memory tier agrees on the checkpoint's name only: its persisted
+        copies may go to node-local directories that differ by node.
 
         Collective: call on all ranks when ``collective`` (one broadcast of the path).
         """
         mine = os.fspath(path)
         if not distributed(collective):
             return mine
-        chosen = on_rank0(collective, lambda: mine)
+        if self._into_memory:  # node-local directories may differ by node: only the checkpoint's name must agree
+            head, _, name = mine.rstrip("/").rpartition("/")
+            chosen_name = on_rank0(collective, lambda: name)
+            chosen = f"{head}/{chosen_name}" if head else chosen_name
+        else:
+            chosen = on_rank0(collective, lambda: mine)
         if chosen != mine and (mine, chosen) not in self._disagreed:
             self._disagreed.add((mine, chosen))
             warnings.warn(

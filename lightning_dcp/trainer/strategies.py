@@ -70,6 +70,7 @@ StateDictType = Literal["sharded", "full"]
 
 lightning_hooks.install_run_hook()  # the strategies restore in their setup, with the ckpt_path fit resolved
 
+
 class DCPStrategyMixin:
     """Make a Lightning strategy save, load and remove sharded DCP checkpoints on every rank.
 

@@ -156,6 +156,15 @@ def _persist_until_killed(rank: int, world_size: int, shm: str, disks: str) -> N
     checkpointer.close()
 
 
+def _save_named_by_rank(rank: int, world_size: int, shm: str, disks: str) -> None:
+    dist.init_process_group("gloo")
+    node = rank // 2
+    checkpointer = Checkpointer(memory=MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1))
+    with checkpointer.into_memory():  # each rank formats its own name (an unsynced metric in `filename`)
+        checkpointer.save(_trained(1), f"{disks}/disk{node}/step=1-r{rank}", objects={"step": 1}, collective=True)
+    checkpointer.close()
+
+
 def _resume_and_persist(rank: int, world_size: int, shm: str, disks: str, step: int) -> None:
     dist.init_process_group("gloo")
     node = rank // 2
@@ -228,6 +237,17 @@ def test_remote_copy_committed_with_every_nodes_files(base, tmp_path, s3_bucket)
     stock = _empty_like(expected)
     dcp.load(stock, checkpoint_id=local, no_dist=True)
     _assert_equal(stock, expected, "stock dcp.load")
+
+
+def test_ranks_naming_a_memory_checkpoint_differently_save_rank0s_name_in_their_own_node_directories(
+    base,  # noqa: F811
+    tmp_path,
+):
+    spawn(_save_named_by_rank, 4, base, str(tmp_path))
+    for node in range(2):  # each node kept its own directory; every part carries rank 0's name
+        assert sorted({p.name for p in PartStore(f"{base}/shm{node}").parts()}) == ["step=1-r0"]
+        assert sorted({p.name for p in _disk(f"{tmp_path}/disk{node}").parts()}) == ["step=1-r0"]
+    assert not os.path.exists(f"{tmp_path}/disk0/step=1-r1") and not os.path.exists(f"{tmp_path}/disk1/step=1-r0")
 
 
 def test_kill_during_persistence_never_restores_a_torn_part(base, tmp_path):  # noqa: F811

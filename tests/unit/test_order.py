@@ -32,7 +32,8 @@ def test_marker_records_counter_and_step(tmp_path):
     for step in (2, 4):
         _save(io, str(tmp_path / f"step={step}.ckpt"), step)
     orders = [json.loads((tmp_path / f"step={s}.ckpt" / ".commit").read_text())["order"] for s in (2, 4)]
-    assert orders == [{"counter": 1, "step": 2}, {"counter": 2, "step": 4}]
+    assert [(o["counter"], o["step"]) for o in orders] == [(1, 2), (2, 4)]
+    assert orders[0]["run"] == orders[1]["run"] and len(orders[0]["run"]) == 12  # one process, one run
 
 
 def test_newest_ignores_committed_at_in_either_direction(tmp_path):
@@ -54,7 +55,8 @@ def test_a_new_process_counts_on_from_the_directory(tmp_path):
     _set_committed_at(str(tmp_path / "step=6.ckpt"), 4e9)  # saved by a machine whose clock ran far ahead
     # A rewind: a later run (another process, another clock) resumed from an older step and saved again.
     _save(DCPCheckpointIO(), str(tmp_path / "step=3.ckpt"), 3)
-    assert json.loads((tmp_path / "step=3.ckpt" / ".commit").read_text())["order"] == {"counter": 2, "step": 3}
+    order = json.loads((tmp_path / "step=3.ckpt" / ".commit").read_text())["order"]
+    assert (order["counter"], order["step"]) == (2, 3)
     assert _loaded_step(str(tmp_path / "last.ckpt")) == 3  # the newest save wins, not the largest step or clock
 
 

@@ -81,7 +81,7 @@ class InFlight:
     def settle_if_over(self, *, force: bool = False) -> None:
         """On the caller's thread: run ``settle`` once the save is finished (or at once, ``force``).
 
-        Only the teardown waits for the removals queued behind a finished save (:meth:`~lightning_dcp.engine.save.async_save.AsyncSaves.close`): that wait
+        Only the teardown waits for the removals queued behind a finished save (``AsyncSaves.close``): that wait
         reaches a record settled before it only if the record was not logged yet.
         """
         if self.settle is not None and (force or self.finished.is_set()):

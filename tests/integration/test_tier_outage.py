@@ -50,9 +50,14 @@ class _Outage(Callback):
         if trainer.global_step == self.end:
             uploader = trainer.strategy.checkpoint_io.tiers.uploader
             with uploader.cond:
-                assert uploader.cond.wait_for(
-                    lambda: uploader.outage is not None and uploader.outage.attempts >= self.attempts, timeout=60
-                ), "the uploader never met the outage"
+                met = uploader.cond.wait_for(
+                    lambda: uploader.outage is not None and uploader.outage.attempts >= self.attempts, timeout=120
+                )
+                assert met, (
+                    f"the uploader never met the outage: active {uploader.active}, queue {list(uploader.queue)},"
+                    f" failed {list(uploader.failed)}, deferred {list(uploader.deferred)}, thread alive"
+                    f" {uploader._thread is not None and uploader._thread.is_alive()}"
+                )
             self.proxy.set("pass")
 
 

@@ -1,6 +1,6 @@
 """Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``zoo`` (every training setup),
 ``gpu``, ``lint``, ``bench``, ``chaos`` (the fault-injection campaign), ``exits`` (the exit campaign), ``docs`` (the
-API reference).
+API reference), ``litgpt`` (a client's real training script through our Fabric strategy).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -43,6 +43,28 @@ def tests(session: nox.Session) -> None:
     session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", "--durations=15", *session.posargs)
+
+
+LITGPT = "litgpt>=0.5.13,<0.6"
+
+
+@nox.session(python=PYTHON)
+def litgpt(session: nox.Session) -> None:
+    """litgpt's real ``pretrain`` through lightning_dcp's Fabric strategy (examples/litgpt_pretrain.py) against
+    litgpt's stock run, kill -9 and resume, consolidation for litgpt's own loaders: tests/clients/test_litgpt.py
+    (docs/clients.md). Not in ``tests`` nor CI. The torch installed first is pinned by a constraints file while litgpt
+    resolves (nothing may swap it for a CUDA build); LitData, which declares torchvision, goes in without its
+    dependencies, as for ``tests``."""
+    session.install(TORCH)
+    version = session.run("python", "-c", "import importlib.metadata as m; print(m.version('torch'))", silent=True)
+    constraints = os.path.join(session.create_tmp(), "torch-constraint.txt")
+    with open(constraints, "w") as f:
+        f.write(f"torch=={version.strip()}\n")
+    session.install("-c", constraints, LITGPT, "-e", ".[test]", *LITDATA_DEPS)
+    session.install("-c", constraints, "--no-deps", LITDATA)
+    no_torchvision = "import importlib.util as u, torch; assert u.find_spec('torchvision') is None; print(torch)"
+    session.run("python", "-c", no_torchvision)
+    session.run("python", "-m", "pytest", "-q", "-p", "no:logging", "--durations=10", "tests/clients", *session.posargs)
 
 
 @nox.session(python=PYTHON)

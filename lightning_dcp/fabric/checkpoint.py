@@ -98,7 +98,7 @@ def save_state(
     tree, objects, layout_info = split_state({k: v for k, v in state.items() if k not in loaders}, filters=filters)
     rank_objects: dict[str, Any] = {"rng": collect_rng_states()}
     if loaders:  # each rank's own position (and workers' state): per rank, never rank 0's for all
-        rank_objects["loaders"], layout_info[LOADERS_INFO] = loaders, sorted(loaders)
+        rank_objects[LOADERS_INFO], layout_info[LOADERS_INFO] = loaders, sorted(loaders)
     checkpointer.save(
         tree,
         path,
@@ -254,7 +254,7 @@ def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str
     Raises:
         CheckpointError: At another world size, a requested loader that cannot reshard its position.
     """
-    saved = (head.rank_objects or {}).get("loaders", {})
+    saved = (head.rank_objects or {}).get(LOADERS_INFO, {})
     if head.rank_objects_exact or not saved:
         return dict(saved)
     refused = [k for k in keys if k in state and is_stateful_loader(state[k]) and not reshards_itself(state[k])]

@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 FRONT_END = "fabric"
-LOADERS_INFO = "loaders"
+LOADERS_INFO = layout.LOADERS_INFO
 """Info entry of a Fabric checkpoint: the keys of the stateful data loaders, whose states each rank saved itself."""
 _PLAIN = (bool, int, float, str, bytes, type(None))
 _HINT = "Load a checkpoint of this model, or pass `strict=False` to load only the keys both have."

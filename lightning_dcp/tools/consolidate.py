@@ -253,7 +253,7 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
         return nested
     extra = source.read_extra()
     if source.roles is not None and not source.roles.trainer:
-        return _fabric_checkpoint(nested, extra, source.roles, weights_only=weights_only)
+        return _fabric_checkpoint(nested, extra, source.roles, source=source, weights_only=weights_only)
     if source.kind == "lightning_dcp":
         nested.setdefault(layout.MODEL_KEY, {})
         checkpoint = layout.join_checkpoint(nested, extra, in_place=False, where=source.location.url)
@@ -272,14 +272,16 @@ def _ckpt_skeleton(source: Source, entries: list[TensorEntry], refs: dict, *, we
 
 
 def _fabric_checkpoint(
-    nested: dict[str, Any], extra: dict[str, Any], roles: layout.TreeRoles, *, weights_only: bool
+    nested: dict[str, Any], extra: dict[str, Any], roles: layout.TreeRoles, *, source: Source, weights_only: bool
 ) -> dict[str, Any]:
     """Fabric's own single-file format: the dict ``fabric.save`` was given, as ``torch.save`` would have written it.
 
     Module states under their keys (full tensors, FQN keys), optimizer states in ``optimizer.state_dict()`` layout
-    (integer parameter ids) and every other value as saved, so ``fabric.load(dst, state)`` under any Fabric strategy
-    and ``model.load_state_dict(torch.load(dst)["model"])`` accept it. ``weights_only`` keeps the modules and the
-    non-tensor values and drops optimizers and other tensors.
+    (integer parameter ids), every other value as saved, and each stateful data loader's state under its key as rank 0
+    saved it (the one state a stock Fabric checkpoint holds: Fabric's strategies write rank 0's dict), so
+    ``fabric.load(dst, state)`` under any Fabric strategy, with the loader in ``state``, restores its position, and
+    ``model.load_state_dict(torch.load(dst)["model"])`` works. ``weights_only`` keeps the modules and the non-tensor
+    values (loader states among them) and drops optimizers and other tensors.
     """
     checkpoint = {k: v for k, v in extra.items() if k != layout.INFO_KEY}
     for key, value in nested.items():
@@ -288,6 +290,10 @@ def _fabric_checkpoint(
         if key in roles.optimizers:  # an optimizer that never stepped has no "state" entry in DCP
             value = layout.fqns_to_param_ids({"state": {}, **value})
         checkpoint[key] = value
+    loaders = extra.get(layout.INFO_KEY, {}).get(layout.LOADERS_INFO, ())
+    if loaders:  # each rank saved its own position; other ranks' are dropped, as a stock checkpoint never has them
+        saved = source.read_rank_objects(0).get(layout.LOADERS_INFO, {})
+        checkpoint.update({key: saved[key] for key in loaders if key in saved})
     return checkpoint
 
 

@@ -282,3 +282,39 @@ def test_an_optimizers_own_load_state_dict_and_hooks_run_on_load(tmp_path):
         fabric.load(path, {"model": net, "optimizer": fresh})
         assert torch.equal(fresh.state_dict()["state"][0]["exp_avg"], saved["state"][0]["exp_avg"]), make
     assert calls == ["instance", "subclass", "pre", "post"]
+
+
+def test_consolidated_fabric_checkpoint_keeps_the_loader_position(tmp_path):
+    """A stateful loader in ``fabric.save``'s state is saved per rank; the consolidated ``.pt`` holds rank 0's state
+    under the loader's key, as a stock Fabric checkpoint does, so stock ``fabric.load`` with the loader in the state
+    (litgpt's resume) continues the epoch where the save was made."""
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    def loader():
+        return StatefulDataLoader(torch.arange(40.0).view(20, 2), batch_size=2, shuffle=True)
+
+    fabric = _fabric()
+    model, optimizer, _ = _setup(fabric)
+    torch.manual_seed(3)
+    train = loader()
+    batches = iter(train)
+    for _ in range(3):
+        next(batches)
+    saved_position = train.state_dict()
+    path = str(tmp_path / "step-3")
+    fabric.save(path, {"model": model, "optimizer": optimizer, "train_dataloader": train, "iter_num": 3})
+    expected = [next(batches) for _ in range(2)]
+
+    for flags in ([], ["--weights-only"]):
+        pt = str(tmp_path / f"step-3{''.join(flags)}.pt")
+        assert consolidate_main([path, "-o", pt, "--no-progress", *flags]) == 0
+        out = torch.load(pt, weights_only=True)
+        assert sorted(out) == ["iter_num", "model", *(["optimizer"] if not flags else []), "train_dataloader"]
+        assert_same(out["train_dataloader"], saved_position, f"loader state {flags}")
+        stock = Fabric(accelerator="cpu", devices=1)
+        stock.launch()
+        state = {"model": _setup(stock, seed=1)[0], "train_dataloader": loader(), "iter_num": 0}
+        stock.load(pt, state)  # strict: a checkpoint without the loader's key raises KeyError here
+        resumed = iter(state["train_dataloader"])
+        assert state["iter_num"] == 3
+        assert_same([next(resumed) for _ in range(2)], expected, f"next batches {flags}")

@@ -39,6 +39,7 @@ __all__ = [
     "EXTRA_KEY",
     "FORMAT_VERSION",
     "INFO_KEY",
+    "LOADERS_INFO",
     "MODEL_KEY",
     "OPTIMIZER_KEY",
     "OPTIMIZER_KINDS",
@@ -70,6 +71,9 @@ MODULES_INFO = "modules"
 """Info entry of a Fabric checkpoint: the top-level keys that hold a module's state (FQN -> tensor)."""
 OPTIMIZERS_INFO = "optimizers"
 """Info entry of a Fabric checkpoint: the top-level keys that each hold one optimizer's state (FQN layout)."""
+LOADERS_INFO = "loaders"
+"""Info entry of a Fabric checkpoint: the keys of its stateful data loaders. Each rank saved their states as its own,
+under this name in its ``rank_states.{rank}`` blob (``{key: loader.state_dict()}``)."""
 
 OPTIMIZER_KINDS = "optimizer_kinds"
 """Info entry: per optimizer (its index, or its key in a Fabric checkpoint), the qualified names of its class and bases

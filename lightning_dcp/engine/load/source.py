@@ -170,6 +170,19 @@ class Source:
                 raise CheckpointError(f"Cannot read {self.location.url}/{LIGHTNING_META_FILE}: {err}") from err
         return {}
 
+    def read_rank_objects(self, rank: int = 0) -> dict[str, Any]:
+        """The state rank ``rank`` saved as its own (``rank_states.{rank}``: RNG states, Fabric's stateful loaders).
+
+        ``{}`` when the checkpoint holds none for that rank (not ours, or saved at a smaller world size).
+
+        Raises:
+            CheckpointError: It cannot be read with ``weights_only`` unpickling, or is corrupt (the file is named).
+        """
+        key = f"{layout.RANK_KEY}.{rank}"
+        if self.kind != "lightning_dcp" or key not in self.metadata.state_dict_metadata:
+            return {}
+        return decode_extra(self.read_values([key])[key], path=self.location.url, entry=key)
+
     def read_values(self, keys: Iterable[str], *, weights_only: bool = True) -> dict[str, Any]:
         """Load the non-tensor (bytes) entries ``keys`` (small: param_groups, the ``lightning`` blob)."""
         keys = list(keys)

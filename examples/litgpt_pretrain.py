@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import sys
 from typing import Any
-from unittest import mock
 
 import lightning
 import torch
@@ -51,8 +50,11 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from litgpt.__main__ import main as litgpt_main
 
-    with mock.patch.object(lightning, "Fabric", DCPFabric):  # litgpt.pretrain calls `lightning.Fabric(...)`
+    stock, lightning.Fabric = lightning.Fabric, DCPFabric  # litgpt.pretrain calls `lightning.Fabric(...)`
+    try:
         litgpt_main()
+    finally:
+        lightning.Fabric = stock
     return 0
 
 

@@ -1,6 +1,6 @@
-"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``zoo`` (every training setup),
-``gpu``, ``lint``, ``bench``, ``chaos`` (the fault-injection campaign), ``exits`` (the exit campaign), ``docs`` (the
-API reference), ``litgpt`` (a client's real training script through our Fabric strategy).
+"""Sessions behind the README's commands: ``nox -s demo`` (the main job), ``tests``, ``full`` (every test), ``zoo``
+(every training setup), ``gpu``, ``lint``, ``bench``, ``chaos`` (the fault-injection campaign), ``exits`` (the exit
+campaign), ``docs`` (the API reference), ``litgpt`` (a client's real training script through our Fabric strategy).
 
 Every session installs ``TORCH`` first (default ``torch==2.13.0``: a CPU wheel that needs no CUDA download where a
 local wheel is offered), then the package with its extras; the package's own ranges stay broad (``torch>=2.6``).
@@ -42,7 +42,17 @@ def tests(session: nox.Session) -> None:
     _install(session, "test", *LITDATA_DEPS)
     session.install("--no-deps", LITDATA)
     session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
-    session.run("python", "-m", "pytest", "-q", "--durations=15", *session.posargs)
+    session.run("python", "-m", "pytest", "-q", "--durations=15", "-m", "not full", *session.posargs)
+
+
+@nox.session(python=PYTHON)
+def full(session: nox.Session) -> None:
+    """Every test: the default run plus the heavier variants marked ``full`` (more ranks, kills and restarts of what
+    the default run covers once; about 6 more minutes on 2 cores) and the whole zoo of training setups."""
+    _install(session, "test", *LITDATA_DEPS)
+    session.install("--no-deps", LITDATA)
+    session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
+    session.run("python", "-m", "pytest", "-q", "--durations=30", *session.posargs, env={"LIGHTNING_DCP_ZOO": "all"})
 
 
 LITGPT = "litgpt>=0.5.13,<0.6"
@@ -112,13 +122,25 @@ def demo(session: nox.Session) -> None:
     where = [f"ckpt_dir={run}/checkpoints", f"hydra.run.dir={run}/train"]
     session.run("python", "examples/train.py", *where, *session.posargs)
     session.run(
-        "python", "examples/train.py", *where[:1], f"hydra.run.dir={run}/resume", "ckpt_path=last",
-        "trainer.devices=1", "trainer.max_steps=80", "model.max_steps=60", *session.posargs,
+        "python",
+        "examples/train.py",
+        *where[:1],
+        f"hydra.run.dir={run}/resume",
+        "ckpt_path=last",
+        "trainer.devices=1",
+        "trainer.max_steps=80",
+        "model.max_steps=60",
+        *session.posargs,
     )
     session.run("python", "-m", "lightning_dcp.verify", f"{run}/checkpoints/last.ckpt")
     session.run(
-        "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/last.ckpt",
-        "--output", f"{run}/last.consolidated.ckpt", "--overwrite",
+        "python",
+        "-m",
+        "lightning_dcp.consolidate",
+        f"{run}/checkpoints/last.ckpt",
+        "--output",
+        f"{run}/last.consolidated.ckpt",
+        "--overwrite",
     )
 
 
@@ -133,13 +155,21 @@ def demo_fabric(session: nox.Session) -> None:
     session.run(*script, f"hydra.run.dir={run}/train", *session.posargs)
     session.run(*script, f"hydra.run.dir={run}/resume", "max_steps=80", "fabric.devices=1", *session.posargs)
     session.run(
-        *script, f"hydra.run.dir={run}/fsdp2", "max_steps=100",
-        "fabric.strategy._target_=lightning_dcp.fabric.DCPModelParallelStrategy", *session.posargs,
+        *script,
+        f"hydra.run.dir={run}/fsdp2",
+        "max_steps=100",
+        "fabric.strategy._target_=lightning_dcp.fabric.DCPModelParallelStrategy",
+        *session.posargs,
     )
     session.run("python", "-m", "lightning_dcp.verify", f"{run}/checkpoints/step-000100")
     session.run(
-        "python", "-m", "lightning_dcp.consolidate", f"{run}/checkpoints/step-000100",
-        "--output", f"{run}/last.pt", "--overwrite",
+        "python",
+        "-m",
+        "lightning_dcp.consolidate",
+        f"{run}/checkpoints/step-000100",
+        "--output",
+        f"{run}/last.pt",
+        "--overwrite",
     )
 
 
@@ -208,8 +238,18 @@ def lightning_tests(session: nox.Session) -> None:
     }
     with session.chdir(os.path.join(src, "tests")):
         session.run(
-            "python", "-m", "pytest", "-q", "-p", "swap_plugin", "-p", "no:cacheprovider", *LIGHTNING_TESTS,
-            *session.posargs, env=env, success_codes=[0, 1],
+            "python",
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "swap_plugin",
+            "-p",
+            "no:cacheprovider",
+            *LIGHTNING_TESTS,
+            *session.posargs,
+            env=env,
+            success_codes=[0, 1],
         )
 
 

@@ -52,7 +52,7 @@ def _resume_worker(rank: int, world_size: int, tmp: str, kind: str) -> None:
             save_result(tmp, f"{mode}-files", rank, sorted(os.listdir(os.path.join(tmp, mode))))
 
 
-@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("kind", ["ddp", pytest.param("fsdp2", marks=pytest.mark.full)])
 def test_async_resume_equals_sync_resume(tmp_path, kind):
     tmp = str(tmp_path)
     spawn(_resume_worker, 2, tmp, kind)

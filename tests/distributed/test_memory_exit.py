@@ -22,6 +22,7 @@ import time
 import uuid
 import weakref
 
+import pytest
 import torch
 
 from tests._spawn import free_port
@@ -97,6 +98,7 @@ def _launch(base: str, phase: str) -> list[dict]:
         return sorted((json.loads(line) for line in f), key=lambda r: r["rank"])
 
 
+@pytest.mark.full
 def test_every_rank_exits_cleanly_after_saving_and_restoring_from_memory():
     base = f"/dev/shm/lightning_dcp-test-{uuid.uuid4().hex[:8]}"
     try:

@@ -12,6 +12,8 @@ import os
 import shutil
 import signal
 
+import pytest
+
 from lightning_dcp import MemoryTier
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.parts import PartStore
@@ -98,6 +100,7 @@ def _durable_worker(rank: int, world_size: int, root: str) -> None:
     assert_same(_full(model, optimizer), load_result(root, "saved-3"), "persisted at SIGTERM")
 
 
+@pytest.mark.full
 def test_fabric_persists_the_newest_memory_checkpoint_at_sigterm_then_stops_every_rank(base):  # noqa: F811
     spawn(_preempted_worker, 2, base)
     assert [load_result(base, "stopped", r)["after"] for r in (0, 1)] == [3, 3]  # every rank, at the same save

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -181,6 +182,7 @@ def _resume_and_persist(rank: int, world_size: int, shm: str, disks: str, step: 
 
 
 # -------------------------------------------------------------------------------------------------- tests
+@pytest.mark.full
 def test_persisted_on_node_local_disks_and_restored_after_a_cluster_restart(base, tmp_path):  # noqa: F811
     disks = str(tmp_path)
     spawn(_save, 4, base, disks, None, None)
@@ -209,6 +211,7 @@ def test_persisted_on_node_local_disks_and_restored_after_a_cluster_restart(base
     assert not [e for e in os.listdir(f"{disks}/disk0/{PARTS_DIR}") if e.startswith(".")]
 
 
+@pytest.mark.full
 def test_remote_copy_committed_with_every_nodes_files(base, tmp_path, s3_bucket):  # noqa: F811
     url, options = s3_bucket
     disks = str(tmp_path)
@@ -250,6 +253,7 @@ def test_ranks_naming_a_memory_checkpoint_differently_save_rank0s_name_in_their_
     assert not os.path.exists(f"{tmp_path}/disk0/step=1-r1") and not os.path.exists(f"{tmp_path}/disk1/step=1-r0")
 
 
+@pytest.mark.full
 def test_kill_during_persistence_never_restores_a_torn_part(base, tmp_path):  # noqa: F811
     disks = str(tmp_path)
     code = (

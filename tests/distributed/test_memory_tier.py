@@ -66,6 +66,7 @@ def base():
     shutil.rmtree(path, ignore_errors=True)
 
 
+@pytest.mark.full
 def test_memory_tier_replicates_and_restores_from_any_node(base):
     spawn(_save, 4, base)
     areas = [PartStore(f"{base}/shm{n}") for n in range(2)]

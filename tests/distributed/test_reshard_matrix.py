@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import traceback
 
+import pytest
+
 from lightning_dcp import DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
 from tests._spawn import spawn
@@ -77,6 +79,7 @@ def _worker(rank: int, world_size: int, tmp: str, ascending: bool) -> None:
     save_result(tmp, f"report{world_size}{'up' if ascending else 'down'}", rank, report)
 
 
+@pytest.mark.full
 def test_reshard_matrix(tmp_path):
     tmp = str(tmp_path)
     for world_size in WORLD_SIZES:

@@ -27,7 +27,7 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=180)
 
 
-@pytest.mark.parametrize("kill_rank", [1, -1], ids=["one-rank", "every-rank"])
+@pytest.mark.parametrize("kill_rank", [pytest.param(1, marks=pytest.mark.full), -1], ids=["one-rank", "every-rank"])
 def test_a_restarted_attempt_resumes_the_newest_memory_checkpoint_exactly(tmp_path, kill_rank):
     workdir = str(tmp_path)
     done = _torchrun(

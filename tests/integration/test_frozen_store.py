@@ -45,6 +45,7 @@ def _trainer(dirpath: str, options: dict, **kwargs):
     return make_trainer(1, strategy="dcp_single_device", max_epochs=-1, callbacks=[callback], plugins=[io], **kwargs)
 
 
+@pytest.mark.full
 def test_a_stopped_server_fails_a_resume_in_bounded_time_naming_the_setting(s3_server_factory, monkeypatch):
     """The defaults bound the wait (shortened here from 5 s to 1 s per read, so the test takes ~20 s, not ~55 s)."""
     monkeypatch.setitem(S3_TIMEOUTS, "read_timeout", 1)

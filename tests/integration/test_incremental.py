@@ -99,6 +99,7 @@ def _committed(ckpt_dir: str) -> list[str]:
     return sorted(n for n in os.listdir(ckpt_dir) if os.path.isfile(os.path.join(ckpt_dir, n, ".commit")))
 
 
+@pytest.mark.full
 def test_kill_during_incremental_saves_keeps_committed_checkpoints(tmp_path):
     rng = random.Random(9)
     directory = str(tmp_path)

@@ -67,7 +67,12 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("use_async", "kills", "sig"), [(False, 6, signal.SIGKILL), (True, 5, signal.SIGKILL), (True, 2, signal.SIGTERM)]
+    ("use_async", "kills", "sig"),
+    [
+        pytest.param(False, 6, signal.SIGKILL, marks=pytest.mark.full),
+        (True, 5, signal.SIGKILL),
+        pytest.param(True, 2, signal.SIGTERM, marks=pytest.mark.full),
+    ],
 )
 def test_killed_saves_never_break_resume(tmp_path, reference, use_async, kills, sig):
     rng = random.Random(1234 + kills + int(use_async))

@@ -49,6 +49,7 @@ def _fit(workdir: str, areas: list[str], max_steps: int) -> list[int]:
     return [p.wait(timeout=300) for p in procs]
 
 
+@pytest.mark.full
 def test_trainer_resumes_from_node_local_disks_after_a_cluster_restart(tmp_path):
     if not _namespaces_work(tmp_path):
         pytest.skip("needs `unshare -m` (root or CAP_SYS_ADMIN) to give each simulated node its own disk")

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from tests.chaos.memory import trial
 
 
+@pytest.mark.full
 def test_whole_job_kill_resumes_from_memory_with_the_exact_state(tmp_path):
     result = trial(str(tmp_path / "trial"), "whole_job", random.Random(11))
     assert result["expected"] is not None, result  # something was committed in memory before the kill

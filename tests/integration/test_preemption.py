@@ -45,7 +45,8 @@ def reference(tmp_path_factory) -> list[dict[int, str]]:
 
 
 @pytest.mark.parametrize(
-    ("signame", "signal_rank", "seed", "resume"), [("SIGTERM", 1, 41, True), ("SIGUSR1", 0, 7, False)]
+    ("signame", "signal_rank", "seed", "resume"),
+    [("SIGTERM", 1, 41, True), pytest.param("SIGUSR1", 0, 7, False, marks=pytest.mark.full)],
 )
 def test_a_signal_at_a_random_step_saves_every_rank_and_the_resume_is_exact(
     tmp_path, reference, signame, signal_rank, seed, resume
@@ -77,7 +78,7 @@ def _stopped(pid: int) -> bool:
         return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
 
 
-@pytest.mark.parametrize("stuck_after", ["2", "none"])
+@pytest.mark.parametrize("stuck_after", ["2", pytest.param("none", marks=pytest.mark.full)])
 def test_sigterm_on_a_rank_stuck_in_a_collective_ends_it_after_stuck_after(tmp_path, stuck_after):
     """Rank 1 stops (SIGSTOP: its host vanished, its connections stay open) at step 3's start; rank 0 waits in a gloo
     collective of that step, where Python's handlers cannot run. SIGTERM to rank 0 (the agent's, at a node loss)

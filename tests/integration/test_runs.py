@@ -14,6 +14,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -47,6 +49,7 @@ def test_last_follows_its_own_run_past_a_newer_run_in_the_same_directory(tmp_pat
     assert os.path.realpath(os.path.join(dirpath, "last.ckpt")) == os.path.join(dirpath, "a-step=12.ckpt")
 
 
+@pytest.mark.full
 def test_last_lagging_behind_its_own_run_takes_the_runs_newest(tmp_path):
     dirpath = str(tmp_path)
     _fit(dirpath, "a", filename="a-{step}", max_steps=8)

@@ -71,6 +71,7 @@ class _BigModel(TinyModel):
         self.register_buffer("big", torch.zeros(64 * 2**20 // 4))  # 64 MB: s3fs uploads it in 50 MB parts
 
 
+@pytest.mark.full
 def test_server_killed_mid_save_previous_checkpoint_resumes(s3_server_factory, monkeypatch):
     server = s3_server_factory()
     bucket = server.new_bucket()

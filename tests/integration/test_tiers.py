@@ -62,6 +62,7 @@ def _state(value: float) -> dict:
     return {"state_dict": {"w": torch.full((256, 256), value)}, "epoch": int(value)}
 
 
+@pytest.mark.full
 def test_a_remote_outage_keeps_every_copy_and_the_uploads_resume(s3_server_factory, tmp_path):
     server = s3_server_factory()
     dirpath = f"s3://{server.new_bucket()}/run"

@@ -14,15 +14,15 @@ from tests.chaos.fuzz import fuzz_reader
 
 SEED = 20261123
 EXAMPLES = {
-    "commit": 20,
-    "metadata": 20,
-    "pointer": 15,
-    "blob": 20,
-    "record": 15,
-    "codec": 15,
-    "index": 15,
-    "elastic": 40,
-}  # ~1 min in all on 2 cores; nox -s chaos: 2000 each
+    "commit": 12,
+    "metadata": 10,
+    "pointer": 10,
+    "blob": 12,
+    "record": 10,
+    "codec": 10,
+    "index": 10,
+    "elastic": 15,
+}  # ~25 s in all on 2 cores; nox -s chaos: 2000 each
 
 
 @pytest.mark.parametrize(("reader", "examples"), EXAMPLES.items(), ids=EXAMPLES.keys())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import warnings
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -96,6 +97,7 @@ def _in_turn_worker(rank: int, world_size: int, tmp: str) -> None:
     save_result(tmp, "in-turn", rank, (results, len(made)))
 
 
+@pytest.mark.full
 def test_two_plans_saved_in_turn_are_planned_once_each_on_every_rank(tmp_path):
     tmp = str(tmp_path)
     spawn(_in_turn_worker, 2, tmp)

@@ -114,6 +114,7 @@ def test_a_replica_that_does_not_fit_fails_every_rank_alike_and_keeps_the_older_
     assert _hidden(areas) == []
 
 
+@pytest.mark.full
 def test_a_resume_in_full_areas_falls_back_to_the_older_complete_checkpoint(areas, tmp_path):
     out = tmp_path / "out"
     out.mkdir()

@@ -115,6 +115,7 @@ def _assert_close(a, b, path: str = "") -> None:
         assert_same(a, b, path)
 
 
+@pytest.mark.full
 def test_elastic_resume(tmp_path):
     tmp = str(tmp_path)
     spawn(_two_ranks, 2, tmp)

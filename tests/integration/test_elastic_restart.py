@@ -45,6 +45,7 @@ def test_a_restarted_attempt_resumes_the_newest_memory_checkpoint_exactly(tmp_pa
         assert [e["step"] for e in log if e["event"] == "done"] == [MAX_STEPS], log
 
 
+@pytest.mark.full
 def test_fabric_restarted_attempt_sets_up_its_process_group(tmp_path):
     done = _torchrun("tests.integration._elastic_fabric", str(tmp_path))
     assert done.returncode == 0, done.stderr[-4000:]

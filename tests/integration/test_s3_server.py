@@ -19,6 +19,7 @@ def test_free_ports_are_distinct_and_below_the_ephemeral_range():
     assert all(port < low for port in ports)  # never a port the kernel hands to an outgoing connection
 
 
+@pytest.mark.full
 def test_a_port_taken_before_weed_binds_it_is_replaced(tmp_path):
     _require_weed()
     s3fs = pytest.importorskip("s3fs")

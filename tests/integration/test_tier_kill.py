@@ -6,9 +6,12 @@ everything: the remote ends with exactly the top-k checkpoints and a ``last.ckpt
 
 from __future__ import annotations
 
+import pytest
+
 from benchmarks.kill_tiered import FAILURES, campaign
 
 
+@pytest.mark.full
 def test_kills_during_tiered_saves_lose_nothing_committed(s3_server, tmp_path):
     phases = ("pending_removal", "upload", "local_save")
     counts = campaign(str(tmp_path), kills=3, seed=3, epochs=8, server=s3_server, compare=False, phases=phases)

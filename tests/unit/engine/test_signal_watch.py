@@ -62,6 +62,7 @@ def test_a_busy_main_thread_runs_the_handler_and_goes_on(tmp_path):
     assert _count(str(tmp_path), "on_stuck") == 0
 
 
+@pytest.mark.full
 def test_after_stop_a_signal_whose_handler_does_not_report_is_left_alone(tmp_path):
     process = _start("stopped", str(tmp_path))
     process.send_signal(signal.SIGTERM)
@@ -71,6 +72,7 @@ def test_after_stop_a_signal_whose_handler_does_not_report_is_left_alone(tmp_pat
     assert _count(str(tmp_path), "on_stuck") == 0
 
 
+@pytest.mark.full
 def test_a_child_forked_under_the_watch_does_not_end_the_parent(tmp_path):
     process = _start("fork", str(tmp_path))  # the child got SIGTERM 0.5 s after the fork, before "ready"
     _, stderr = process.communicate(timeout=60)

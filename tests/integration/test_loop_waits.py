@@ -29,8 +29,8 @@ _STEPS = 6
 _BLOCKED = "checkpoint/save_blocked_s"
 
 
-class _Rows(Logger):
-    """A Trainer logger that keeps what it is given (``log_metrics``) in memory."""
+class _FabricRows(FabricLogger):
+    """A Fabric logger that keeps what it is given (``fabric.log_dict``) in memory."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -49,31 +49,13 @@ class _Rows(Logger):
 
     def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
         pass
+
+
+class _Rows(_FabricRows, Logger):
+    """The same for the Trainer (``log_metrics``); Lightning's ``Logger`` is a Fabric logger."""
 
     def saves(self) -> dict[int, float]:
         return {step: m[_BLOCKED] for step, m in self.rows if _BLOCKED in m}
-
-
-class _FabricRows(FabricLogger):
-    """The same for Fabric (``fabric.log_dict``)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int | None, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "rows"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step, dict(metrics)))
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
 
 
 class _Held(LightningModule):

@@ -263,15 +263,7 @@ class AsyncSaves:
 
         def stage_now(release: Callable[[], None]) -> tuple[saving.PreparedSave, BaseException | None, Any]:
             if live and deferred:
-                prepared.planner = live_write = LiveWrite(
-                    staged,
-                    deferred,
-                    stager=self.stager,
-                    release=release,
-                    rate=self._write_rate,
-                    patient=self.steps_wait_for_writer,
-                )
-                return prepared, None, live_write
+                return self._live_write(prepared, staged, deferred, release)
             try:
                 Stager.finish(deferred)
             except Exception as err:
@@ -351,15 +343,7 @@ class AsyncSaves:
                     prepared.plan.items, planner.resolve_data, versions, live=live
                 )
                 if live and deferred:
-                    prepared.planner = live_write = LiveWrite(
-                        staged,
-                        deferred,
-                        stager=self.stager,
-                        release=release,
-                        rate=self._write_rate,
-                        patient=self.steps_wait_for_writer,
-                    )
-                    return prepared, None, live_write
+                    return self._live_write(prepared, staged, deferred, release)
                 prepared.planner = _Staged(staged)
                 Stager.finish(deferred, made=made, held=not made)
             except Exception as err:
@@ -367,6 +351,20 @@ class AsyncSaves:
             return prepared, None, None
 
         return stage
+
+    def _live_write(
+        self, prepared: saving.PreparedSave, staged: Any, deferred: Any, release: Callable[[], None]
+    ) -> tuple[saving.PreparedSave, None, LiveWrite]:
+        """``prepared`` written by a :class:`LiveWrite`: the writer copies the ``deferred`` live tensors itself."""
+        prepared.planner = live_write = LiveWrite(
+            staged,
+            deferred,
+            stager=self.stager,
+            release=release,
+            rate=self._write_rate,
+            patient=self.steps_wait_for_writer,
+        )
+        return prepared, None, live_write
 
     def _choose_live(self, writer: StorageWriter) -> bool:
         """Whether this save writes its deferred tensors live: local files only, then by :attr:`live`."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import collections
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -221,23 +221,19 @@ def _holds_optimizer_tensors(optimizer: torch.optim.Optimizer, split: dict[str, 
     parameter groups' options would change. Only for a stock ``load_state_dict`` (:func:`_stock_load`).
     """
     saved, own = split["state"], optimizer.state
-    if len(saved) != len(own):
+    if len(saved) != len(own) or _casts_step(optimizer, split):
         return False
-    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
-        if group.get("fused") or group.get("capturable") or loaded.get("fused") or loaded.get("capturable"):
+    for param, values in _saved_per_param(optimizer, split):
+        if values is None:
+            if param in own:
+                return False  # the optimizer holds state the checkpoint does not: load_state_dict drops it
+            continue
+        mine = own.get(param)
+        if type(values) is not dict or type(mine) is not dict or values.keys() != mine.keys():
             return False
-        for name, param in zip(loaded["params"], group["params"], strict=True):
-            values = saved.get(name)
-            if values is None:
-                if param in own:
-                    return False  # the optimizer holds state the checkpoint does not: load_state_dict drops it
-                continue
-            mine = own.get(param)
-            if type(values) is not dict or type(mine) is not dict or values.keys() != mine.keys():
+        for key, value in values.items():
+            if value is not mine[key]:
                 return False
-            for key, value in values.items():
-                if value is not mine[key]:
-                    return False
     return True
 
 
@@ -254,25 +250,39 @@ def _uncast_state(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> di
     no group lists.
     """
     saved = split["state"]
+    if _casts_step(optimizer, split):
+        return None
     state: dict[Any, Any] = collections.defaultdict(dict)
     tensor = torch.Tensor
-    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
-        if group.get("fused") or group.get("capturable") or loaded.get("fused") or loaded.get("capturable"):
+    for param, values in _saved_per_param(optimizer, split):
+        if values is None:
+            continue
+        if type(values) is not dict:
             return None
-        for name, param in zip(loaded["params"], group["params"], strict=True):
-            values = saved.get(name)
-            if values is None:
-                continue
-            if type(values) is not dict:
+        floating = param.is_floating_point()
+        for key, value in values.items():
+            if not isinstance(value, tensor) or value.device != param.device:
                 return None
-            floating = param.is_floating_point()
-            for key, value in values.items():
-                if not isinstance(value, tensor) or value.device != param.device:
-                    return None
-                if floating and key != "step" and value.dtype != param.dtype:
-                    return None
-            state[param] = dict(values)
+            if floating and key != "step" and value.dtype != param.dtype:
+                return None
+        state[param] = dict(values)
     return state if len(state) == len(saved) else None
+
+
+def _casts_step(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> bool:
+    """Whether a group, the optimizer's or the saved one, is ``fused`` or ``capturable`` (``step`` is cast then)."""
+    return any(
+        group.get("fused") or group.get("capturable") or loaded.get("fused") or loaded.get("capturable")
+        for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True)
+    )
+
+
+def _saved_per_param(optimizer: torch.optim.Optimizer, split: dict[str, Any]) -> Iterator[tuple[Any, Any]]:
+    """``(parameter, its saved state or None)`` for every parameter of the optimizer's groups, in order."""
+    saved = split["state"]
+    for group, loaded in zip(optimizer.param_groups, split["param_groups"], strict=True):
+        for name, param in zip(loaded["params"], group["params"], strict=True):
+            yield param, saved.get(name)
 
 
 def _set_param_groups(

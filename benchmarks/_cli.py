@@ -9,6 +9,11 @@ import tempfile
 from collections.abc import Callable, Mapping
 from typing import Any
 
+try:
+    from benchmarks.provenance import stamp
+except ImportError:  # run as a script
+    from provenance import stamp
+
 
 def bench_main(
     run: Callable[..., dict],
@@ -34,13 +39,14 @@ def bench_main(
     for flag, spec in (options or {}).items():
         parser.add_argument(flag, **spec)
     args = parser.parse_args(argv)
+    stamped = stamp(argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix=prefix)
     kwargs = {"repeats": args.repeats, **({"world_size": args.world_size} if world_size else {})}
     for flag in options or {}:
         name = flag.lstrip("-").replace("-", "_")
         kwargs[name] = getattr(args, name)
     try:
-        print(json.dumps(run(args.size_gb, workdir, **kwargs), indent=2))
+        print(json.dumps({**stamped, **run(args.size_gb, workdir, **kwargs)}, indent=2))
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

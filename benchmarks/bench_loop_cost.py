@@ -36,7 +36,6 @@ With ``--out DIR`` it writes ``DIR/LOOP_COST.md`` (table, commit, date, machine,
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import gc
 import json
@@ -44,19 +43,17 @@ import os
 import resource
 import shutil
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
 try:
     from benchmarks.mixes import MIXES, make_module
-    from benchmarks.run import machine
+    from benchmarks.provenance import stamp
     from benchmarks.trainer_runs import _barrier, _max_over_ranks, _remove, _timed, make_trainer, spawn
 except ImportError:  # run as a script
     from mixes import MIXES, make_module
-    from run import machine
+    from provenance import stamp
     from trainer_runs import _barrier, _max_over_ranks, _remove, _timed, make_trainer, spawn
 
 METHODS = ("none", "sync", "async")
@@ -229,15 +226,6 @@ def run(
     return out
 
 
-def _commit() -> str:
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True)
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head.stdout.strip() + (" (with uncommitted changes)" if dirty.stdout.strip() else "")
-
-
 def _cell(summary: dict[str, float], digits: int = 2) -> str:
     return f"{summary['median']:.{digits}f} ({summary['min']:.{digits}f}-{summary['max']:.{digits}f})"
 
@@ -298,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write LOOP_COST.md and loop_cost.json into this directory")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     args = parser.parse_args(argv)
-    command = "python -m benchmarks.bench_loop_cost " + " ".join(sys.argv[1:] if argv is None else argv)
-    commit = _commit()  # the code measured (at the start: files edited during the run do not count)
+    stamped = stamp(argv)  # the code measured (at the start: files edited during the run do not count)
+    command = stamped["command"]
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_loop_cost_", dir=os.path.abspath("."))
     try:
         result = run(
@@ -314,13 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)
-    result = {
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "machine": machine(),
-        "command": command,
-        **result,
-    }
+    result = {**stamped, **result}
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "LOOP_COST.md"), "w") as f:

@@ -16,9 +16,16 @@ every round (A B C A B C ...) so that they see the same machine:
 - ``fit``: ``trainer.fit`` for ``fit_steps`` steps with no checkpointing (``none``) and with a ``ModelCheckpoint``
   every ``every`` steps: sync (``sync``), async (``async``: the default, deferred staging) and async without
   deferred staging (``plain``); optionally with Lightning's ``EMAWeightAveraging`` callback in the run (``--ema``).
+  ``limit``: the same fit while, at the same steps, a thread of each rank writes that rank's share of the state
+  (parameters and optimizer state split across ranks by size, as a DDP save splits the replicated state) with
+  ``O_DIRECT`` straight from the training tensors: no staging copy, no checksum, no file format and no consistency
+  (optimizer steps do not wait, so the bytes may mix steps): a lower bound of what overlapping those bytes' write
+  with training costs the fit, which no correct async save can beat on the machine. ``--fit-methods`` picks a subset.
   Reports the fit's wall time and, per save, ``stall`` (the time ``trainer.save_checkpoint`` blocked inside
   ``ModelCheckpoint``) and ``blocked`` (the stall plus the time the next optimizer step waited for the save's
-  background staging copies). Async fits include the wait for the last save at teardown.
+  background staging copies). Async fits include the wait for the last save at teardown. ``added``: per round, a
+  method's fit minus that round's fit without saves; ``added_over_sync``: per round, that over the sync fit's
+  (issue 53's figure: what async saves add to the fit's wall time, over what sync saves add).
 - ``load``: resumes as users see them (:mod:`benchmarks.bench_resume`): per round, ``Trainer.fit(model,
   ckpt_path=...)`` in fresh processes for our checkpoint (``load``) and for stock Lightning DDP's single ``.ckpt`` of
   the same state (``stock``), the same fits without a ``ckpt_path`` (``fresh``, ``stock_fresh``), each timed from the
@@ -48,10 +55,13 @@ import tempfile
 import time
 from typing import Any
 
+import torch
+
 try:
     from benchmarks.bench_resume import run_rounds
     from benchmarks.bench_save import disk_write
     from benchmarks.mixes import MIXES, make_module
+    from benchmarks.provenance import stamp
     from benchmarks.trainer_runs import (
         _barrier,
         _max_over_ranks,
@@ -66,6 +76,7 @@ except ImportError:  # run as a script
     from bench_resume import run_rounds
     from bench_save import disk_write
     from mixes import MIXES, make_module
+    from provenance import stamp
     from trainer_runs import (
         _barrier,
         _max_over_ranks,
@@ -78,6 +89,7 @@ except ImportError:  # run as a script
     )
 
 TASKS = ("save", "stock", "fit", "load")
+FIT_METHODS = ("none", "sync", "async", "plain", "limit")
 ASYNC = ("async", "plain")
 
 
@@ -236,20 +248,23 @@ def task_fit(
     fit_steps: int,
     every: int,
     ema: bool = False,
+    methods: tuple[str, ...] = FIT_METHODS,
 ) -> dict:
     import gc
 
     from lightning_dcp import DCPCheckpointIO
 
     timed_checkpoint = _timed_checkpoint_class()
-    methods = ("none", "sync", "async", "plain")
     runs: dict[str, dict[str, list]] = {m: {"seconds": [], "stalls": [], "waits": []} for m in methods}
     for round_ in range(repeats + 1):
         for method in methods:
             dirpath = os.path.join(workdir, f"fit-{method}-{round_}")
-            callbacks: list[Any] = (
-                [] if method == "none" else [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
-            )
+            if method == "limit":
+                callbacks: list[Any] = [_overlapped_write_class()(dirpath, every)]
+            elif method == "none":
+                callbacks = []
+            else:
+                callbacks = [timed_checkpoint(dirpath=dirpath, every_n_train_steps=every)]
             if ema:
                 from lightning.pytorch.callbacks import EMAWeightAveraging
 
@@ -258,13 +273,13 @@ def task_fit(
                 world_size,
                 max_steps=fit_steps,
                 callbacks=callbacks,
-                enable_checkpointing=method != "none",
+                enable_checkpointing=method not in ("none", "limit"),
                 plugins=[DCPCheckpointIO(async_save=method in ("async", "plain"), defer_staging=method == "async")],
             )
             module = make_module(mix, scale=scale, steps=fit_steps)
             _as_in_a_fresh_process()  # a sync fit would otherwise reuse the plan of the previous round's sync fit
             _, seconds = _timed(functools.partial(trainer.fit, module))
-            timed = callbacks[0] if method != "none" else None
+            timed = callbacks[0] if method not in ("none", "limit") else None
             if timed is not None:
                 timed.finish(trainer)
             stalls = [_max_over_ranks(s) for s in timed.stalls] if timed else []
@@ -279,6 +294,68 @@ def task_fit(
             del trainer, module, callbacks, timed
             gc.collect()
     return {"runs": runs, "fit_steps": fit_steps, "every": every, "ema": ema}
+
+
+def _overlapped_write_class():
+    """The ``limit`` fit's callback (module docstring): direct writes of the live tensors every ``every`` steps."""
+    import threading
+
+    from lightning.pytorch.callbacks import Callback
+
+    class OverlappedWrite(Callback):
+        def __init__(self, dirpath: str, every: int) -> None:
+            self.dirpath, self.every = dirpath, every
+            self.thread: threading.Thread | None = None
+            self.stalls: list[float] = []
+            self.waits: list[float] = []
+
+        def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step % self.every:
+                return
+            start = time.perf_counter()
+            self.join()
+            state = [p.detach() for p in trainer.lightning_module.parameters()]
+            for optimizer in trainer.optimizers:
+                state += [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()]
+            state.sort(key=lambda t: -t.numel() * t.element_size())
+            mine = state[trainer.global_rank :: trainer.world_size]
+            path = os.path.join(self.dirpath, f"{trainer.global_step}-{trainer.global_rank}.bin")
+            os.makedirs(self.dirpath, exist_ok=True)
+            self.thread = threading.Thread(target=_direct_write, args=(path, mine))
+            self.thread.start()
+            self.stalls.append(time.perf_counter() - start)
+
+        def on_train_end(self, trainer: Any, *args: Any) -> None:
+            self.join()
+
+        def join(self) -> None:
+            if self.thread is not None:
+                self.thread.join()
+                self.thread = None
+
+    return OverlappedWrite
+
+
+def _direct_write(path: str, tensors: list[torch.Tensor], piece: int = 16 << 20) -> None:
+    """Write the page-aligned spans of ``tensors`` (up to 4 KiB of each one's head and tail left out) with
+    ``O_DIRECT`` from their own memory, in ``piece``-byte calls; buffered where the filesystem refuses direct I/O."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    try:
+        fd, direct = os.open(path, flags | os.O_DIRECT), True
+    except (AttributeError, OSError):
+        fd, direct = os.open(path, flags), False
+    offset = 0
+    try:
+        for t in tensors:
+            view = memoryview(t.numpy()).cast("B")
+            head = (-t.data_ptr()) % 4096 if direct else 0
+            end = head + (len(view) - head) // 4096 * 4096 if direct else len(view)
+            for i in range(head, end, piece):
+                offset += os.pwrite(fd, view[i : min(end, i + piece)], offset)
+        if not direct:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def task_prepare_load(rank: int, world_size: int, workdir: str, mix: str, scale: float) -> dict:
@@ -303,6 +380,7 @@ def run(
     every: int = 3,
     load_world_sizes: tuple[int, ...] = (2, 1),
     ema: bool = False,
+    fit_methods: tuple[str, ...] = FIT_METHODS,
 ) -> dict:
     """Run ``tasks`` for one mix at one world size; returns medians (min-max) and ratios (see module docstring)."""
     common = {"mix": mix, "scale": scale}
@@ -324,9 +402,11 @@ def run(
             fit_steps=fit_steps,
             every=every,
             ema=ema,
+            methods=fit_methods,
             **common,
         )
         out["fit"] = {}
+        none = res["runs"].get("none", {}).get("seconds")
         for m, r in res["runs"].items():
             if not r["stalls"][0]:
                 out["fit"][m] = {"seconds": summary(r["seconds"]), "saves": 0}
@@ -349,6 +429,17 @@ def run(
                 "end_blocked": summary([run[-1] for run in blocked]) if at_end else None,
                 "saves": len(r["stalls"][0]),
             }
+        if none:
+            for m, r in out["fit"].items():
+                if m != "none":
+                    runs = res["runs"][m]["seconds"]
+                    r["added"] = summary([t - n for t, n in zip(runs, none, strict=True)])
+                    r["added_each"] = [t - n for t, n in zip(runs, none, strict=True)]
+            if "sync" in out["fit"]:
+                sync = out["fit"]["sync"]["added_each"]
+                for m, r in out["fit"].items():
+                    if m not in ("none", "sync"):
+                        r["added_over_sync"] = summary([a / s for a, s in zip(r["added_each"], sync, strict=True)])
         out["fit_steps"], out["every"], out["ema"] = fit_steps, every, ema
     if "load" in tasks:
         out["load"] = {}
@@ -401,9 +492,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fit-steps", type=int, default=12)
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--ema", action="store_true", help="fit: with Lightning's EMAWeightAveraging callback")
+    parser.add_argument("--fit-methods", default=",".join(FIT_METHODS), help="fit: which fits to run, each round")
     parser.add_argument("--load-world-sizes", default="2,1", help="world sizes the loaded checkpoints are saved at")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     args = parser.parse_args(argv)
+    stamped = stamp(argv)  # the code measured: at the start (files edited during the run do not count)
     workdir = args.workdir or tempfile.mkdtemp(prefix="bench_trainer_", dir=os.path.abspath("."))
     try:
         result = run(
@@ -417,8 +510,9 @@ def main(argv: list[str] | None = None) -> int:
             every=args.every,
             load_world_sizes=tuple(int(n) for n in args.load_world_sizes.split(",")),
             ema=args.ema,
+            fit_methods=tuple(args.fit_methods.split(",")),
         )
-        print(json.dumps(result, indent=2))
+        print(json.dumps({**stamped, **result}, indent=2))
     finally:
         if args.workdir is None:
             shutil.rmtree(workdir, ignore_errors=True)

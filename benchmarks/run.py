@@ -18,14 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 
-import lightning
 import torch
 
 from benchmarks import (
@@ -37,6 +34,7 @@ from benchmarks import (
     bench_save,
     bench_tiered,
 )
+from benchmarks.provenance import stamp
 from benchmarks.trainer_report import trainer_main
 
 LABELS = {
@@ -48,21 +46,6 @@ LABELS = {
     "disk_limit": "sequential write + fsync (disk limit)",
 }
 PEERS = ("torch_save_rank0", "lightning_async_io", "raw_dcp_save")
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    disk = subprocess.run(["df", "-h", "."], capture_output=True, text=True).stdout.splitlines()[-1].split()[0]
-    return (
-        f"{cpu}, {os.cpu_count()} cores, {mem_gb:.0f} GB RAM, disk {disk}; Python {platform.python_version()},"
-        f" torch {torch.__version__}, lightning {lightning.__version__}"
-    )
 
 
 def _log(msg: str) -> None:
@@ -184,7 +167,7 @@ def gpu_markdown(report: dict) -> list[str]:
     return lines
 
 
-def gpu_main(args: argparse.Namespace, command: str) -> int:
+def gpu_main(args: argparse.Namespace, stamped: dict[str, str]) -> int:
     """``--gpu``: bench_gpu's saves at each size, then its training run; GPU.md and gpu.json in ``--out``."""
     smoke = args.smoke
     if not bench_gpu.cuda_ready(smoke):
@@ -194,10 +177,9 @@ def gpu_main(args: argparse.Namespace, command: str) -> int:
     out = args.out or (None if smoke else "benchmarks/results")
     workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_gpu_", dir=os.path.abspath("."))
     report: dict = {
-        "machine": machine(),
+        **stamped,
         "gpu": _gpu_name(),
         "disk": _disk(workdir),
-        "command": command,
         "smoke": smoke,
         "saves": [],
     }
@@ -226,7 +208,7 @@ def gpu_main(args: argparse.Namespace, command: str) -> int:
     return 0
 
 
-def tiered_main(args: argparse.Namespace, command: str) -> int:
+def tiered_main(args: argparse.Namespace, stamped: dict[str, str]) -> int:
     """``--tiered``: bench_tiered at each size (default 0.25 GB); TIERED.md and tiered.json in ``--out``."""
     sizes = [float(s) for s in (args.sizes or "0.25").split(",")]
     repeats = args.repeats if args.repeats_given else 5
@@ -241,13 +223,13 @@ def tiered_main(args: argparse.Namespace, command: str) -> int:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
         results.append(result)
-        lines += [*bench_tiered.markdown(result, command), ""]
-    lines.insert(2, f"Machine: {machine()}.")
+        lines += [*bench_tiered.markdown(result, stamped["command"]), ""]
+    lines.insert(2, f"Commit: {stamped['commit']}. Date: {stamped['date']}. Machine: {stamped['machine']}.")
     lines.insert(3, "")
     print("\n".join(lines), flush=True)
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "tiered.json"), "w") as f:
-        json.dump({"machine": machine(), "command": command, "results": results}, f, indent=2)
+        json.dump({**stamped, "results": results}, f, indent=2)
     with open(os.path.join(out, "TIERED.md"), "w") as f:
         f.write("\n".join(lines))
     _log(f"wrote {out}/TIERED.md and tiered.json")
@@ -275,17 +257,17 @@ def main(argv: list[str] | None = None) -> int:
     args.repeats = 3 if args.repeats is None else args.repeats
     if args.smoke and not args.gpu:
         parser.error("--smoke goes with --gpu")
-    command = "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv)
+    stamped = stamp(argv)
     if args.gpu:
-        return gpu_main(args, command)
+        return gpu_main(args, stamped)
     if args.tiered:
-        return tiered_main(args, command)
+        return tiered_main(args, stamped)
     if args.remote:  # the gpt2 mix at full size (1.49 GB); --scale and --repeats pass through
         out = args.out or "benchmarks/results"
         options = ["--scale", str(args.scale), "--repeats", str(args.repeats), "--out", out]
         return bench_remote.main(["--mix", "gpt2", *options])
     if args.trainer:
-        return trainer_main(args, command, log=_log)
+        return trainer_main(args, stamped, log=_log)
     args.out = args.out or "benchmarks/results"
     sizes = [0.1] if args.quick else [float(s) for s in (args.sizes or "0.1,1").split(",")]
     world_sizes = [int(w) for w in args.world_sizes.split(",")]
@@ -293,8 +275,7 @@ def main(argv: list[str] | None = None) -> int:
     os.makedirs(args.out, exist_ok=True)
     workdir = tempfile.mkdtemp(prefix="lightning_dcp_bench_", dir=os.path.abspath("."))
     report: dict = {
-        "machine": machine(),
-        "command": command,
+        **stamped,
         "save": [],
     }
     try:

@@ -169,7 +169,7 @@ def report_main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def trainer_main(args: Any, command: str, *, log: Any = print) -> int:
+def trainer_main(args: Any, stamped: dict[str, str], *, log: Any = print) -> int:
     """Run every mix (``args.mixes``) at every world size (``args.world_sizes``); write TRAINER.md, trainer.json."""
     out = args.out or "benchmarks/results"
     os.makedirs(out, exist_ok=True)
@@ -196,11 +196,12 @@ def trainer_main(args: Any, command: str, *, log: Any = print) -> int:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     with open(os.path.join(out, "trainer.json"), "w") as f:
-        json.dump({"command": command, "results": results}, f, indent=2)
+        json.dump({**stamped, "results": results}, f, indent=2)
     lines = [
         "# Trainer-path benchmark",
         "",
-        f"Command: `{command.strip()}` (medians of {args.repeats} runs; min-max in parentheses; seconds).",
+        f"Commit: {stamped['commit']}. Date: {stamped['date']}. Machine: {stamped['machine']}.",
+        f"Command: `{stamped['command']}` (medians of {args.repeats} runs; min-max in parentheses; seconds).",
         "Ratios are speed ratios against the yardstick named in benchmarks/trainer_report.py.",
         "",
         *trainer_table(results),

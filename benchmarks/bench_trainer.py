@@ -90,6 +90,11 @@ except ImportError:  # run as a script
 
 TASKS = ("save", "stock", "fit", "load")
 FIT_METHODS = ("none", "sync", "async", "plain", "limit")
+ASYNC_CHOICES = ("adaptive", "live", "live-copy", "staged")
+"""``--async-choice``: how the ``async`` fit's saves treat the tensors they defer. ``adaptive``: the default (live
+writes or staging copies, chosen save by save); ``live``: live writes always; ``live-copy``: live writes always, a step
+that finds one unfinished copying the rest and never waiting for the writer (what ``when_busy="skip"`` chooses);
+``staged``: staging copies always. Set on the engine's private ``AsyncSaves`` (no public option: an experiment)."""
 ASYNC = ("async", "plain")
 
 
@@ -249,6 +254,7 @@ def task_fit(
     every: int,
     ema: bool = False,
     methods: tuple[str, ...] = FIT_METHODS,
+    async_choice: str = "adaptive",
 ) -> dict:
     import gc
 
@@ -276,6 +282,10 @@ def task_fit(
                 enable_checkpointing=method not in ("none", "limit"),
                 plugins=[DCPCheckpointIO(async_save=method in ("async", "plain"), defer_staging=method == "async")],
             )
+            if method == "async" and async_choice != "adaptive":
+                saves = trainer.strategy.checkpoint_io.checkpointer._async
+                saves.live = async_choice != "staged"
+                saves.steps_wait_for_writer = async_choice != "live-copy"
             module = make_module(mix, scale=scale, steps=fit_steps)
             _as_in_a_fresh_process()  # a sync fit would otherwise reuse the plan of the previous round's sync fit
             _, seconds = _timed(functools.partial(trainer.fit, module))
@@ -381,6 +391,7 @@ def run(
     load_world_sizes: tuple[int, ...] = (2, 1),
     ema: bool = False,
     fit_methods: tuple[str, ...] = FIT_METHODS,
+    async_choice: str = "adaptive",
 ) -> dict:
     """Run ``tasks`` for one mix at one world size; returns medians (min-max) and ratios (see module docstring)."""
     common = {"mix": mix, "scale": scale}
@@ -403,6 +414,7 @@ def run(
             every=every,
             ema=ema,
             methods=fit_methods,
+            async_choice=async_choice,
             **common,
         )
         out["fit"] = {}
@@ -493,6 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--every", type=int, default=3)
     parser.add_argument("--ema", action="store_true", help="fit: with Lightning's EMAWeightAveraging callback")
     parser.add_argument("--fit-methods", default=",".join(FIT_METHODS), help="fit: which fits to run, each round")
+    parser.add_argument("--async-choice", choices=ASYNC_CHOICES, default="adaptive", help="fit: see ASYNC_CHOICES")
     parser.add_argument("--load-world-sizes", default="2,1", help="world sizes the loaded checkpoints are saved at")
     parser.add_argument("--workdir", default=None, help="default: a temporary directory, removed afterwards")
     args = parser.parse_args(argv)
@@ -511,6 +524,7 @@ def main(argv: list[str] | None = None) -> int:
             load_world_sizes=tuple(int(n) for n in args.load_world_sizes.split(",")),
             ema=args.ema,
             fit_methods=tuple(args.fit_methods.split(",")),
+            async_choice=args.async_choice,
         )
         print(json.dumps({**stamped, **result}, indent=2))
     finally:

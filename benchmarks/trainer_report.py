@@ -110,13 +110,15 @@ FIT_HEADER = [
     "mix",
     "ws",
     "EMA",
-    "fit s: none / sync / async / plain",
+    "fit s: none / sync / async / plain / limit",
     "saves",
     "sync save blocked s",
     "async blocked s (call + step wait)",
     "blocked/sync",
     "plain async blocked s",
     "fit async/sync",
+    "added async/sync, per round",
+    "added limit/sync, per round",
 ]
 
 
@@ -128,13 +130,15 @@ def _fit_row(res: dict[str, Any]) -> list[str]:
         res["mix"],
         str(res["world_size"]),
         "yes" if res.get("ema") else "no",
-        " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "plain")),
+        " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "plain", "limit")),
         str(fit.get("async", {}).get("saves", "-")),
         _cell(fit.get("sync", {}).get("blocked")),
         _cell(fit.get("async", {}).get("blocked")),
         _ratio(async_blocked, sync_blocked),
         _cell(fit.get("plain", {}).get("blocked")),
         _ratio(_med(fit.get("async", {}).get("seconds")), _med(fit.get("sync", {}).get("seconds"))),
+        _cell(fit.get("async", {}).get("added_over_sync")),
+        _cell(fit.get("limit", {}).get("added_over_sync")),
     ]
 
 
@@ -152,6 +156,19 @@ def trainer_table(results: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+REPORT_HEADER = [
+    "# Trainer-path benchmark: tables",
+    "",
+    "Generated, not edited: `python -m benchmarks.trainer_report benchmarks/results/TRAINER.md"
+    " benchmarks/results/trainer/*.json`",
+    "renders the JSON results in `results/trainer/` (each names its commit, date, machine and command since"
+    " 2026-11-29;",
+    "older ones: benchmarks/README.md). The hand-written resume analysis is in [RESUMES.md](RESUMES.md).",
+    "",
+]
+"""The first lines of ``results/TRAINER.md``: what renders it and where the hand-written analysis lives."""
+
+
 def report_main(argv: list[str] | None = None) -> int:
     """``python -m benchmarks.trainer_report OUT.md RESULT.json ...``: the tables of saved results."""
     import argparse
@@ -165,7 +182,7 @@ def report_main(argv: list[str] | None = None) -> int:
         with open(name) as f:
             results.append(json.load(f))
     with open(args.out, "w") as f:
-        f.write("\n".join(trainer_table(results)) + "\n")
+        f.write("\n".join([*REPORT_HEADER, *trainer_table(results)]) + "\n")
     return 0
 
 

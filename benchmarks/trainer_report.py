@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from typing import Any
@@ -124,10 +125,11 @@ FIT_HEADER = [
 
 def _fit_row(res: dict[str, Any]) -> list[str]:
     fit = res["fit"]
+    choice = re.search(r"--async-choice[ =](\S+)", res.get("command", ""))  # bench_trainer's ASYNC_CHOICES
     sync_blocked = _med(fit.get("sync", {}).get("blocked"))
     async_blocked = _med(fit.get("async", {}).get("blocked"))
     return [
-        res["mix"],
+        res["mix"] + (f" (async: {choice.group(1)})" if choice else ""),
         str(res["world_size"]),
         "yes" if res.get("ema") else "no",
         " / ".join(_cell(fit.get(m, {}).get("seconds")) for m in ("none", "sync", "async", "plain", "limit")),

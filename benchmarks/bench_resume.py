@@ -176,6 +176,7 @@ def task_resume(
 
 def run_rounds(world_size: int, loaddir: str, *, saved: int, repeats: int, mix: str, scale: float) -> dict:
     """``repeats`` rounds of the methods of the module docstring (fresh processes each) and a cold read."""
+    from benchmarks.resume_floor import floor_file, floor_seconds
     from benchmarks.trainer_runs import dir_bytes, evict, read_files, spawn
 
     ours = os.path.join(loaddir, f"resume-ws{saved}.ckpt")
@@ -186,7 +187,9 @@ def run_rounds(world_size: int, loaddir: str, *, saved: int, repeats: int, mix: 
         "fresh": (None, "dcp_ddp"),
         "stock_fresh": (None, "ddp"),
     }
-    runs: dict[str, list[Any]] = {"read": [], "phases": []}
+    runs: dict[str, list[Any]] = {"read": [], "floor": [], "phases": []}
+    weights, optimizer = state_bytes(mix, scale)
+    floor = floor_file(loaddir, weights, optimizer)
     for method in METHODS:
         runs[method], runs[f"{method}_first"], runs[f"{method}_gc"], runs[f"{method}_gc_first"] = [], [], [], []
     cold = True
@@ -205,4 +208,14 @@ def run_rounds(world_size: int, loaddir: str, *, saved: int, repeats: int, mix: 
         start = time.perf_counter()
         read_files(ours)
         runs["read"].append(time.perf_counter() - start)
+        runs["floor"].append(floor_seconds(floor, weights, optimizer, world_size))
+    os.unlink(floor)
     return {"bytes": dir_bytes(ours), "stock_bytes": dir_bytes(stock), "runs": runs, "cold": cold}
+
+
+def state_bytes(mix: str, scale: float) -> tuple[int, int]:
+    """``(weights, optimizer state)`` bytes of the mix's model after an AdamW step (two tensors per parameter)."""
+    from benchmarks.mixes import make_module
+
+    weights = sum(p.numel() * p.element_size() for p in make_module(mix, scale=scale).parameters())
+    return weights, 2 * weights

@@ -37,7 +37,9 @@ every round (A B C A B C ...) so that they see the same machine:
   ``stock_added`` the same for stock; ``added_paired``: ``read`` over ``added``; ``stock_added_paired``:
   ``stock_added`` over ``added``; ``added_first``: ``load_first`` minus ``fresh_first`` (collections included, and
   the first step's noise); ``phases``: the parts of our restore (target, probe, plan, read, apply, gc), medians over
-  the rounds.
+  the rounds. ``floor``: each round, :mod:`benchmarks.resume_floor`'s floor for the mix's bytes (every rank reading
+  the weights' and the optimizer state's bytes cold into its own memory, the optimizer's fresh) and
+  ``added_over_floor``: each round's ``added`` over it; ``stock_added_over_added``: each round's ratio, listed.
 
 Times run from a barrier to the slowest rank's return. One JSON object per task on stdout:
 
@@ -491,7 +493,14 @@ def _added(runs: dict[str, list[float]]) -> dict[str, dict[str, float]]:
         "added_first": summary(added_first),
         "added_paired": summary([r / a for r, a in zip(runs["read"], added, strict=True) if a > 0] or [float("inf")]),
         "stock_added_paired": summary([s / a for s, a in zip(stock_added, added, strict=True) if a > 0] or [0.0]),
+        "added_over_floor": summary([a / f for a, f in zip(added, runs["floor"], strict=True)]),
+        "stock_added_over_added": stock_added_each(added, stock_added),
     }
+
+
+def stock_added_each(added: list[float], stock_added: list[float]) -> list[float]:
+    """Each round's ``stock_added / added`` (issue 53's "in every round": the list, not a summary)."""
+    return [s / a if a > 0 else float("inf") for s, a in zip(stock_added, added, strict=True)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -92,6 +92,19 @@ def _ranks(code: str, args: list[str], world_size: int) -> float:
     return max(t["ended"] for t in times) - min(t["began"] for t in times)
 
 
+def floor_file(directory: str, weights: int, optimizer: int) -> str:
+    """Write the ``weights + optimizer`` bytes :func:`floor_seconds` reads into ``directory``; its path."""
+    path = os.path.join(directory, "floor-state.bin")
+    _write(path, weights + optimizer)
+    return path
+
+
+def floor_seconds(path: str, weights: int, optimizer: int, world_size: int) -> float:
+    """One ``floor`` round (module docstring) over the file of :func:`floor_file`, evicted from the page cache first."""
+    _evict(path)
+    return _ranks(_RANK, [path, str(weights), str(optimizer)], world_size)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--weights-gb", type=float, default=0.44)
@@ -103,14 +116,12 @@ def main(argv: list[str] | None = None) -> int:
     weights, optimizer = int(args.weights_gb * 1e9), int(args.optimizer_gb * 1e9)
     results: dict[str, list[float]] = {"read": [], "floor": [], "fresh": []}
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        path = os.path.join(tmp, "state.bin")
-        _write(path, weights + optimizer)
+        path = floor_file(tmp, weights, optimizer)
         rank_args = [path, str(weights), str(optimizer)]
         for _ in range(args.rounds):
             _evict(path)
             results["read"].append(_ranks(_READ, [path], 1))
-            _evict(path)
-            results["floor"].append(_ranks(_RANK, rank_args, args.world_size))
+            results["floor"].append(floor_seconds(path, weights, optimizer, args.world_size))
             results["fresh"].append(_ranks(_RANK, rank_args, args.world_size))  # in the page cache now
     ratios = [r / f for r, f in zip(results["read"], results["floor"], strict=True)]
     print(

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import random
+import signal
 import socket
 import time
 from collections.abc import Callable
@@ -66,6 +68,9 @@ def port_env(**extra: str) -> dict[str, str]:
 
 
 def _entry(rank: int, fn: Callable, world_size: int, port: int, args: tuple, env: dict) -> None:
+    # A rank (and every child it forks, e.g. a DataLoader worker, which inherits the handler) prints every thread's
+    # Python stack on SIGUSR2: what `spawn` sends before it kills a run that exceeded its timeout.
+    faulthandler.register(signal.SIGUSR2, all_threads=True, chain=False)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
@@ -102,7 +107,42 @@ def spawn(fn: Callable, world_size: int, *args: Any, timeout: float = 240.0, env
     deadline = time.monotonic() + timeout
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
-            for p in context.processes:
-                if p.is_alive():
-                    p.kill()
-            raise TimeoutError(f"{getattr(fn, '__name__', fn)} on {world_size} ranks exceeded {timeout} s")
+            stuck = [pid for p in context.processes if p.is_alive() for pid in (p.pid, *_descendants(p.pid))]
+            for pid in stuck:  # every stack to the captured stderr first: a hang says where it hangs
+                _signal(pid, signal.SIGUSR2)
+            time.sleep(2.0)
+            for pid in stuck:
+                _signal(pid, signal.SIGKILL)
+            raise TimeoutError(
+                f"{getattr(fn, '__name__', fn)} on {world_size} ranks exceeded {timeout} s (the stacks of its"
+                f" {len(stuck)} processes are in the captured stderr)"
+            )
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid`` (children first), from ``/proc``; none where ``/proc`` is missing."""
+    parents: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        parents.setdefault(ppid, []).append(int(entry))
+    found, queue = [], list(parents.get(pid, []))
+    while queue:
+        child = queue.pop(0)
+        found.append(child)
+        queue += parents.get(child, [])
+    return found
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass

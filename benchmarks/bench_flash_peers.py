@@ -44,7 +44,6 @@ import torch.distributed as dist
 from benchmarks.mixes import make_module
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from tests._spawn import spawn
 
@@ -141,7 +140,7 @@ def _ours_restore(rank: int, world: int, area: str, disk: str, mix: str, scale: 
     module, optimizer, _ = _trained(mix, scale)
     module.apply(_perturb)
     checkpointer = Checkpointer(memory=MemoryTier(area, replicas=0))
-    memory_io.bind(checkpointer, Location(f"{disk}/ours"))
+    checkpointer.memory_route.bind(Location(f"{disk}/ours"))
     dist.barrier()
     started = time.perf_counter()
     loaded = checkpointer.load(f"{area}/last", target=_tree(module, optimizer), collective=True)

@@ -34,7 +34,6 @@ import torch.distributed as dist
 
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from tests._spawn import spawn
 
@@ -94,10 +93,10 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, 
     result["disk_sync"] = _median_stall(Checkpointer(), tree, f"{base}/disk/plain", max(1, repeats // 2), memory=False)
     tier.persist(tier.saved[-1])  # the newest memory checkpoint, persisted to the disk tier
     if s3 is not None:  # and to S3 (the remote tier, without `local_dir`)
-        memory_io.bind(checkpointer, Location(s3[0], storage_options=s3[1]))
+        checkpointer.memory_route.bind(Location(s3[0], storage_options=s3[1]))
         tier.saved[-1].persisted = False
         tier.persist(tier.saved[-1])
-    memory_io.bind(checkpointer, Location(f"{base}/node{rank}"))  # and to each node's own disk
+    checkpointer.memory_route.bind(Location(f"{base}/node{rank}"))  # and to each node's own disk
     persists = []
     for _ in range(3):
         tier.saved[-1].persisted = False
@@ -120,7 +119,7 @@ def _recover(rank: int, world: int, base: str, gib: float, path: str, out: str, 
     checkpointer = Checkpointer(memory=tier, storage_options=options)
     node_disk = path.endswith("/node/last")  # each node's own disk directory
     path = path.replace("/node/last", f"/node{rank}/last")
-    memory_io.bind(checkpointer, Location(f"{base}/node{rank}" if node_disk else f"{base}/disk/mem"))
+    checkpointer.memory_route.bind(Location(f"{base}/node{rank}" if node_disk else f"{base}/disk/mem"))
     target = _target(gib)
     dist.barrier()
     started = time.perf_counter()

@@ -41,8 +41,10 @@ from lightning_dcp.engine.save.incremental import Incremental
 from lightning_dcp.engine.save.when_busy import WhenBusy
 from lightning_dcp.engine.save_log import SaveLog, SaveRecord
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import Tiers, memory_io
+from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.engine.tiers.memory import MemoryTier
+from lightning_dcp.engine.tiers.memory_io import MemoryRoute
+from lightning_dcp.engine.transaction import SaveTransaction
 from lightning_dcp.errors import (
     CheckpointError,
 )
@@ -103,21 +105,49 @@ class Checkpointer:
         async save, and without the waits after an async call (its record's ``blocked_s`` counts them all)."""
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
-        self._committed_in: set[str] = set()  # directories known to hold a committed checkpoint (rank 0)
-        self._counters: dict[str, int] = {}  # directory URL -> the last save counter used there (rank 0)
         self.tiers = tiers
-        self.memory = memory
-        self._prefetched: str | None = None  # the directory prefetch() started reading, until the next load
-        self.memory_directory: Location | None = None
-        """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
-        self._into_memory = False
         self.saves = SaveLog()
         """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
-        self._record_of: SaveRecord | None = None  # the save being made (rank 0)
+        self._transaction = SaveTransaction(
+            saves=self.saves,
+            thread_count=thread_count,
+            sync_files=sync_files,
+            async_saves=self._async,
+            tiers=tiers,
+            incremental=self.incremental,
+        )
+        self.memory_route: MemoryRoute | None = None
+        """The route to the memory tier (its saves, ``last`` across every tier); ``None`` without a memory tier."""
+        if memory is not None:
+            self.attach_memory(memory)
+        self._prefetched: str | None = None  # the directory prefetch() started reading, until the next load
+        self._into_memory = False
         self._call_began: float | None = None  # when the save being made began, less its wait for the previous one
         self._disagreed: set[tuple[str, str]] = set()  # (this rank's path, rank 0's) already warned about
-        if self._async is not None or tiers is not None:
-            shutdown.on_exit("work", Checkpointer._finish_at_exit, owner=self)
+        # At exit, the save in flight, then the uploads (a script may end without waiting, or drop this object):
+        # each part that owns the work finishes it, as long as it lives (the save in flight keeps its own alive).
+        if self._async is not None:
+            shutdown.on_exit("work", AsyncSaves.finish_at_exit, owner=self._async)
+        if tiers is not None:
+            shutdown.on_exit("work", Tiers.finish_at_exit, owner=tiers)
+
+    @property
+    def memory(self) -> MemoryTier | None:
+        """The memory tier of :meth:`into_memory` (``None``: none)."""
+        return None if self.memory_route is None else self.memory_route.tier
+
+    def attach_memory(self, tier: MemoryTier) -> MemoryRoute:
+        """Route saves inside :meth:`into_memory` to ``tier``, and ``last`` loads across it; returns the route.
+
+        The Trainer's :class:`~lightning_dcp.trainer.memory.MemoryCheckpoint` attaches its tier at ``setup``; a
+        config's ``memory`` is attached when the checkpointer is made. Any rank; every rank attaches its own.
+        """
+        if self.memory_route is None or self.memory_route.tier is not tier:
+            self.memory_route = MemoryRoute(
+                tier, tiers=self.tiers, counter=self._transaction.next_counter, durable=self.load_candidates
+            )
+            self._transaction.counted_from = lambda: tier.highest  # saves count on above what memory holds
+        return self.memory_route
 
     @contextlib.contextmanager
     def into_memory(self) -> Iterator[None]:
@@ -213,8 +243,53 @@ class Checkpointer:
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
             self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step, from_rank0)
 
-    def _save(self, *args: Any) -> None:
-        transaction.save(self, *args)
+    def _save(
+        self,
+        tree: dict[str, Any],
+        path: str,
+        objects: dict[str, Any] | None,
+        rank_objects: dict[str, Any] | None,
+        info: dict[str, Any] | None,
+        storage_options: dict[str, Any] | None,
+        collective: bool,
+        volatile: Iterable[torch.Tensor] | None,
+        step: int | None,
+        from_rank0: Iterable[tuple[str, ...]],
+    ) -> None:
+        started = time.perf_counter()
+        location = self.location(path, storage_options)
+        if self._into_memory:
+            record = None
+            if rank_and_world(collective)[0] == 0:
+                record = self.saves.begin(location.url, step=step, tier="memory", started=started)
+            self.memory_route.save(
+                tree,
+                location,
+                objects=objects,
+                rank_objects=rank_objects,
+                info={**(info or {}), **transaction.versions()},
+                collective=collective,
+                step=step,
+                from_rank0=from_rank0,
+            )
+            self._record(started, location, "saved to the memory tier", record)
+            return
+        saved = self._transaction.save(
+            tree,
+            location,
+            objects=objects,
+            rank_objects=rank_objects,
+            info=info,
+            collective=collective,
+            volatile=volatile,
+            step=step,
+            from_rank0=from_rank0,
+            started=started,
+        )
+        self._record(started, saved.location, saved.what, saved.record)
+        if saved.background:
+            for held in self._busy.started(saved.location, step=step):  # removals held behind a skipped save
+                self.remove(held.url, collective=collective)
 
     def _agreed(self, path: str | os.PathLike, collective: bool, what: str) -> str:
         """Rank 0's ``path`` on every rank: a collective save or removal writes where rank 0 says.
@@ -269,21 +344,13 @@ class Checkpointer:
 
         Collective: call on all ranks when ``collective=True``.
         """
-        return self.memory is None or memory_io.anything(self, collective=collective)
+        return self.memory_route is None or self.memory_route.anything(collective=collective)
 
-    def next_counter(self, location: Location) -> int:
-        """The save counter of the next save into ``location``'s directory (one more than any seen). Rank 0."""
-        return transaction.next_counter(self, location)
-
-    def record(self, started: float, location: Location, what: str) -> None:
-        """Record a save's stall (:attr:`last_save_seconds`) and log it."""
-        self._record(started, location, what)
-
-    def _record(self, started: float, location: Location, what: str) -> None:
+    def _record(self, started: float, location: Location, what: str, record: SaveRecord | None) -> None:
+        """Record a save's stall (:attr:`last_save_seconds`) on rank 0's ``record`` and log it."""
         now = time.perf_counter()
         self.last_save_seconds = now - started
         began, self._call_began = self._call_began, None
-        record, self._record_of = self._record_of, None
         if record is None:  # not rank 0: one line per save, not per rank
             return
         self.saves.returned(record, call_s=None if began is None else now - began)
@@ -351,8 +418,8 @@ class Checkpointer:
             objects_only=objects_only,
         )
         with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
-            if self.memory is not None and memory_io.covers(self, location):
-                loaded = memory_io.load_newest(self, location, collective=collective, **options)
+            if self.memory_route is not None and self.memory_route.covers(location):
+                loaded = self.memory_route.load_newest(location, collective=collective, **options)
             else:
                 loaded = self.load_candidates(location, collective=collective, **options)
         run = (loaded.objects.get(layout.INFO_KEY) or {}).get("run") if isinstance(loaded.objects, dict) else None
@@ -377,7 +444,7 @@ class Checkpointer:
         """
         try:
             location = self.location(path)
-            if not location.local or (self.memory is not None and memory_io.covers(self, location)):
+            if not location.local or (self.memory_route is not None and self.memory_route.covers(location)):
                 return False
             if self._prefetched == os.path.realpath(location.path):  # started for the coming load already
                 return False
@@ -477,28 +544,6 @@ class Checkpointer:
             finally:
                 if self.tiers is not None:
                     self.tiers.wait()
-
-    def _finish_at_exit(self, deadline: float) -> None:
-        """The exit's ``"work"`` (:mod:`~lightning_dcp.engine.shutdown`): the save in flight, then the uploads.
-
-        A script that ends without waiting (a Fabric loop that never calls ``wait_for_save()``) still gets its last
-        background save committed, as a synchronous save would have been; the local tier's uploads get the time
-        left before ``deadline`` (``time.monotonic()``). What cannot finish is named in an error line; nothing raises.
-        """
-        if self._async is not None:
-            self._async.finish_at_exit(deadline)
-        if self.tiers is not None and self.tiers.pending():
-            started = time.monotonic()
-            try:
-                self.tiers.wait()
-            except CheckpointError as err:
-                log.error("lightning_dcp: uploads of the local tier did not finish at exit: %s", err)
-            else:
-                log.warning(
-                    "lightning_dcp: the process began to exit with uploads of the local tier queued; waited %.2f s"
-                    " for them.",
-                    time.monotonic() - started,
-                )
 
     def _await_pending(self, collective: bool) -> float:
         """Wait for the async save in flight (and the memory tier's); the seconds waited for the former.

@@ -53,7 +53,7 @@ from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, resha
 from lightning_dcp.engine.state.module_state import load_model_state_dict
 from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict
 from lightning_dcp.engine.state.rng import collect_rng_states, resume_rng_states
-from lightning_dcp.engine.tiers import memory_io, recovery
+from lightning_dcp.engine.tiers import recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
     LOADERS_INFO,
@@ -171,10 +171,11 @@ def _load_state(
     weights_only: bool,
 ) -> dict[str, Any]:
     location = checkpointer.location(path)
-    if checkpointer.memory is not None and not memory_io.covers(checkpointer, location) and designates_last(location):
-        memory_io.bind(checkpointer, location.parent())  # a restarted run: `last` of the saves' directory
+    route = checkpointer.memory_route
+    if route is not None and not route.covers(location) and designates_last(location):
+        route.bind(location.parent())  # a restarted run: `last` of the saves' directory
     with parsed_meanwhile_forgotten():  # the probe's parsed metadata too dies with the collector paused
-        if checkpointer.memory is not None and memory_io.covers(checkpointer, location):
+        if route is not None and route.covers(location):
             with _newest(checkpointer, path, weights_only=weights_only) as newest:
                 return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
         return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
@@ -229,8 +230,8 @@ def _load_one(
 def _newest(checkpointer: Checkpointer, path: str, *, weights_only: bool) -> Iterator[str]:
     """``path`` designates the newest checkpoint across the memory tier and its durable directory: where it is.
 
-    The engine picks it (:func:`~lightning_dcp.engine.tiers.memory_io.load_newest`, reading no tensor): a durable
-    one is given by its URL, a memory one as the whole copy assembled in each node's area
+    The engine picks it (:meth:`~lightning_dcp.engine.tiers.memory_io.MemoryRoute.load_newest`, reading no
+    tensor): a durable one is given by its URL, a memory one as the whole copy assembled in each node's area
     (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), removed on leaving the context. Collective.
     """
     head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)

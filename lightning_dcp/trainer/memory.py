@@ -24,7 +24,7 @@ from typing_extensions import override
 
 from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import Location, distributed
-from lightning_dcp.engine.tiers import housekeeping, memory_io
+from lightning_dcp.engine.tiers import housekeeping
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier, area_error
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -135,8 +135,8 @@ class MemoryCheckpoint(DCPModelCheckpoint):
                 self.dirpath = others[0].dirpath
         io = self._io(trainer)  # refused before anything is created (no `dirpath`, no memory area)
         super().setup(trainer, pl_module, stage)
-        io.checkpointer.memory = self.tier
-        memory_io.bind(io.checkpointer, self._directory(trainer), persist_keep=self.persist_keep)
+        route = io.checkpointer.attach_memory(self.tier)
+        route.bind(self._directory(trainer), persist_keep=self.persist_keep)
         self.tier.setup(distributed=distributed(True))  # the area and its `last` entry; every rank alike if refused
 
     @override

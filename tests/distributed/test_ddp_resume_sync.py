@@ -59,7 +59,8 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
 
     # nothing committed yet: ckpt_path="last" of the memory tier restores nothing, so everything is broadcast
     model, start = RankSeededModel(rank), AtStart()
-    memory = MemoryCheckpoint(os.path.join(tmp, "area"), every_n_train_steps=100, replicas=0)
+    fresh = os.path.join(tmp, "fresh")  # empty: not the working directory's `checkpoints/`, which may hold anything
+    memory = MemoryCheckpoint(os.path.join(tmp, "area"), every_n_train_steps=100, replicas=0, dirpath=fresh)
     trainer = make_trainer(world_size, max_steps=1, callbacks=[memory, start])
     trainer.fit(model, datamodule=RandomDataModule(), ckpt_path="last")
     save_result(tmp, "fresh", rank, {"at_wrap": model.at_wrap, "at_start": start.params})

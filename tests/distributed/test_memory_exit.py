@@ -52,7 +52,6 @@ def _rank(base: str, phase: str) -> dict:
 
     from lightning_dcp.engine.checkpointer import Checkpointer
     from lightning_dcp.engine.storage.location import Location
-    from lightning_dcp.engine.tiers import memory_io
     from lightning_dcp.engine.tiers.memory import MemoryTier
 
     dist.init_process_group("gloo")
@@ -68,7 +67,7 @@ def _rank(base: str, phase: str) -> dict:
                     _tree(step), f"{base}/durable/step={step}", objects={"step": step}, collective=True, step=step
                 )
     else:
-        memory_io.bind(checkpointer, Location(f"{base}/durable"))
+        checkpointer.memory_route.bind(Location(f"{base}/durable"))
         target = {"state_dict": {"w": torch.empty(256, 256), "b": torch.empty(256)}}
         loaded = checkpointer.load(f"{base}/durable/last", target=target, collective=True)
         expected = _tree(2)["state_dict"]

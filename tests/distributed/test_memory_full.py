@@ -20,7 +20,6 @@ import torch.distributed as dist
 
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore
 from lightning_dcp.errors import CheckpointError
@@ -69,7 +68,7 @@ def _fill(rank: int, world_size: int, base: str) -> None:
 def _resume(rank: int, world_size: int, base: str, out: str) -> None:
     dist.init_process_group("gloo")
     checkpointer = Checkpointer(memory=MemoryTier(f"{base}/shm{rank}"))
-    memory_io.bind(checkpointer, Location(f"{base}/durable"))
+    checkpointer.memory_route.bind(Location(f"{base}/durable"))
     target = {"state_dict": {f"w{r}": torch.empty(450, 1000) for r in range(2)}}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -32,7 +32,7 @@ from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import Tiers, memory_io
+from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.node_disks import PARTS_DIR
 from lightning_dcp.engine.tiers.parts import PartStore, complete
@@ -133,7 +133,7 @@ def _load(rank: int, world_size: int, shm: str, disks: str, step: int, wipe: boo
                 shutil.rmtree(f"{disks}/disk1")
             dist.barrier()
         checkpointer = Checkpointer(memory=MemoryTier(f"{shm}/shm{node}"))
-        memory_io.bind(checkpointer, Location(f"{disks}/disk{node}"))
+        checkpointer.memory_route.bind(Location(f"{disks}/disk{node}"))
         target = _empty_like(expected)
         loaded = checkpointer.load(f"{disks}/disk{node}/last", target=target, collective=True)
         assert loaded.objects["step"] == step and loaded.url.endswith(f"step={step}")
@@ -171,7 +171,7 @@ def _resume_and_persist(rank: int, world_size: int, shm: str, disks: str, step: 
     node = rank // 2
     tier = MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1)
     checkpointer = Checkpointer(memory=tier)
-    memory_io.bind(checkpointer, Location(f"{disks}/disk{node}"))
+    checkpointer.memory_route.bind(Location(f"{disks}/disk{node}"))
     target = _empty_like(_big(0))
     loaded = checkpointer.load(f"{disks}/disk{node}/last", target=target, collective=True)
     assert loaded.objects["step"] == step

@@ -18,7 +18,6 @@ import torch.distributed as dist
 
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import memory_io
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete
 from lightning_dcp.engine.tiers.runs import RUN_FILE
@@ -49,7 +48,7 @@ def _save(rank: int, world_size: int, base: str) -> None:
 def _load(rank: int, world_size: int, base: str, ranks_per_node: int) -> None:
     dist.init_process_group("gloo")
     checkpointer = Checkpointer(memory=MemoryTier(f"{base}/shm{rank // ranks_per_node}"))
-    memory_io.bind(checkpointer, Location(f"{base}/durable"))
+    checkpointer.memory_route.bind(Location(f"{base}/durable"))
     target = {"state_dict": {"w": torch.empty(512, 512), "b": torch.empty(512)}}
     loaded = checkpointer.load(f"{base}/durable/last", target=target, collective=True)
     expected = _tree(3)["state_dict"]

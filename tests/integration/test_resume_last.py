@@ -124,7 +124,7 @@ def test_a_failed_commit_is_a_checkpoint_error_and_keeps_the_old_checkpoint(tmp_
         io.save_checkpoint({"state_dict": {}, "global_step": 1}, str(tmp_path / "b.ckpt"))
         # a.ckpt is a mount point holding a committed checkpoint: the save stages beside it, and the commit's
         # rename onto a mount point fails (EBUSY) as a storage failure in the commit phase would.
-        io.checkpointer._committed_in.clear()
+        io.checkpointer._transaction.committed_in.clear()
         for name in os.listdir(tmp_path / "b.ckpt"):
             with open(tmp_path / "b.ckpt" / name, "rb") as src, open(target / name, "wb") as dst:
                 dst.write(src.read())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import logging
 import os
 
@@ -21,3 +22,51 @@ def test_import_contracts_are_kept(capsys):
     out = capsys.readouterr().out
     assert code == 0, out
     assert "BROKEN" not in out and out.count("KEPT") >= 2, out
+
+
+def _modules(under: str):
+    for folder, _, files in os.walk(os.path.join(ROOT, under)):
+        for name in sorted(files):
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    yield os.path.relpath(path, ROOT), ast.parse(f.read(), filename=path)
+
+
+def _is_protocol(node: ast.ClassDef) -> bool:
+    return any(isinstance(b, ast.Name) and b.id == "Protocol" for b in node.bases)
+
+
+def test_no_part_below_the_checkpointer_receives_it():
+    """The engine's parts are handed what they use: no function below the Checkpointer takes the Checkpointer."""
+    above = {"lightning_dcp/engine/checkpointer.py", "lightning_dcp/engine/config.py"}
+    found = []
+    for path, tree in _modules("lightning_dcp/engine"):
+        if path in above:
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                args = node.args.posonlyargs + node.args.args + node.args.kwonlyargs
+                found += [f"{path}:{node.lineno} {node.name}({a.arg})" for a in args if a.arg in ("cp", "checkpointer")]
+    assert found == []
+
+
+def test_a_protocol_names_a_role_and_never_shadows_a_class():
+    """A ``Protocol`` in the package declares methods only (a role), under a name no class of the package has."""
+    classes, protocols = set(), []
+    for path, tree in _modules("lightning_dcp"):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                if _is_protocol(node):
+                    protocols.append((path, node))
+                else:
+                    classes.add(node.name)
+    assert protocols, "the package names its roles with Protocols"
+    shadows = [f"{path}: {node.name}" for path, node in protocols if node.name in classes]
+    attributes = [
+        f"{path}: {node.name}.{item.target.id}"
+        for path, node in protocols
+        for item in node.body
+        if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
+    ]
+    assert shadows == [] and attributes == []

@@ -34,6 +34,7 @@ to the same ``local_dir`` filesystem (one machine, or a shared filesystem).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -45,11 +46,13 @@ from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, new_token
 from lightning_dcp.engine.storage.names import snapshot_prefix
-from lightning_dcp.engine.tiers import reads as tier_reads
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
+from lightning_dcp.engine.tiers.reads import TierReads
 from lightning_dcp.engine.tiers.upload import SNAPSHOT_PREFIX, remove_committed, same_checkpoint
 from lightning_dcp.engine.tiers.uploader import Retry, Task, Uploader, local_marker
 from lightning_dcp.errors import CheckpointError, StorageUnavailableError
+
+log = logging.getLogger("lightning_dcp.engine.checkpointer")  # the checkpointer's log: filters name it
 
 __all__ = ["MANIFEST_FILE", "Retry", "Tiers"]
 
@@ -57,7 +60,7 @@ MANIFEST_FILE = ".lightning_dcp-tier.json"
 """In ``local_dir``: ``{"remote": "<the remote directory this tier mirrors>"}``, written at the first save."""
 
 
-class Tiers:
+class Tiers(TierReads):
     """A local directory that takes saves at disk speed and replicates them to a remote directory in the background.
 
     Args:
@@ -315,23 +318,6 @@ class Tiers:
         with self.uploader.cond:
             self.uploader.enqueue([Task("listing"), *uploads, *links.values(), *removals, Task("evict")])
 
-    # ----------------------------------------------------------------------------------------- reads (rank 0)
-    def checkpoints(self, remote_dir: Location) -> list[tuple[tuple, Location]]:
-        """Committed checkpoints of both tiers, newest first (a load: lists the remote). See :func:`tier_reads.both`."""
-        return tier_reads.both(self, remote_dir)
-
-    def known_checkpoints(self, remote_dir: Location, *, wait: bool = True) -> list[tuple[tuple, Location]]:
-        """Committed checkpoints of both tiers as the tier knows them (no remote call): :func:`tier_reads.known`."""
-        return tier_reads.known(self, remote_dir, wait=wait)
-
-    def exists(self, remote: Location) -> bool:
-        """Whether ``remote`` exists on either tier or is on its way: no remote call. See :func:`tier_reads.exists`."""
-        return tier_reads.exists(self, remote)
-
-    def candidates(self, location: Location) -> list[str]:
-        """What a load of ``location`` tries, over both tiers. See :func:`tier_reads.candidates`."""
-        return tier_reads.candidates(self, location)
-
     # -------------------------------------------------------------------------------------------- queue state
     def pending(self) -> set[str]:
         """Names with an upload queued, running or failed (their remote prefix may be partly written). Rank 0."""
@@ -339,6 +325,27 @@ class Tiers:
         with u.cond:
             tasks = [*u.queue, *([u.active] if u.active else []), *(t for t, _ in u.failed.values())]
             return {t.name for t in tasks if t.kind == "upload"}
+
+    def finish_at_exit(self, deadline: float) -> None:
+        """The exit's ``"work"`` (:mod:`~lightning_dcp.engine.shutdown`): wait for the queued uploads.
+
+        A script that ends without closing its checkpointer still gets its uploads: :meth:`wait` runs while any is
+        queued (``deadline`` is the exit's; the wait keeps its own, :attr:`Retry.at_teardown`). What cannot finish is
+        named in an error line; nothing raises.
+        """
+        if not self.pending():
+            return
+        started = time.monotonic()
+        try:
+            self.wait()
+        except CheckpointError as err:
+            log.error("lightning_dcp: uploads of the local tier did not finish at exit: %s", err)
+        else:
+            log.warning(
+                "lightning_dcp: the process began to exit with uploads of the local tier queued; waited %.2f s"
+                " for them.",
+                time.monotonic() - started,
+            )
 
     def wait(self) -> None:
         """Retry failed work once, then block until the queue is empty. Any rank (no-op where nothing queued).

@@ -19,7 +19,7 @@ import torch
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.format.marker import is_run_token
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import memory_io, runs
+from lightning_dcp.engine.tiers import runs
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.runs import RUN_FILE
 from lightning_dcp.errors import CheckpointNotFoundError
@@ -31,7 +31,7 @@ def _tree(value: float) -> dict:
 
 def _run(area, durable) -> Checkpointer:
     checkpointer = Checkpointer(memory=MemoryTier(area, replicas=0, async_save=False, persist_every=0))
-    memory_io.bind(checkpointer, Location(str(durable)))
+    checkpointer.memory_route.bind(Location(str(durable)))
     return checkpointer
 
 

@@ -20,7 +20,7 @@ imports them. The rooms, each importing only the ones below it:
   :mod:`~lightning_dcp.engine.signal_watch` (a rank stuck in a C call when a signal comes).
 """
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints, newest_valid
+from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import designated, designates_last, source_of, verify_checkpoint
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.checkpointer import Checkpointer
@@ -84,7 +84,6 @@ __all__ = [
     "load_stock_file",
     "load_torch_file",
     "new_token",
-    "newest_valid",
     "not_a_checkpoint_file",
     "on_rank0",
     "parsed_meanwhile_forgotten",

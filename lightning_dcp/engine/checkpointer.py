@@ -27,7 +27,6 @@ import torch.distributed as dist
 
 from lightning_dcp.engine import shutdown, transaction
 from lightning_dcp.engine.agreement import first_failure
-from lightning_dcp.engine.catalog.lookup import candidates
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
@@ -41,7 +40,7 @@ from lightning_dcp.engine.save.incremental import Incremental
 from lightning_dcp.engine.save.when_busy import WhenBusy
 from lightning_dcp.engine.save_log import SaveLog, SaveRecord
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.engine.tiers import DurableCatalog, Tiers
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.memory_io import MemoryRoute
 from lightning_dcp.engine.transaction import SaveTransaction
@@ -106,6 +105,8 @@ class Checkpointer:
         self.incremental = Incremental() if incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self.tiers = tiers
+        self.catalog = DurableCatalog(tiers)
+        """Which committed checkpoints a directory holds on the durable tiers, newest first (rank 0)."""
         self.saves = SaveLog()
         """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
         self._transaction = SaveTransaction(
@@ -114,6 +115,7 @@ class Checkpointer:
             sync_files=sync_files,
             async_saves=self._async,
             tiers=tiers,
+            catalog=self.catalog,
             incremental=self.incremental,
         )
         self.memory_route: MemoryRoute | None = None
@@ -144,7 +146,7 @@ class Checkpointer:
         """
         if self.memory_route is None or self.memory_route.tier is not tier:
             self.memory_route = MemoryRoute(
-                tier, tiers=self.tiers, counter=self._transaction.next_counter, durable=self.load_candidates
+                tier, catalog=self.catalog, counter=self._transaction.next_counter, durable=self.load_candidates
             )
             self._transaction.counted_from = lambda: tier.highest  # saves count on above what memory holds
         return self.memory_route
@@ -460,12 +462,9 @@ class Checkpointer:
 
         Collective: call on all ranks when ``collective=True``.
         """
-        urls = on_rank0(collective, lambda: self._candidates(location))
+        urls = on_rank0(collective, lambda: self.catalog.candidates(location))
         prefetched, self._prefetched = self._prefetched, None
         return load_first(location, urls, self.location, prefetched=prefetched, collective=collective, **options)
-
-    def _candidates(self, location: Location) -> list[str]:
-        return candidates(location) if self.tiers is None else self.tiers.candidates(location)
 
     # --------------------------------------------------------------------------------------------- remove
     def remove(self, path: str | os.PathLike, *, collective: bool = False) -> None:

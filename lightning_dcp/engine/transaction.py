@@ -31,7 +31,7 @@ from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX, STAGING_INFIX,
 from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
 from lightning_dcp.engine.storage.names import name_limit, too_long
 from lightning_dcp.engine.storage.stores import is_unreachable
-from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.engine.tiers import DurableCatalog, Tiers
 from lightning_dcp.errors import InvalidPathError, checkpoint_failure
 
 __all__ = [
@@ -76,6 +76,7 @@ class SaveTransaction:
         sync_files: ``fsync`` local data files before the commit.
         async_saves: The background saves (``None``: saves are synchronous).
         tiers: The local tier of remote paths (``None``: none).
+        catalog: What the directories hold on the durable tiers (the checkpointer's): where save counters go on from.
         incremental: The incremental state (``None``: off).
     """
 
@@ -87,6 +88,7 @@ class SaveTransaction:
         sync_files: bool,
         async_saves: AsyncSaves | None,
         tiers: Tiers | None,
+        catalog: DurableCatalog,
         incremental: Incremental | None,
     ) -> None:
         self.saves = saves
@@ -94,6 +96,7 @@ class SaveTransaction:
         self.sync_files = sync_files
         self.async_saves = async_saves
         self.tiers = tiers
+        self.catalog = catalog
         self.incremental = incremental
         self.committed_in: set[str] = set()
         """Directories known to hold a committed checkpoint (rank 0)."""
@@ -276,13 +279,12 @@ class SaveTransaction:
 
         The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
         as far as the tier knows (no remote call in the training loop:
-        :meth:`~lightning_dcp.engine.tiers.local.Tiers.known_checkpoints`) and :attr:`counted_from`. Later saves count
+        :meth:`~lightning_dcp.engine.tiers.durable.DurableCatalog.known`) and :attr:`counted_from`. Later saves count
         on from there. Rank 0 only.
         """
         directory = location.parent()
         if directory.url not in self.counters:
-            tiered = self.tiers is not None and self.tiers.covers(location)
-            found = self.tiers.known_checkpoints(directory) if tiered else committed_checkpoints(directory)
+            found = self.catalog.known(directory)
             self.counters[directory.url] = max(max((key[0] for key, _ in found), default=0), self.counted_from())
         self.counters[directory.url] += 1
         return self.counters[directory.url]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lightning_dcp.engine import Location, newest_valid
+from lightning_dcp.engine import Location
+from lightning_dcp.engine.tiers import DurableCatalog
 
 __all__ = ["latest_checkpoint"]
 
@@ -28,5 +29,5 @@ def latest_checkpoint(directory: str | os.PathLike, *, storage_options: dict[str
     Rank 0 only: broadcast its answer, e.g. ``fabric.broadcast(latest_checkpoint(d) if fabric.is_global_zero
     else None)``, so that every rank resumes from the same checkpoint.
     """
-    found = newest_valid(Location(directory, storage_options=storage_options))
+    found = DurableCatalog(None).newest_valid(Location(directory, storage_options=storage_options))
     return None if found is None else found[0].url

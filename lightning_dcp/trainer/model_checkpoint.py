@@ -38,11 +38,9 @@ from lightning_dcp.engine import (
     STAGING_INFIX,
     Location,
     canonical_url,
-    committed_checkpoints,
     is_staging_of,
-    newest_valid,
 )
-from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.engine.tiers import DurableCatalog, Tiers
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
 from lightning_dcp.trainer.metrics import log_checkpoint_metrics
 
@@ -128,7 +126,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
         newest on either tier (the local copy first). Loading falls back further if that checkpoint's data turns out
         to be damaged. Rank 0 only.
         """
-        found = newest_valid(self._directory(trainer), self._committed(trainer, self._directory(trainer)))
+        found = _catalog(trainer).newest_valid(self._directory(trainer))
         return None if found is None else found[0].url
 
     def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
@@ -216,11 +214,8 @@ class DCPModelCheckpoint(ModelCheckpoint):
             removed = self.remove_incomplete(trainer)
             if removed:
                 rank_zero_info(_removed_message(removed))
-            known = tiers.known_checkpoints(directory, wait=False) if tiers is not None else None
             # Told in `on_train_start` unless the fit resumes (the checkpoint to resume is chosen after `setup`).
-            self._not_empty = self.save_top_k != 0 and bool(
-                known if known is not None else committed_checkpoints(directory)
-            )
+            self._not_empty = self.save_top_k != 0 and bool(_catalog(trainer).known(directory, wait=False))
             if tiers is not None:
                 tiers.resume()
         trainer.strategy.barrier("DCPModelCheckpoint.setup")
@@ -370,9 +365,14 @@ def _tiers(trainer: pl.Trainer) -> Tiers | None:
     return io.tiers if isinstance(io, DCPCheckpointIO) else None
 
 
+def _catalog(trainer: pl.Trainer) -> DurableCatalog:
+    """The durable tiers' catalog of the Trainer's ``DCPCheckpointIO`` (one of no local tier without it)."""
+    io = lightning_run.unwrap_checkpoint_io(trainer.strategy.checkpoint_io)
+    return io.checkpointer.catalog if isinstance(io, DCPCheckpointIO) else DurableCatalog(None)
+
+
 def _committed(trainer: pl.Trainer, directory: Location) -> list[tuple[float, Location]]:
-    tiers = _tiers(trainer)
-    return committed_checkpoints(directory) if tiers is None else tiers.checkpoints(directory)
+    return _catalog(trainer).checkpoints(directory)
 
 
 def _directory(callback: ModelCheckpoint, trainer: pl.Trainer) -> Location:

@@ -18,6 +18,7 @@ load of ``last`` takes the newest committed checkpoint across all of them (order
   store, reached by the local tier's background uploader (and by the memory tier's background thread).
 """
 
+from lightning_dcp.engine.tiers.durable import DurableCatalog
 from lightning_dcp.engine.tiers.local import MANIFEST_FILE, Retry, Tiers
 
-__all__ = ["MANIFEST_FILE", "Retry", "Tiers"]
+__all__ = ["MANIFEST_FILE", "DurableCatalog", "Retry", "Tiers"]

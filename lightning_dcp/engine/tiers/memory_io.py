@@ -17,14 +17,13 @@ from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
-from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import designates_last
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.load.restore import Loaded, load_one
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import recovery, runs
-from lightning_dcp.engine.tiers.local import Tiers
+from lightning_dcp.engine.tiers.durable import DurableCatalog
 from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier
 from lightning_dcp.engine.tiers.persist import Persistence
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, checkpoint_failure
@@ -51,7 +50,7 @@ class MemoryRoute:
 
     Args:
         tier: The memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`).
-        tiers: The local tier of remote paths (the checkpointer's), whose listings count as durable.
+        catalog: What the durable tiers hold (the checkpointer's); its local tier also takes the persisted copies.
         counter: The save counter of the next save into a location's directory (rank 0; the save transaction's).
         durable: The load of the durable candidates a ``last`` falls back to.
     """
@@ -60,12 +59,12 @@ class MemoryRoute:
         self,
         tier: MemoryTier,
         *,
-        tiers: Tiers | None,
+        catalog: DurableCatalog,
         counter: Callable[[Location], int],
         durable: DurableLoad,
     ) -> None:
         self.tier = tier
-        self.tiers = tiers
+        self.catalog = catalog
         self.directory: Location | None = None
         """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
         self._counter = counter
@@ -76,7 +75,7 @@ class MemoryRoute:
         if self.directory is not None and self.directory.url == directory.url:
             return
         self.directory = directory
-        self.tier.persister = Persistence(self.tier, directory, tiers=self.tiers, keep=persist_keep)
+        self.tier.persister = Persistence(self.tier, directory, tiers=self.catalog.tiers, keep=persist_keep)
 
     def covers(self, location: Location) -> bool:
         """Whether a load of ``location`` asks for the newest checkpoint across the memory tier and its directory."""
@@ -194,14 +193,11 @@ class MemoryRoute:
 
     def _newest_durable(self) -> tuple | None:
         """The order key of the newest committed checkpoint of the bound directory on the durable tiers (rank 0)."""
-        directory, tiers = self.directory, self.tiers
+        directory = self.directory
         if directory is None:
             return None
         try:
-            if tiers is not None and tiers.covers(directory.child("x")):
-                found = tiers.checkpoints(directory)
-            else:
-                found = committed_checkpoints(directory) if directory.exists() else []
+            found = self.catalog.checkpoints(directory)
         except CheckpointError as err:
             rank_zero_warn(f"lightning_dcp: the durable tiers of {directory.url!r} cannot be listed ({err}).")
             return None

@@ -15,6 +15,7 @@ once every rank finished; loads reshard to the current world size and verify eve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import time
@@ -242,51 +243,29 @@ class Checkpointer:
             return
         waited = self._await_pending(collective)  # the previous save's wait, counted on its record
         self._call_began = called + waited
+        parts = layout.SaveParts(tree, objects, rank_objects, info, from_rank0)
         with gc_paused():  # thousands of short-lived objects (see gc_pause)
-            self._save(tree, path, objects, rank_objects, info, storage_options, collective, volatile, step, from_rank0)
+            self._save(parts, self.location(path, storage_options), collective, volatile, step)
 
     def _save(
         self,
-        tree: dict[str, Any],
-        path: str,
-        objects: dict[str, Any] | None,
-        rank_objects: dict[str, Any] | None,
-        info: dict[str, Any] | None,
-        storage_options: dict[str, Any] | None,
+        parts: layout.SaveParts,
+        location: Location,
         collective: bool,
         volatile: Iterable[torch.Tensor] | None,
         step: int | None,
-        from_rank0: Iterable[tuple[str, ...]],
     ) -> None:
         started = time.perf_counter()
-        location = self.location(path, storage_options)
         if self._into_memory:
             record = None
             if rank_and_world(collective)[0] == 0:
                 record = self.saves.begin(location.url, step=step, tier="memory", started=started)
-            self.memory_route.save(
-                tree,
-                location,
-                objects=objects,
-                rank_objects=rank_objects,
-                info={**(info or {}), **transaction.versions()},
-                collective=collective,
-                step=step,
-                from_rank0=from_rank0,
-            )
+            versioned = dataclasses.replace(parts, info={**(parts.info or {}), **transaction.versions()})
+            self.memory_route.save(versioned, location, collective=collective, step=step)
             self._record(started, location, "saved to the memory tier", record)
             return
         saved = self._transaction.save(
-            tree,
-            location,
-            objects=objects,
-            rank_objects=rank_objects,
-            info=info,
-            collective=collective,
-            volatile=volatile,
-            step=step,
-            from_rank0=from_rank0,
-            started=started,
+            parts, location, collective=collective, volatile=volatile, step=step, started=started
         )
         self._record(started, saved.location, saved.what, saved.record)
         if saved.background:

@@ -108,16 +108,12 @@ class SaveTransaction:
 
     def save(
         self,
-        tree: dict[str, Any],
+        parts: layout.SaveParts,
         location: Location,
         *,
-        objects: dict[str, Any] | None,
-        rank_objects: dict[str, Any] | None,
-        info: dict[str, Any] | None,
         collective: bool,
         volatile: Iterable[torch.Tensor] | None,
         step: int | None,
-        from_rank0: Iterable[tuple[str, ...]] = (),
         started: float,
     ) -> Saved:
         """The save of :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.save`: write, then commit or clean up.
@@ -164,7 +160,6 @@ class SaveTransaction:
                 err, f"Saving the checkpoint to {location.url!r} failed", rank=0, unreachable=outage(location)
             ) from err
         target = location if direct else location.staging(token)
-        info = {**(info or {}), "world_size": world_size, "run": run_id, **versions()}
 
         def commit() -> None:  # rank 0, once every rank finished writing
             if not direct:
@@ -209,14 +204,7 @@ class SaveTransaction:
         if self.incremental is not None:
             self.incremental.attach(writer, previous=previous, local=location.local)
         try:
-            state = layout.build_state(
-                tree,
-                objects=objects if rank == 0 else None,
-                info=info,
-                rank=rank,
-                rank_objects=rank_objects,
-                from_rank0=from_rank0,
-            )
+            state = parts.state(rank, world_size=world_size, run=run_id, **versions())
             if async_saves is not None:
                 async_saves.start(
                     state,

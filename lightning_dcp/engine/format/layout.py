@@ -46,6 +46,7 @@ __all__ = [
     "OPTIMIZER_LISTS",
     "RANK_KEY",
     "SafeLoadPlanner",
+    "SaveParts",
     "TreeRoles",
     "build_state",
     "fqns_to_param_ids",
@@ -191,6 +192,40 @@ def _tensor_dict(value: Any) -> bool:
         and bool(value)
         and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in value.items())
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class SaveParts:
+    """What one rank hands a save: the parts :func:`build_state` makes its DCP state dict of.
+
+    Attributes:
+        tree: Top-level keys to nested state dicts (see :func:`build_state`).
+        objects: Rank 0's non-tensor state (ignored on other ranks).
+        rank_objects: This rank's own state.
+        info: Facts recorded in the blob's ``"lightning_dcp"`` entry.
+        from_rank0: Paths in ``tree`` of replicated values written from rank 0's copy.
+    """
+
+    tree: Mapping[str, Any]
+    objects: Mapping[str, Any] | None = None
+    rank_objects: Mapping[str, Any] | None = None
+    info: Mapping[str, Any] | None = None
+    from_rank0: Iterable[tuple[Any, ...]] = ()
+
+    def state(self, rank: int, **info: Any) -> dict[str, Any]:
+        """The DCP state dict of ``rank``'s part (:func:`build_state`): ``info`` entries added to :attr:`info`.
+
+        Raises:
+            CheckpointError: ``tree`` uses a reserved key.
+        """
+        return build_state(
+            self.tree,
+            objects=self.objects if rank == 0 else None,
+            info={**(self.info or {}), **info},
+            rank=rank,
+            rank_objects=self.rank_objects,
+            from_rank0=self.from_rank0,
+        )
 
 
 def build_state(

@@ -12,7 +12,7 @@ naming both.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -86,19 +86,8 @@ class MemoryRoute:
         directory = self.directory
         return directory is not None and designates_last(location) and location.parent().url == directory.url
 
-    def save(
-        self,
-        tree: dict[str, Any],
-        location: Location,
-        *,
-        objects: dict[str, Any] | None,
-        rank_objects: dict[str, Any] | None,
-        info: dict[str, Any],
-        collective: bool,
-        step: int | None,
-        from_rank0: Iterable[tuple[str, ...]] = (),
-    ) -> None:
-        """Save to the memory tier under ``location``'s name (persisted into ``location``'s directory). Collective."""
+    def save(self, parts: layout.SaveParts, location: Location, *, collective: bool, step: int | None) -> None:
+        """Save ``parts`` to the memory tier under ``location``'s name (persisted into its directory). Collective."""
         memory = self.tier
         memory.setup(distributed=distributed(collective))
         self.bind(location.parent())
@@ -114,14 +103,7 @@ class MemoryRoute:
             lambda: (self._counter(location), runs.claim(directory) if claim else memory.run),
         )
         memory.run_known = True
-        state = layout.build_state(
-            tree,
-            objects=objects if rank == 0 else None,
-            info={**info, "world_size": world_size},
-            rank=rank,
-            rank_objects=rank_objects,
-            from_rank0=from_rank0,
-        )
+        state = parts.state(rank, world_size=world_size)
         memory.save(state, name=location.name, counter=counter, step=step, distributed=distributed(collective))
 
     def load_newest(self, location: Location, *, collective: bool, **options: Any) -> Loaded:

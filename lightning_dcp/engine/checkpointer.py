@@ -244,33 +244,24 @@ class Checkpointer:
         waited = self._await_pending(collective)  # the previous save's wait, counted on its record
         self._call_began = called + waited
         parts = layout.SaveParts(tree, objects, rank_objects, info, from_rank0)
-        with gc_paused():  # thousands of short-lived objects (see gc_pause)
-            self._save(parts, self.location(path, storage_options), collective, volatile, step)
-
-    def _save(
-        self,
-        parts: layout.SaveParts,
-        location: Location,
-        collective: bool,
-        volatile: Iterable[torch.Tensor] | None,
-        step: int | None,
-    ) -> None:
+        location = self.location(path, storage_options)
         started = time.perf_counter()
-        if self._into_memory:
-            record = None
-            if rank_and_world(collective)[0] == 0:
-                record = self.saves.begin(location.url, step=step, tier="memory", started=started)
-            versioned = dataclasses.replace(parts, info={**(parts.info or {}), **transaction.versions()})
-            self.memory_route.save(versioned, location, collective=collective, step=step)
-            self._record(started, location, "saved to the memory tier", record)
-            return
-        saved = self._transaction.save(
-            parts, location, collective=collective, volatile=volatile, step=step, started=started
-        )
-        self._record(started, saved.location, saved.what, saved.record)
-        if saved.background:
-            for held in self._busy.started(saved.location, step=step):  # removals held behind a skipped save
-                self.remove(held.url, collective=collective)
+        with gc_paused():  # thousands of short-lived objects (see gc_pause)
+            if self._into_memory:
+                record = None
+                if rank_and_world(collective)[0] == 0:
+                    record = self.saves.begin(location.url, step=step, tier="memory", started=started)
+                versioned = dataclasses.replace(parts, info={**(parts.info or {}), **transaction.versions()})
+                self.memory_route.save(versioned, location, collective=collective, step=step)
+                self._record(started, location, "saved to the memory tier", record)
+                return
+            saved = self._transaction.save(
+                parts, location, collective=collective, volatile=volatile, step=step, started=started
+            )
+            self._record(started, saved.location, saved.what, saved.record)
+            if saved.background:
+                for held in self._busy.started(saved.location, step=step):  # removals held behind a skipped save
+                    self.remove(held.url, collective=collective)
 
     def _agreed(self, path: str | os.PathLike, collective: bool, what: str) -> str:
         """Rank 0's ``path`` on every rank: a collective save or removal writes where rank 0 says.

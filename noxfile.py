@@ -41,7 +41,7 @@ def tests(session: nox.Session) -> None:
     is installed into ``.azurite/`` first where Node.js and npm exist; without them the Azure tests skip, saying why."""
     _install(session, "test", *LITDATA_DEPS)
     session.install("--no-deps", LITDATA)
-    session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
+    session.run("python", "-c", "from harness.stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", "--durations=15", "-m", "not full", *session.posargs)
 
 
@@ -51,7 +51,7 @@ def full(session: nox.Session) -> None:
     the default run covers once; about 6 more minutes on 2 cores) and the whole zoo of training setups."""
     _install(session, "test", *LITDATA_DEPS)
     session.install("--no-deps", LITDATA)
-    session.run("python", "-c", "from tests._stores import install_azurite; print('azurite:', install_azurite())")
+    session.run("python", "-c", "from harness.stores import install_azurite; print('azurite:', install_azurite())")
     session.run("python", "-m", "pytest", "-q", "--durations=30", *session.posargs, env={"LIGHTNING_DCP_ZOO": "all"})
 
 
@@ -98,8 +98,8 @@ def gpu(session: nox.Session) -> None:
 def lint(session: nox.Session) -> None:
     """Ruff over the package, tests, examples and benchmarks; import-linter holds the layering (pyproject.toml)."""
     _install(session, "lint")
-    session.run("ruff", "check", "lightning_dcp", "tests", "examples", "benchmarks", "noxfile.py")
-    session.run("ruff", "format", "--check", "lightning_dcp", "tests")
+    session.run("ruff", "check", "lightning_dcp", "tests", "examples", "benchmarks", "harness", "noxfile.py")
+    session.run("ruff", "format", "--check", "lightning_dcp", "tests", "harness", "benchmarks")
     session.run("lint-imports")
 
 

@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.mixes import make_module
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers.memory import MemoryTier
-from tests._spawn import spawn
+from harness.ranks import spawn
+from lightning_dcp import MemoryTier
+from lightning_dcp.engine import Checkpointer, Location
 
 
 def _missing() -> list[str]:
@@ -238,7 +237,7 @@ def _report(rank: int, world: int, result: dict, out: str) -> None:
 
 def _run(fn, *args) -> list[dict]:
     out = args[-1]
-    spawn(fn, 2, *args, timeout=1800)
+    spawn(fn, 2, *args, timeout=1800, fresh=True)
     with open(out) as f:
         return json.load(f)
 

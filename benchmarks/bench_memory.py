@@ -32,10 +32,9 @@ import uuid
 import torch
 import torch.distributed as dist
 
-from lightning_dcp.engine.checkpointer import Checkpointer
-from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers.memory import MemoryTier
-from tests._spawn import spawn
+from harness.ranks import spawn
+from lightning_dcp import MemoryTier
+from lightning_dcp.engine import Checkpointer, Location
 
 _ROWS = 8192  # 8192 x 4096 fp32 = 128 MiB per tensor
 
@@ -141,7 +140,7 @@ def _drop_caches() -> None:
 
 def _s3_server(workdir: str, *, skip: bool) -> tuple:
     """A SeaweedFS server on loopback and ``(bucket URL, storage options)``; ``(None, None)`` when skipped."""
-    from tests._s3 import S3Server, weed_binary
+    from harness.s3 import S3Server, weed_binary
 
     if skip or weed_binary() is None:
         return None, None
@@ -167,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     out = f"{disk}/result.json"
     server, s3 = _s3_server(disk, skip=args.no_s3)
     try:
-        spawn(_save, 2, base, args.gib, args.repeats, out, s3, timeout=1800)
+        spawn(_save, 2, base, args.gib, args.repeats, out, s3, timeout=1800, fresh=True)
         with open(out) as f:
             ranks = json.load(f)
         report = {k: max(r[k] for r in ranks) for k in ranks[0] if isinstance(ranks[0][k], float)}
@@ -178,23 +177,23 @@ def main(argv: list[str] | None = None) -> int:
         ):
             if wipe:
                 shutil.rmtree(f"{base}/shm1")
-            spawn(_recover, 2, base, args.gib, path, out, timeout=1800)
+            spawn(_recover, 2, base, args.gib, path, out, timeout=1800, fresh=True)
             with open(out) as f:
                 report[label] = json.load(f)
         persisted = sorted(n for n in os.listdir(f"{disk}/mem") if not n.startswith("."))[-1]
         shutil.rmtree(base + "/shm0")
         _drop_caches()
-        spawn(_recover, 2, base, args.gib, f"{base}/disk/mem/{persisted}", out, timeout=1800)
+        spawn(_recover, 2, base, args.gib, f"{base}/disk/mem/{persisted}", out, timeout=1800, fresh=True)
         with open(out) as f:
             report["recover_local"] = json.load(f)
         _drop_caches()  # both memory areas are empty since the previous recovery
-        spawn(_recover, 2, base, args.gib, f"{base}/node/last", out, timeout=1800)
+        spawn(_recover, 2, base, args.gib, f"{base}/node/last", out, timeout=1800, fresh=True)
         with open(out) as f:
             report["recover_node_disk"] = json.load(f)
         report["recover_s3"] = None
         if s3 is not None:
             _drop_caches()  # the server's files too
-            spawn(_recover, 2, base, args.gib, f"{s3[0]}/{persisted}", out, s3[1], timeout=1800)
+            spawn(_recover, 2, base, args.gib, f"{s3[0]}/{persisted}", out, s3[1], timeout=1800, fresh=True)
             with open(out) as f:
                 report["recover_s3"] = json.load(f)
         report["gib"] = args.gib

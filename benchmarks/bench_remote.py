@@ -98,15 +98,15 @@ def _entry(rank: int, world_size: int, url: str, options: dict, mix: str, scale:
 
 def run(mix: str, *, world_size: int, repeats: int, scale: float, workdir: str) -> dict[str, Any]:
     """Start SeaweedFS in ``workdir``, run the ranks, stop it; medians and ratios."""
-    from tests._s3 import S3Server
-    from tests._spawn import spawn
+    from harness.ranks import spawn
+    from harness.s3 import S3Server
 
     server = S3Server(workdir)
     server.start()
     try:
         url, options = f"s3://{server.new_bucket()}", server.storage_options()
         out = os.path.join(workdir, "result.json")
-        spawn(_entry, world_size, url, options, mix, scale, repeats, out, timeout=3600.0)
+        spawn(_entry, world_size, url, options, mix, scale, repeats, out, timeout=3600.0, fresh=True)
         with open(out) as f:
             res = json.load(f)
     finally:

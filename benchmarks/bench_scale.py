@@ -43,14 +43,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
-from lightning_dcp.engine.format import layout
+from lightning_dcp.engine import Location, check_checkpoint, committed_checkpoints, layout
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, encode_commit
 from lightning_dcp.engine.save.dcp_io import metadata_pickle
 from lightning_dcp.engine.save.global_plan import Group, global_plan, split_private
 from lightning_dcp.engine.save.planning import BalancedSavePlanner, plan_signature
-from lightning_dcp.engine.storage.location import Location
 
 HSDP_SHARD = 64
 DCP_LIMIT_ITEMS = 3_000_000

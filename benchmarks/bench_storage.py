@@ -65,7 +65,7 @@ def _phase(phase: str, size_mb: int, url: str, options: dict, local: str) -> dic
 def run(size_mb: int, workdir: str) -> dict:
     """Start SeaweedFS in ``workdir``, measure the four phases in fresh processes, stop it. Returns the numbers."""
     sys.path.insert(0, REPO)
-    from tests._s3 import S3Server
+    from harness.s3 import S3Server
 
     server = S3Server(workdir)
     server.start()

@@ -36,8 +36,8 @@ def run(size_gb: float, workdir: str, *, repeats: int = 3) -> dict:
     sys.path.insert(0, REPO)
     import s3fs
 
+    from harness.s3 import S3Server
     from lightning_dcp import DCPCheckpointIO
-    from tests._s3 import S3Server
 
     server = S3Server(os.path.join(workdir, "seaweedfs"))
     server.start()

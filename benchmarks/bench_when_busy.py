@@ -25,8 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from benchmarks._cli import bench_main
 from lightning_dcp import DCPCheckpointIO
-from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine import Location, committed_checkpoints
 
 
 class _Model(LightningModule):

@@ -136,8 +136,7 @@ class _Watch:
 
     def committed(self) -> dict[tuple[str, str], tuple]:
         """``{(tier, name): order key}`` of every committed checkpoint of both tiers."""
-        from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-        from lightning_dcp.engine.storage.location import Location
+        from lightning_dcp.engine import Location, committed_checkpoints
 
         found = {}
         for tier, directory in (("local", Location(self.local_dir)), ("remote", self.remote)):
@@ -165,8 +164,8 @@ def campaign(
     import torch
 
     sys.path.insert(0, REPO)
-    from lightning_dcp.engine.storage.location import Location
-    from tests._s3 import S3Server
+    from harness.s3 import S3Server
+    from lightning_dcp.engine import Location
 
     own = server is None
     if own:

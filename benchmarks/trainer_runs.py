@@ -95,10 +95,27 @@ def evict(path: str) -> bool:
 
 
 def make_trainer(world_size: int, *, strategy: str = "dcp_ddp", **kwargs: Any):
-    """The tests' CPU Trainer (no logger, progress bar or validation)."""
-    from tests._trainer import make_trainer as trainer_for_tests
+    """A CPU Trainer of ``world_size`` ranks with nothing but the fit: no logger, progress bar, summary or validation
+    (``max_epochs`` 2 and no checkpointing unless given)."""
+    from lightning.pytorch import Trainer
+    from lightning.pytorch.callbacks import ModelCheckpoint
 
-    return trainer_for_tests(world_size, strategy=strategy, limit_val_batches=0, **kwargs)
+    import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
+
+    kwargs.setdefault("max_epochs", 2)
+    if not any(isinstance(cb, ModelCheckpoint) for cb in kwargs.get("callbacks", [])):
+        kwargs.setdefault("enable_checkpointing", False)
+    return Trainer(
+        accelerator="cpu",
+        devices=world_size,
+        strategy=strategy,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        **kwargs,
+    )
 
 
 def _entry(rank: int, world_size: int, task: Callable[..., dict], workdir: str, kwargs: dict) -> None:
@@ -113,13 +130,13 @@ def _entry(rank: int, world_size: int, task: Callable[..., dict], workdir: str, 
 def spawn(task: Callable[..., dict], world_size: int, workdir: str, **kwargs: Any) -> dict:
     """Run ``task(rank, world_size, workdir, **kwargs)`` on ``world_size`` fresh processes; rank 0's result.
 
-    ``task`` is a module-level function (it is pickled by reference into the spawned processes, which use the
-    tests' spawn helper: torchrun-style variables, one gloo group).
+    ``task`` is a module-level function (it is pickled by reference into the processes, which
+    :func:`harness.ranks.spawn` starts: torchrun-style variables, one gloo group).
     """
-    from tests._spawn import spawn as spawn_ranks
+    from harness.ranks import spawn as spawn_ranks
 
     os.makedirs(workdir, exist_ok=True)
-    spawn_ranks(_entry, world_size, task, workdir, kwargs, timeout=3600.0)
+    spawn_ranks(_entry, world_size, task, workdir, kwargs, timeout=3600.0, fresh=True)
     with open(os.path.join(workdir, f"{task.__name__}.json")) as f:
         return json.load(f)
 

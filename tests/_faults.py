@@ -1,7 +1,7 @@
 """A fault proxy for storage servers: a real TCP proxy on loopback between a storage client and its server.
 
 The client (s3fs) talks to :attr:`FaultProxy.endpoint`; the proxy forwards every connection to the real server
-(SeaweedFS from ``tests/_s3.py``) until a fault is switched on. Nothing of the client or the server is replaced: the
+(SeaweedFS from ``harness/s3.py``) until a fault is switched on. Nothing of the client or the server is replaced: the
 client meets real refused connections, resets, HTTP 5xx answers and slow answers, as from a failing network or server.
 
 Faults (:meth:`FaultProxy.set`):

@@ -111,7 +111,10 @@ class SignalWatch:
         current = signal.set_wakeup_fd(-1)
         if current != write_end:  # not ours any more: put the other owner's back
             signal.set_wakeup_fd(current)
-        os.write(write_end, bytes([_STOP]))
+        try:
+            os.write(write_end, bytes([_STOP]))
+        except BrokenPipeError:  # the thread saw `_fds` gone while it waited on a signal and closed the read end
+            pass
         if self._thread is not None:
             self._thread.join(timeout=5.0)
         os.close(write_end)  # the thread closes the read end

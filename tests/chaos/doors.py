@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from typing import Any
 
-from tests._spawn import free_port
+from harness.ranks import free_port
 
 OFFSETS_S = (-7200, -3600, -600, 0, 600, 3600, 7200)
 

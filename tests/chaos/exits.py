@@ -28,7 +28,7 @@ import sys
 import time
 from typing import Any
 
-from tests._spawn import free_port, port_env
+from harness.ranks import free_port, port_env
 from tests.chaos._exit_run import CASES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

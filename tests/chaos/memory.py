@@ -32,9 +32,9 @@ import subprocess
 import sys
 import time
 
+from harness.ranks import free_port
 from lightning_dcp.engine.tiers.parts import PartStore, complete
 from lightning_dcp.engine.tiers.runs import RUN_FILE
-from tests._spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KINDS = ("whole_job", "node_loss", "resize")

@@ -56,8 +56,8 @@ def run_remote_faults(
 ) -> dict:
     """Inject ``outages`` outages (``per_trial`` per training process) of ``shortest``-``longest`` s. Returns counts."""
     sys.path.insert(0, ROOT)
+    from harness.s3 import S3Server
     from tests._faults import FaultProxy
-    from tests._s3 import S3Server
 
     rng = random.Random(seed)
     os.makedirs(workdir, exist_ok=True)

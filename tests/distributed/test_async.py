@@ -8,9 +8,9 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import CheckpointError, DCPCheckpointIO, DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

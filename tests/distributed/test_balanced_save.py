@@ -11,9 +11,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
+from harness.ranks import spawn
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.save import planning
-from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 
 

@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 
-from tests._spawn import free_port, port_env
+from harness.ranks import free_port, port_env
 
 
 def test_the_async_save_group_is_destroyed_before_the_interpreter_exits(tmp_path):

@@ -8,9 +8,9 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from safetensors.torch import load_file
 
+from harness.ranks import spawn
 from lightning_dcp import DCPModelParallelStrategy, consolidate, inspect_checkpoint
 from tests._models import FSDP2Model, RandomDataModule
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

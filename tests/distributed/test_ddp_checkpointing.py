@@ -13,9 +13,9 @@ from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 
 import lightning_dcp
+from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO
 from tests._models import RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 HIDDEN = 256  # ~0.8 MB of model + AdamW state: enough bytes to see how they spread over ranks

@@ -6,8 +6,8 @@ import os
 
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from tests._models import RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

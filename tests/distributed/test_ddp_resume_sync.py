@@ -13,9 +13,9 @@ import torch
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import MemoryCheckpoint
 from tests._models import RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import load_result, make_trainer, save_result
 
 

@@ -17,10 +17,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.tensor import DTensor
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* names in Fabric's registry)
+from harness.ranks import spawn
 from lightning_dcp.engine.catalog.metadata import read_metadata
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.fabric import DCPDDPStrategy
-from tests._spawn import spawn
 from tests._trainer import _clone, assert_same, load_result, save_result
 
 STEPS = 3

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from tests._spawn import free_port, port_env
+from harness.ranks import free_port, port_env
 
 
 def _run(tmp_path, mode: str) -> list[tuple[int, str]]:

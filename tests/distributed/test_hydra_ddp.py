@@ -8,9 +8,9 @@ import os
 from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from tests._hydra import TemplateModule, assert_template_hparams, build
 from tests._models import RandomDataModule
-from tests._spawn import spawn
 from tests._trainer import load_result, make_trainer, save_result, seed
 
 LIMITS = {"limit_train_batches": 2, "limit_val_batches": 1}

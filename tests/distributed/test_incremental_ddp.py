@@ -10,9 +10,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO, verify_checkpoint
 from tests._models import RandomDataModule
-from tests._spawn import spawn
 from tests._trainer import load_result, make_trainer, save_result, seed
 from tests.integration._incremental_train import FrozenBackbone
 

@@ -8,12 +8,12 @@ import os
 import torch
 import torch.distributed as dist
 
+from harness.ranks import spawn
 from lightning_dcp import CorruptCheckpointError
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.format.record_index import parse_index
 from lightning_dcp.engine.load import local_load
 from lightning_dcp.engine.save import planning
-from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 
 

@@ -8,9 +8,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from harness.ranks import spawn
 from lightning_dcp import CheckpointError
 from lightning_dcp.engine.checkpointer import Checkpointer
-from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 
 

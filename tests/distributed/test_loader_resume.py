@@ -20,12 +20,12 @@ import torch
 from lightning.fabric import Fabric
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import ElasticResume
 from lightning_dcp.errors import CheckpointError
 from lightning_dcp.fabric import DCPDDPStrategy
 from tests._loaders import SAMPLES, LoaderDataModule, make_litdata, make_loader, samples_by
 from tests._models import IdLoggingModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 pytest.importorskip("torchdata.stateful_dataloader")

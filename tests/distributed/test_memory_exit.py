@@ -25,7 +25,7 @@ import weakref
 import pytest
 import torch
 
-from tests._spawn import free_port
+from harness.ranks import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -14,12 +14,12 @@ import signal
 
 import pytest
 
+from harness.ranks import spawn
 from lightning_dcp import MemoryTier
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.parts import PartStore
 from lightning_dcp.engine.tiers.runs import RUN_FILE
 from lightning_dcp.fabric import DCPDDPStrategy
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, save_result
 from tests.distributed.test_fabric import _fabric, _full, _setup, _train
 from tests.distributed.test_memory_tier import base  # noqa: F401  (the fixture: a fresh directory under /dev/shm)

@@ -18,12 +18,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.ranks import spawn
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore
 from lightning_dcp.errors import CheckpointError
-from tests._spawn import spawn
 
 
 def _tree(step: int, rank: int) -> dict:

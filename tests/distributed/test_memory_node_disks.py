@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from harness.ranks import port_env, spawn
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.format.marker import COMMIT_FILE
@@ -38,7 +39,6 @@ from lightning_dcp.engine.tiers.node_disks import PARTS_DIR
 from lightning_dcp.engine.tiers.parts import PartStore, complete
 from lightning_dcp.engine.tiers.runs import RUN_FILE
 from tests._faults import FaultProxy
-from tests._spawn import port_env, spawn
 from tests.distributed.test_memory_tier import base  # noqa: F401  (the fixture: a fresh directory under /dev/shm)
 
 
@@ -257,7 +257,7 @@ def test_ranks_naming_a_memory_checkpoint_differently_save_rank0s_name_in_their_
 def test_kill_during_persistence_never_restores_a_torn_part(base, tmp_path):  # noqa: F811
     disks = str(tmp_path)
     code = (
-        "import sys; from tests._spawn import spawn;"
+        "import sys; from harness.ranks import spawn;"
         " from tests.distributed.test_memory_node_disks import _persist_until_killed;"
         " spawn(_persist_until_killed, 4, sys.argv[1], sys.argv[2])"
     )

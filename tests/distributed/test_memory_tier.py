@@ -16,12 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.ranks import spawn
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete
 from lightning_dcp.engine.tiers.runs import RUN_FILE
-from tests._spawn import spawn
 
 
 def _tree(step: int) -> dict:

@@ -7,9 +7,9 @@ import os
 import pytest
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from harness.ranks import spawn
 from lightning_dcp import DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

@@ -7,9 +7,9 @@ import os
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
+from harness.ranks import spawn
 from lightning_dcp import DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

@@ -21,9 +21,9 @@ from lightning.pytorch import Callback, Trainer
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from harness.ranks import spawn
 from lightning_dcp import DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, to_cpu
 
 STEPS = 3

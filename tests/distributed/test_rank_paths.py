@@ -18,9 +18,9 @@ import warnings
 import pytest
 from lightning.pytorch import Trainer
 
+from harness.ranks import spawn
 from lightning_dcp import CorruptCheckpointError, DCPModelCheckpoint, verify_checkpoint
 from tests._models import RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import load_result, make_trainer, save_result, seed, snapshot
 
 

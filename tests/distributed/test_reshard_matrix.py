@@ -17,9 +17,9 @@ import traceback
 
 import pytest
 
+from harness.ranks import spawn
 from lightning_dcp import DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 WORLD_SIZES = (1, 2, 3, 4)

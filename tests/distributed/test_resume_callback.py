@@ -14,10 +14,10 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import ElasticResume
 from tests._loaders import samples_by
 from tests._models import IdLoggingModel, IndexedDataModule
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 STEPS, EPOCHS, SAMPLES = 12, 3, 64

@@ -11,12 +11,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from harness.ranks import spawn
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.load import shared_reads
 from lightning_dcp.engine.load.dcp_reader import storage_reader
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, save_result
 
 

@@ -10,10 +10,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
+from harness.ranks import spawn
 from lightning_dcp._compat.torch_dcp import ShardedTensor
 from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.save.staging import Stager
-from tests._spawn import spawn
 
 
 def _sharded(rank: int, world_size: int) -> ShardedTensor:

@@ -1,8 +1,8 @@
 """The GPU tier's marks, process settings and its one-process-per-module runner.
 
 ``pytest -m gpu`` (or ``nox -s gpu``) selects the tier; without a CUDA device each test is skipped with the reason
-"needs a CUDA device", so CI (``nox -s tests``) collects and skips it. Workers run in fresh spawned processes
-(tests/_spawn.py) so each gets its own CUDA context and NCCL group.
+"needs a CUDA device", so CI (``nox -s tests``) collects and skips it. Workers run in their own processes
+(harness/ranks.py; CUDA is never initialized before they start) so each gets its own CUDA context and NCCL group.
 
 Starting a worker (Python, torch, Lightning, a CUDA context, NCCL) costs more than most scenarios, so a module's
 scenarios share one worker (:func:`scenarios_fixture`): the worker runs them one after the other, each in its own
@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests._spawn import spawn
+from harness.ranks import spawn
 from tests._trainer import load_result, save_result
 
 __all__ = ["CUDA", "GPU", "GPU_ENV", "Scenario", "scenarios_fixture"]

@@ -12,9 +12,9 @@ import os
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from harness.ranks import spawn
 from lightning_dcp import DCPFSDPStrategy, DCPModelParallelStrategy
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import StateAtStart, assert_same, load_result, make_trainer, save_result, seed, snapshot, to_cpu
 from tests.gpu._cuda import GPU, GPU_ENV
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from harness.ranks import spawn
 from lightning_dcp.engine.save.staging import Stager
-from tests._spawn import spawn
 from tests._trainer import load_result, save_result
 from tests.gpu._cuda import GPU, GPU_ENV
 

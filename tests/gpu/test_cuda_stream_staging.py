@@ -12,9 +12,9 @@ from lightning.pytorch import LightningModule
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
+from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO, DCPSingleDeviceStrategy
 from lightning_dcp.engine.checkpointer import Checkpointer
-from tests._spawn import spawn
 from tests._trainer import load_result, make_trainer, save_result, seed
 from tests.gpu._cuda import GPU, GPU_ENV
 

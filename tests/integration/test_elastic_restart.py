@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from tests._spawn import free_port, port_env
+from harness.ranks import free_port, port_env
 from tests.integration._elastic_train import read_log
 
 KILL_AT, EVERY, MAX_STEPS = 7, 3, 10

@@ -11,8 +11,8 @@ import time
 
 import torch
 
+from harness.ranks import port_env
 from lightning_dcp import verify_checkpoint
-from tests._spawn import port_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 5

@@ -19,9 +19,9 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
+from harness.ranks import port_env
 from lightning_dcp import DCPCheckpointIO, verify_checkpoint
 from tests._models import RandomDataModule
-from tests._spawn import port_env
 from tests._trainer import seed
 from tests.integration._incremental_train import FrozenBackbone, trainer_for
 

@@ -23,9 +23,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 import lightning_dcp
+from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, DCPModelParallelStrategy, load_checkpoint
 from tests._models import FSDP2Model, RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from tests._spawn import free_port
+from harness.ranks import free_port
 from tests.chaos.memory import ROOT, records
 
 _PROBE = "mount --make-rprivate / && mount -t tmpfs none {d}"

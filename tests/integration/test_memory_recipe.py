@@ -22,8 +22,8 @@ import uuid
 
 import pytest
 
+from harness.ranks import port_env
 from tests._docs import ROOT, blocks, commands
-from tests._spawn import port_env
 
 
 def _documented() -> list[str]:

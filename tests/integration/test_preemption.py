@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests._spawn import port_env
+from harness.ranks import port_env
 
 MAX_STEPS = 12
 

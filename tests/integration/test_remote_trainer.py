@@ -9,12 +9,12 @@ import fsspec.config
 import torch
 
 import lightning_dcp
+from harness.ranks import spawn
+from harness.s3 import SECRET_KEY
+from harness.stores import AZURITE_KEY
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint
 from lightning_dcp.engine.storage.location import Location
 from tests._models import RandomDataModule, TinyModel
-from tests._s3 import SECRET_KEY
-from tests._spawn import spawn
-from tests._stores import AZURITE_KEY
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 _ENV_CREDENTIALS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "STORAGE_EMULATOR_HOST")

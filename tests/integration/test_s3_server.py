@@ -6,8 +6,9 @@ import socket
 
 import pytest
 
-from tests._s3 import S3Server, _require_weed
-from tests._spawn import _ephemeral_range, free_port
+from harness.ranks import _ephemeral_range, free_port
+from harness.s3 import S3Server
+from tests._s3 import _require_weed
 
 
 def test_free_ports_are_distinct_and_below_the_ephemeral_range():

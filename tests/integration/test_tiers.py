@@ -8,13 +8,13 @@ import os
 import pytest
 import torch
 
+from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO, DCPModelCheckpoint, verify_checkpoint
 from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.uploader import Retry
 from lightning_dcp.errors import StorageUnavailableError
 from tests._models import RandomDataModule, TinyModel
-from tests._spawn import spawn
 from tests._trainer import assert_same, load_result, make_trainer, save_result, seed, snapshot
 
 

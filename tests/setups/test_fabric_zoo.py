@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._spawn import spawn
+from harness.ranks import spawn
 from tests._trainer import assert_same
 from tests.setups import zoo  # noqa: F401  (registers the setups)
 from tests.setups._base import SETUPS, selected

@@ -100,3 +100,40 @@ def test_no_grace_means_no_watch(after):
     assert watch.start() is False
     assert not watch.running
     watch.stop()  # a no-op
+
+
+def test_stop_from_the_handler_of_a_watched_signal_never_fails(monkeypatch):
+    """A second SIGTERM stops the watch from inside its handler while the watch's thread waits on that signal: the
+    thread may see the watch stopped and close its end of the pipe before ``stop`` writes its stop byte. ``stop``
+    then returns quietly (it raised BrokenPipeError before: seen once in a full test run); the window is widened
+    here by slowing ``signal.set_wakeup_fd`` (still the real call) past the thread's 20 ms polls."""
+    from lightning_dcp.engine import SignalWatch, signal_watch
+
+    real = signal.set_wakeup_fd
+    watch = SignalWatch(signals=[signal.SIGUSR1], after=60.0)
+    stopped: list[bool] = []
+
+    def handler(signum, frame):  # runs the watch's handler count only after stopping, as a second SIGTERM does
+        monkeypatch.setattr(signal_watch.signal, "set_wakeup_fd", slow_set_wakeup_fd)
+        watch.stop()
+        stopped.append(not watch.running)
+
+    def slow_set_wakeup_fd(fd, **kwargs):
+        previous = real(fd, **kwargs)
+        time.sleep(0.2)  # the thread, polling every 20 ms, sees the watch stopped and leaves meanwhile
+        return previous
+
+    previous_handler = signal.signal(signal.SIGUSR1, handler)
+    try:
+        assert watch.start()
+        thread = watch._thread
+        os.kill(os.getpid(), signal.SIGUSR1)
+        deadline = time.monotonic() + 10
+        while not stopped:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert stopped == [True]
+        assert thread is not None and not thread.is_alive()
+        assert real(-1) == -1  # the wakeup fd was given back
+    finally:
+        signal.signal(signal.SIGUSR1, previous_handler)

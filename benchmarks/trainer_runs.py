@@ -95,27 +95,11 @@ def evict(path: str) -> bool:
 
 
 def make_trainer(world_size: int, *, strategy: str = "dcp_ddp", **kwargs: Any):
-    """A CPU Trainer of ``world_size`` ranks with nothing but the fit: no logger, progress bar, summary or validation
-    (``max_epochs`` 2 and no checkpointing unless given)."""
-    from lightning.pytorch import Trainer
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
+    """The harness's CPU Trainer (:func:`harness.trainer.make_trainer`) without validation."""
     import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
+    from harness.trainer import make_trainer as harness_trainer
 
-    kwargs.setdefault("max_epochs", 2)
-    if not any(isinstance(cb, ModelCheckpoint) for cb in kwargs.get("callbacks", [])):
-        kwargs.setdefault("enable_checkpointing", False)
-    return Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        **kwargs,
-    )
+    return harness_trainer(world_size, strategy=strategy, limit_val_batches=0, **kwargs)
 
 
 def _entry(rank: int, world_size: int, task: Callable[..., dict], workdir: str, kwargs: dict) -> None:

@@ -7,26 +7,10 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, Trainer, seed_everything
-from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategy names)
-
-
-def make_trainer(world_size: int, *, strategy: Any = "dcp_ddp", accelerator: str = "cpu", **kwargs: Any) -> Trainer:
-    kwargs.setdefault("max_epochs", 2)
-    if not any(isinstance(cb, ModelCheckpoint) for cb in kwargs.get("callbacks", [])):
-        kwargs.setdefault("enable_checkpointing", False)
-    return Trainer(
-        accelerator=accelerator,
-        devices=world_size,
-        strategy=strategy,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        **kwargs,
-    )
+from harness.trainer import make_trainer  # noqa: F401  (the tests import it from here)
 
 
 def seed(value: int = 7) -> None:

@@ -1,8 +1,7 @@
 """``CheckpointerConfig``: every option of the engine in one keyword-only dataclass, checked when it is made.
 
 The front ends (the Trainer's ``DCPCheckpointIO``, Fabric's ``DCPStrategyMixin``) build one from their keyword
-arguments and :meth:`CheckpointerConfig.build` makes the
-:class:`~lightning_dcp.engine.checkpointer.Checkpointer` (and the local tier, when ``local_dir`` is given).
+arguments and ``CheckpointerConfig.build`` makes the ``Checkpointer`` (and the local tier, when ``local_dir`` is given).
 """
 
 from __future__ import annotations
@@ -22,7 +21,10 @@ __all__ = ["CheckpointerConfig"]
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class CheckpointerConfig:
-    """The options of a :class:`~lightning_dcp.engine.checkpointer.Checkpointer`, checked in ``__post_init__``.
+    """The options of a ``Checkpointer``, checked in ``__post_init__``.
+
+    The one description of each option: the Trainer's ``DCPCheckpointIO`` and Fabric's ``DCPStrategyMixin`` take the
+    same keywords, build one of these from them, and document only what their front end adds.
 
     Raises:
         ValueError: ``local_keep`` is not a positive integer or ``local_dir`` is not local (with ``local_dir``),
@@ -30,34 +32,69 @@ class CheckpointerConfig:
     """
 
     storage_options: dict[str, Any] | None = None
-    """fsspec filesystem options (credentials, endpoint, region) of every read, write, list and delete; per-call
-    ``storage_options`` are merged on top."""
+    """fsspec filesystem options (credentials, endpoint, region) of every read, write, list and delete; the
+    ``storage_options`` a Trainer's ``save_checkpoint`` call passes are merged on top."""
     thread_count: int = 1
     """Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour)."""
     sync_files: bool = True
     """``fsync`` each local data file before the checkpoint is committed (never on remote stores)."""
     async_save: bool = False
-    """Write in the background over a dedicated gloo group (:mod:`lightning_dcp.engine.save.async_save`): a save
-    returns once this rank's part is staged into reused CPU buffers (pinned on CUDA); at most one is in flight."""
+    """Write in the background over a dedicated gloo group (``lightning_dcp.engine.save.async_save``): a save
+    returns once this rank's state is staged into reused CPU buffers (pinned on CUDA). At most one save is in flight;
+    the next save, a load, a removal of that checkpoint and the end of the run (the Trainer's ``teardown``; with Fabric
+    ``wait_for_save``, ``teardown`` or the interpreter's exit, which logs how long it waited) wait for it, and its
+    error is raised there. Removals requested while it is in flight run after it commits."""
     defer_staging: bool = True
-    """With ``async_save``: the tensors only optimizer steps change are copied in the background after the save
-    returned, while the next optimizer step waits for the copies (or written in place: live writes); ``False``
-    copies everything before returning (:mod:`lightning_dcp.engine.save.live_write`)."""
+    """With ``async_save``: the parameters an optimizer holds and its state are copied into the staging buffers in the
+    background after the save returned, during the next step's forward and backward passes (or, on a local disk,
+    written from where they are without a copy when the last saves show the write is done by then), and its optimizer
+    update waits for them; buffers a forward pass updates (BatchNorm statistics), parameters no optimizer holds (an
+    EMA copy), GPU tensors and the rest of the state are copied before it returns. A tensor that changes outside
+    optimizer steps (weight clipping after the step) is detected and copied at the call from then on; a save it would
+    have torn is dropped with a warning naming it instead. Changes through ``param.data`` are not seen: code that
+    writes parameters that way between a save and the next update (a callback, ``training_step``, a forward pass)
+    needs ``False``, which copies everything before returning (``lightning_dcp.engine.save.live_write``)."""
     when_busy: str = "wait"
-    """With ``async_save``: a save called while the previous one is being written waits (``"wait"``) or is skipped
-    with a warning (``"skip"``, under which optimizer steps never wait for a live writer either;
-    :mod:`lightning_dcp.engine.save.when_busy`)."""
+    """With ``async_save``: what a save does when called while the previous one is still being written (saves
+    requested faster than the disk takes them). ``"wait"``: block until it is committed, then save; every requested
+    checkpoint is written (the wait counts in the previous save's ``checkpoint/save_blocked_s``). ``"skip"``: return at
+    once without saving, warning with the step and path skipped (``Checkpointer.skipped`` lists them);
+    ``ModelCheckpoint``'s removals requested after a skip are held until a newer save commits, so nothing is removed
+    before a newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
+    waits; ``save_last="link"`` avoids that second write. Under ``"skip"`` optimizer steps wait for a save's memory
+    copies only (never for a live write to reach the disk): the loop never waits for a write still running when the
+    next save is called, only, at the end of training, for the last one. Every wait of the loop for a save is in its
+    ``checkpoint/save_blocked_s`` (``lightning_dcp.engine.save.when_busy``)."""
     incremental: bool = False
-    """Give each tensor record of 1 MiB and more its own data file, hard-linked from the newest committed checkpoint
-    of the same directory when its bytes are unchanged (local disks; :mod:`lightning_dcp.engine.save.incremental`)."""
+    """Write a tensor (or chunk) of 1 MiB and more only when its bytes differ from the newest committed checkpoint in
+    the same directory; an unchanged one is hard-linked from it (local disks), so frozen parameters cost no writes.
+    Every checkpoint stays complete and loads alone (``lightning_dcp.engine.save.incremental``)."""
     local_dir: str | os.PathLike | None = None
-    """A local directory as the fast tier of remote checkpoint paths (:class:`~lightning_dcp.engine.tiers.Tiers`):
-    a save is committed there, then uploaded in the background; ``None``: no local tier."""
+    """A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``, ``az://``, ...;
+    ``Tiers``). A save to a remote path is written and committed in ``local_dir``
+    under the same name at disk speed (synchronously or with ``async_save``); a background thread on rank 0 then
+    uploads it, one checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads
+    back intact, and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop:
+    existence checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries through
+    store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning per save while
+    the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint committed on either tier, the
+    local copy first; on a machine with an empty ``local_dir`` they load from the remote. Pruning removes the local
+    copy at once and the remote copy behind the uploads queued before it. Uploads, removals and pointer writes are
+    journaled in ``local_dir``: a killed run's are replayed by the next run with the same ``local_dir``, so the remote
+    ends with exactly what top-k and ``save_last`` ask for. The end of the run waits for the uploads while the store
+    answers; once it has answered nothing for 60 s (since the wait began or since its last answer: a file or a part of
+    one taken, a task done), whether its requests fail or hang, it raises ``StorageUnavailableError`` naming what is
+    left (committed locally; the next run uploads it). One ``local_dir`` mirrors one remote directory, and every rank
+    must reach it (one machine, or a shared filesystem). Named ``local_dir`` rather than ``cache_dir`` or
+    ``staging_dir``: it holds real, committed checkpoints (for a while the only copy), not a disposable cache or a
+    temporary area. ``None``: no local tier."""
     local_keep: int = 2
-    """With ``local_dir``: committed checkpoints the local tier keeps (older ones leave once uploaded)."""
+    """With ``local_dir``: the committed checkpoints ``local_dir`` keeps (the newest); older ones leave it once they
+    are committed remotely (never before, so it holds more while uploads fall behind)."""
     memory: MemoryTier | None = None
-    """A memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`): saves inside
-    :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.into_memory` go to host shared memory."""
+    """A memory tier ([`MemoryTier`][lightning_dcp.MemoryTier]): saves inside ``Checkpointer.into_memory`` go to host
+    shared memory (what Fabric's strategies and the Trainer's ``MemoryCheckpoint`` make of it is in their own
+    documentation)."""
 
     def __post_init__(self) -> None:
         if self.local_dir is not None:
@@ -72,7 +109,7 @@ class CheckpointerConfig:
             raise ValueError(f"`when_busy` must be one of {WHEN_BUSY}, got {self.when_busy!r}.")
 
     def build(self) -> Checkpointer:
-        """The :class:`~lightning_dcp.engine.checkpointer.Checkpointer` of these options (and its local tier)."""
+        """The ``Checkpointer`` of these options (and its local tier)."""
         tiers = None
         if self.local_dir is not None:
             tiers = Tiers(self.local_dir, keep=self.local_keep, storage_options=self.storage_options)

@@ -53,26 +53,21 @@ class DCPStrategyMixin:
     Put it first in the bases: ``class MyStrategy(DCPStrategyMixin, DDPStrategy)``. It consumes the keyword
     arguments below and passes every other argument to the strategy.
 
+    Each option but ``memory`` is described once, in [`CheckpointerConfig`][lightning_dcp.engine.CheckpointerConfig]
+    (the engine's options, which the strategy builds from these keywords); below, what each is for with Fabric.
+
     Args:
-        storage_options: fsspec options (credentials, endpoint, region) for every read, write, list and delete.
-        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
-        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
-        async_save: ``fabric.save`` returns once the state is staged into reused CPU buffers and writes in the
-            background. At most one save is in flight; the next save, a load and
-            [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save] wait for it and raise its error. A
-            script that ends with a save in flight (Fabric never tears its strategy down) gets it finished and
-            committed at the interpreter's exit, with a log line saying how long the exit waited; call
-            [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save] to see its error as an exception,
-            or to know it landed before the script goes on.
-        defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
-            copied in the background after ``fabric.save`` returned, while the next optimizer step waits for the
-            copies; everything else is copied before it returns (see
-            ``Checkpointer``). ``False`` copies everything before returning.
-        when_busy: With ``async_save``: what ``fabric.save`` does when called while the previous save is still being
-            written: ``"wait"`` (the default) waits for it (that wait counts in the previous save's
-            ``checkpoint/save_blocked_s``); ``"skip"`` skips this save with a warning naming its step
-            (``Checkpointer.skipped`` lists them), and optimizer steps never wait for a live write either. See
-            ``lightning_dcp.engine.save.when_busy``.
+        storage_options: fsspec options (credentials, endpoint, region) of every read, write, list and delete.
+        thread_count: Writer threads per rank.
+        sync_files: ``fsync`` each local data file before the commit.
+        async_save: ``fabric.save`` returns once the state is staged, and the write goes on in the background; the
+            next save, a load and [`wait_for_save`][lightning_dcp.fabric.DCPStrategyMixin.wait_for_save] wait for it
+            and raise its error. A script that ends with a save in flight (Fabric never tears its strategy down) gets
+            it finished and committed at the interpreter's exit, with a log line saying how long the exit waited.
+        defer_staging: With ``async_save``: what only optimizer steps change is copied after ``fabric.save``
+            returned, and the next optimizer step waits for the copies.
+        when_busy: With ``async_save``: ``"wait"`` or ``"skip"`` a ``fabric.save`` called while the previous save is
+            still written.
         memory: A memory tier ([`MemoryTier`][lightning_dcp.MemoryTier]): every ``fabric.save(path, state)`` then saves
             into host shared memory (the node's area, replicated to ``replicas`` peer nodes; in the background; with the
             tier's ``async_save=False`` the call makes the copies first), and every ``persist_every``-th into ``path``

@@ -38,59 +38,23 @@ class DCPCheckpointIO(CheckpointIO):
     writes its own shard; under a stock Lightning strategy, which calls the plugin on rank 0 only, rank 0 writes the
     whole (unsharded) state as a DCP directory.
 
+    Each option is described once, in [`CheckpointerConfig`][lightning_dcp.engine.CheckpointerConfig] (the
+    engine's options, which the plugin builds from these keywords); below, what each is for in a Trainer.
+
     Args:
-        storage_options: fsspec filesystem options (credentials, endpoint, region) used for every read, write,
-            list and delete. Per-call ``storage_options`` given to ``save_checkpoint`` are merged on top.
-        thread_count: Writer threads per rank; each writes its own ``__{rank}_{n}.distcp`` file (DCP behaviour).
-        sync_files: ``fsync`` each local data file before the checkpoint is committed (never on remote stores).
-        async_save: Write in the background (over a dedicated gloo group): ``save_checkpoint``
-            returns once the state is staged into reused CPU buffers (pinned on CUDA). At most one save is in
-            flight; the next save, a load, a removal of that checkpoint and ``teardown`` wait for it, and its error
-            is raised there. Removals requested while it is in flight run after it commits.
-        defer_staging: With ``async_save`` (on by default): the parameters an optimizer holds and its state are
-            copied into the staging buffers in the background after ``save_checkpoint`` returned, during the next
-            step's forward and backward passes (or, on a local disk, written from where they are without a copy when
-            the last saves show the write is done by then), and its optimizer update waits for them; buffers a forward
-            pass updates (BatchNorm statistics), parameters no optimizer holds (an EMA copy), GPU tensors and the
-            rest of the state are copied before it returns. A tensor that changes outside optimizer steps (weight
-            clipping after the step) is detected and copied at the call from then on; a save it would have torn
-            is dropped with a warning naming it instead. Changes through ``param.data`` are not seen: code that
-            writes parameters that way between a save and the next update (a callback, ``training_step``, a
-            forward pass) needs ``False``, which copies everything before returning. See
-            ``Checkpointer``.
-        when_busy: With ``async_save``: what ``save_checkpoint`` does when called while the previous save is still
-            being written (saves requested faster than the disk takes them). ``"wait"`` (default): block until it is
-            committed, then save; every requested checkpoint is written. ``"skip"``: return at once without saving,
-            warning with the step and path skipped (``checkpointer.skipped`` lists them); ``ModelCheckpoint``'s
-            removals requested after a skip are held until a newer save commits, so nothing is removed before a
-            newer checkpoint exists. A second save of the step in flight (``last.ckpt`` after the top-k file) always
-            waits; ``save_last="link"`` avoids that second write. Under ``"skip"`` optimizer steps wait for a save's
-            memory copies only (never for a live write to reach the disk): the loop never waits for a write still
-            running when the next save is called, only, at the end of training, for the last one. Every wait of the
-            loop for a save is in its ``checkpoint/save_blocked_s``. See ``lightning_dcp.engine.save.when_busy``.
-        local_dir: A directory on a local disk as the fast tier of remote checkpoint paths (``s3://``, ``gs://``,
-            ``az://``, ...). A save to a remote path is written and committed in ``local_dir`` under the same name at
-            disk speed (synchronously or with ``async_save``); a background thread on rank 0 then uploads it, one
-            checkpoint at a time, checks that every file arrived with its size and that ``.metadata`` reads back intact,
-            and commits it remotely (``.commit`` written last). Nothing remote runs in the training loop: existence
-            checks, pruning and ``last`` pointers go through the local tier and the uploader, which retries through
-            store outages with a logged backoff (0.5 s doubling to 30 s); training goes on, with one warning per save
-            while the store is down. ``ckpt_path="last"`` and remote paths load the newest checkpoint committed on
-            either tier, the local copy first; on a machine with an empty ``local_dir`` they load from the remote.
-            Pruning removes the local copy at once and the remote copy behind the uploads queued before it. Uploads,
-            removals and pointer writes are journaled in ``local_dir``: a killed run's are replayed by the next run with
-            the same ``local_dir``, so the remote ends with exactly what top-k and ``save_last`` ask for. ``teardown``
-            waits for the uploads while the store answers; once it has answered nothing for 60 s (since teardown began
-            or since its last answer: a file or a part of one taken, a task done), whether its requests fail or hang, it
-            raises ``StorageUnavailableError`` naming what is left (committed locally; the next run uploads it). One
-            ``local_dir`` mirrors one remote directory, and every rank must reach it (one machine, or a shared
-            filesystem). Named ``local_dir`` rather than ``cache_dir`` or ``staging_dir``: it holds real, committed
-            checkpoints (for a while the only copy), not a disposable cache or a temporary area.
-        local_keep: Committed checkpoints ``local_dir`` keeps (the newest); older ones leave it once they are
-            committed remotely (never before, so it holds more while uploads fall behind).
-        incremental: Write a tensor (or chunk) of 1 MiB and more only when its bytes differ from the newest
-            committed checkpoint in the same directory; an unchanged one is hard-linked from it (local disks), so
-            frozen parameters cost no writes. Every checkpoint stays complete and loads alone.
+        storage_options: fsspec options (credentials, endpoint, region) of every read, write, list and delete; the
+            ``storage_options`` given to ``save_checkpoint`` are merged on top.
+        thread_count: Writer threads per rank.
+        sync_files: ``fsync`` each local data file before the commit.
+        async_save: ``save_checkpoint`` returns once the state is staged, and the write goes on in the background;
+            the next save, a load, a removal of that checkpoint and ``teardown`` wait for it.
+        defer_staging: With ``async_save``: what only optimizer steps change is copied after ``save_checkpoint``
+            returned, and the next optimizer update waits for the copies.
+        when_busy: With ``async_save``: ``"wait"`` or ``"skip"`` a ``save_checkpoint`` called while the previous
+            save is still written (``ModelCheckpoint``'s removals after a skip wait for a newer commit).
+        local_dir: A local directory as the fast tier of remote checkpoint paths (saves commit there, then upload).
+        local_keep: Committed checkpoints ``local_dir`` keeps.
+        incremental: Hard-link the unchanged records of 1 MiB and more from the newest checkpoint of the directory.
 
     Raises:
         ValueError: ``thread_count`` or ``local_keep`` is not a positive integer, ``local_dir`` is not local, or

@@ -1,8 +1,9 @@
 """The GPU tier's marks, process settings and its one-process-per-module runner.
 
 ``pytest -m gpu`` (or ``nox -s gpu``) selects the tier; without a CUDA device each test is skipped with the reason
-"needs a CUDA device", so CI (``nox -s tests``) collects and skips it. Workers run in their own processes
-(harness/ranks.py; CUDA is never initialized before they start) so each gets its own CUDA context and NCCL group.
+"needs a CUDA device", so CI (``nox -s tests``) collects and skips it. Workers run in new interpreters
+(``harness.ranks.spawn(..., fresh=True)``: never forked from a process that may have touched CUDA) so each gets its own
+CUDA context and NCCL group.
 
 Starting a worker (Python, torch, Lightning, a CUDA context, NCCL) costs more than most scenarios, so a module's
 scenarios share one worker (:func:`scenarios_fixture`): the worker runs them one after the other, each in its own
@@ -79,7 +80,7 @@ def scenarios_fixture(scenarios: list[Scenario], *, world_size: int = 1, timeout
         tmp = str(tmp_path_factory.mktemp("gpu"))
         error: BaseException | None = None
         try:
-            spawn(_scenarios_worker, world_size, tmp, scenarios, env=GPU_ENV, timeout=timeout)
+            spawn(_scenarios_worker, world_size, tmp, scenarios, env=GPU_ENV, timeout=timeout, fresh=True)
         except Exception as exc:  # reported by the tests whose scenarios have no outcome
             error = exc
         return Outcomes(tmp, error)

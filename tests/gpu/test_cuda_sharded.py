@@ -82,7 +82,7 @@ def _cpu_resume_worker(rank: int, world_size: int, tmp: str) -> None:
 def test_fsdp1_and_fsdp2_checkpoints_move_between_gpu_and_cpu(tmp_path):
     tmp = str(tmp_path)
     spawn(_cpu_save_worker, 2, tmp)
-    spawn(_gpu_worker, 1, tmp, env=GPU_ENV)
+    spawn(_gpu_worker, 1, tmp, env=GPU_ENV, fresh=True)
     spawn(_cpu_resume_worker, 2, tmp)
 
     cpu_saved = load_result(tmp, "cpu-saved")

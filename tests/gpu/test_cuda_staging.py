@@ -63,7 +63,7 @@ def _dtensor_worker(rank: int, world_size: int, tmp: str) -> None:
 
 def test_dtensor_shards_on_a_cuda_mesh_stage_to_pinned_host_memory(tmp_path):
     """FSDP2 state is DTensors on a CUDA mesh; staging must leave their local shards in host memory."""
-    spawn(_dtensor_worker, 1, str(tmp_path), env=GPU_ENV)
+    spawn(_dtensor_worker, 1, str(tmp_path), env=GPU_ENV, fresh=True)
     got = load_result(str(tmp_path), "dtensor")
     assert got["equal"] and got["placements_kept"] and got["shape"] == (64, 32)
     assert got["local_device"] == "cpu" and got["pinned"], got

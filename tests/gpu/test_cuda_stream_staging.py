@@ -92,7 +92,7 @@ def _worker(rank: int, world_size: int, tmp: str, out: str) -> None:
 def test_async_saves_queue_gpu_copies_and_never_hold_later_weights(tmp_path):
     work = str(tmp_path / "ckpts")
     os.makedirs(work)
-    spawn(_worker, 1, work, str(tmp_path), env=GPU_ENV)
+    spawn(_worker, 1, work, str(tmp_path), env=GPU_ENV, fresh=True)
     result = load_result(str(tmp_path), "result")
     assert result["queued"], "the Trainer's saves of CUDA tensors did not go through stream copies"
     assert result["files"] == _STEPS and result["wrong"] == [], result["wrong"]

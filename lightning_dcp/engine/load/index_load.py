@@ -38,16 +38,21 @@ from lightning_dcp.engine.format.marker import checksum
 from lightning_dcp.engine.format.plain_values import NOT_PLAIN, plain_value
 from lightning_dcp.engine.format.record_index import IndexedRecord, IndexEntry
 from lightning_dcp.engine.format.records import record_frame, tensor_record
-from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
-from lightning_dcp.errors import CorruptCheckpointError, describe_load_error
+from lightning_dcp.engine.load.reading import (
+    SMALL_RECORD,
+    Source,
+    corrupt_record,
+    read_raw,
+    runs,
+    undecodable_record,
+)
+from lightning_dcp.errors import CorruptCheckpointError
 
 __all__ = ["load_indexed"]
 
 _SPAN = 2 << 20
 """Bytes per read of a run of small records: a span this size stays in the CPU caches while its records are checked
 and copied (``small`` mix, cold page cache, 2 ranks: ~0.13 s with 2 MiB spans, ~0.16 s with 16 MiB)."""
-_GAP = 64 << 10
-"""Records this close together are read in one call with the ones before them (the bytes between are skipped)."""
 _RUN_RECORDS = 1024 // 3
 """Records per ``preadv`` at most: three buffers each, and ``IOV_MAX`` is 1024 on Linux."""
 _MEMORY = memoryview((ctypes.c_char * sys.maxsize).from_address(0)).cast("B")
@@ -226,27 +231,18 @@ def _read_file(
                 f"{where} is truncated: it ends at byte {size}, its records at {last[0] + last[1]}.", file=name
             )
         source = Source(stream)
+        offsets, lengths = [entry[0] for entry in entries], [entry[1] for entry in entries]
         try:
-            i, count = 0, len(entries)
-            while i < count:
-                offset, length = entries[i][0], entries[i][1]
-                if length > SMALL_RECORD:
+            for i, j, end in runs(offsets, lengths, span=_SPAN, most=_RUN_RECORDS):
+                if lengths[i] > SMALL_RECORD:
                     _read_large(source, where, name, entries[i], state, mappings, weights_only)
-                    i += 1
                     continue
-                j, end = i + 1, offset + length
-                while j < count and j - i < _RUN_RECORDS:
-                    start_j, length_j = entries[j][0], entries[j][1]
-                    if length_j > SMALL_RECORD or start_j - end > _GAP or start_j + length_j - offset > _SPAN:
-                        break
-                    end = max(end, start_j + length_j)
-                    j += 1
+                offset = offsets[i]
                 if not _scatter_run(source, where, name, entries[i:j], state, mappings, weights_only):
                     span, address = source.read_span(offset, end - offset)
                     if span.nbytes != end - offset:
                         raise CorruptCheckpointError(f"{where} is truncated: it ends before byte {end}.", file=name)
                     _take_run(where, name, entries[i:j], offset, span, address, state, mappings, weights_only)
-                i = j
         finally:
             source.close()
 
@@ -309,7 +305,7 @@ def _scatter_run(
         if target is None or length != frame[0]:  # read whole into the buffer
             record = buffers[k]
             if digest(record) != expected:
-                raise _corrupt(where, name, fqn)
+                raise corrupt_record(where, name, fqn)
             if target is None:
                 _land_object(where, name, fqn, record, state, mappings, weights_only)
             else:  # another writer's framing
@@ -321,11 +317,11 @@ def _scatter_run(
         hasher.update(data)
         hasher.update(tail)
         if hasher.intdigest() != expected:
-            raise _corrupt(where, name, fqn)
+            raise corrupt_record(where, name, fqn)
         if not ours and (head != frame[3] or tail != frame[4]):  # not our framing after all: torch.load decides
             record = memoryview(source.read(offset, length))
             if len(record) != length or digest(record) != expected:
-                raise _corrupt(where, name, fqn)
+                raise corrupt_record(where, name, fqn)
             _land_decoded(where, name, fqn, record, target)
     return True
 
@@ -355,7 +351,7 @@ def _take_run(
         rel = offset - start
         record = span[rel : rel + length]
         if digest(record) != expected:
-            raise _corrupt(where, name, fqn)
+            raise corrupt_record(where, name, fqn)
         if target is None:
             _land_object(where, name, fqn, record, state, mappings, weights_only)
             continue
@@ -379,13 +375,13 @@ def _read_large(
         digest = read_raw(source, offset, length, tensor_record(target.dtype, tuple(target.shape)), target)
         if digest is not None:
             if digest != expected:
-                raise _corrupt(where, name, fqn)
+                raise corrupt_record(where, name, fqn)
             return
     record = source.read(offset, length)
     if len(record) != length:
         raise CorruptCheckpointError(f"{where} is truncated: it ends before byte {offset + length}.", file=name)
     if checksum(record) != expected:
-        raise _corrupt(where, name, fqn)
+        raise corrupt_record(where, name, fqn)
     if target is None:
         _land_object(where, name, fqn, memoryview(record), state, mappings, weights_only)
     else:
@@ -423,16 +419,5 @@ def _land_decoded(where: str, name: str, fqn: str, record: memoryview, target: t
     target.detach().copy_(tensor)
 
 
-def _corrupt(where: str, name: str, fqn: str) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{where} is corrupt: record {fqn!r} does not match the checksum recorded at save. Restore the file or resume"
-        " from another checkpoint.",
-        file=name,
-    )
-
-
 def _undecodable(where: str, name: str, fqn: str, err: Exception) -> CorruptCheckpointError:
-    return CorruptCheckpointError(
-        f"{where}: record {fqn!r} cannot be read as the index in .commit describes it ({describe_load_error(err)}).",
-        file=name,
-    )
+    return undecodable_record(where, name, fqn, err, described_by="the index in .commit")

@@ -12,12 +12,19 @@ reused aligned buffer): the page cache is neither filled nor copied from, which 
 target that is not the whole chunk (a reshard) or not contiguous gets a scratch tensor of the chunk's shape, then the
 part it needs. Records not in that layout (``torch.save`` records of earlier checkpoints, other writers) are left to the
 caller.
+
+Both restores (the record index's, :mod:`~lightning_dcp.engine.load.index_load`, and DCP's storage reader,
+:mod:`~lightning_dcp.engine.load.dcp_reader` with its shared reads) read through this module: :func:`runs` groups a
+file's records into reads, :class:`Source` reads them, :func:`read_raw` lands a large one, and a record that fails its
+checks is named by :func:`corrupt_record` or :func:`undecodable_record`.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import sys
+from collections.abc import Iterator, Sequence
 from typing import IO
 
 import torch
@@ -25,11 +32,17 @@ import xxhash
 
 from lightning_dcp.engine.format.records import RecordLayout, raw_bytes
 from lightning_dcp.engine.storage.fileout import ALIGN, DIRECT_MIN, PIECE, borrow_buffer, return_buffer
+from lightning_dcp.errors import CorruptCheckpointError, describe_load_error
 
-__all__ = ["SMALL_RECORD", "Source", "read_raw"]
+__all__ = ["GAP", "SMALL_RECORD", "Source", "corrupt_record", "read_raw", "runs", "undecodable_record"]
 
 SMALL_RECORD = 1 << 20
 """Records up to this size are read with one call and copied (fewer calls beat one copy fewer)."""
+GAP = 64 << 10
+"""Records this close together are read in one call with the ones before them (the bytes between are skipped)."""
+
+Run = tuple[int, int, int]
+"""``(i, j, end)`` of :func:`runs`."""
 
 
 class Source:
@@ -187,6 +200,56 @@ def read_raw(source: Source, offset: int, length: int, layout: RecordLayout, int
         return None
     hasher.update(layout.suffix)
     return hasher.intdigest()
+
+
+def runs(offsets: Sequence[int], lengths: Sequence[int], *, span: int, most: int = sys.maxsize) -> Iterator[Run]:
+    """Group the records of one data file into reads: the one answer for both restores (index and DCP reader).
+
+    Args:
+        offsets: Each record's offset in the file (bytes), ascending.
+        lengths: Each record's length (bytes).
+        span: The most bytes one read of small records covers.
+        most: The most records one read covers (``preadv`` takes at most ``IOV_MAX`` buffers).
+
+    Yields:
+        ``(i, j, end)``: records ``i:j`` read with one call from ``offsets[i]`` to byte ``end``. A record over
+        :data:`SMALL_RECORD` is read alone (``j == i + 1``: its caller reads it into its target in pieces); smaller
+        ones join the read before them while the gap before each is at most :data:`GAP` bytes, the read stays within
+        ``span`` bytes and holds at most ``most`` records.
+    """
+    count, i = len(offsets), 0
+    while i < count:
+        offset, length = offsets[i], lengths[i]
+        if length > SMALL_RECORD:
+            yield i, i + 1, offset + length
+            i += 1
+            continue
+        j, end, limit = i + 1, offset + length, min(count, i + most)
+        while j < limit:
+            start_j, length_j = offsets[j], lengths[j]
+            if length_j > SMALL_RECORD or start_j - end > GAP or start_j + length_j - offset > span:
+                break
+            end = max(end, start_j + length_j)
+            j += 1
+        yield i, j, end
+        i = j
+
+
+def corrupt_record(where: str, name: str, fqn: str) -> CorruptCheckpointError:
+    """The error of a record whose bytes do not match the checksum ``.commit`` recorded (``where``: the file's path)."""
+    return CorruptCheckpointError(
+        f"{where} is corrupt: record {fqn!r} does not match the checksum recorded at save. Restore the file or resume"
+        " from another checkpoint.",
+        file=name,
+    )
+
+
+def undecodable_record(where: str, name: str, fqn: str, err: Exception, *, described_by: str) -> CorruptCheckpointError:
+    """The error of a record that does not decode as ``described_by`` (the metadata, the index in ``.commit``) says."""
+    return CorruptCheckpointError(
+        f"{where}: record {fqn!r} cannot be read as {described_by} describes it ({describe_load_error(err)}).",
+        file=name,
+    )
 
 
 def _pread_full(fd: int, view: memoryview, offset: int) -> int:

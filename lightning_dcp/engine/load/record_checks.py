@@ -23,8 +23,8 @@ from lightning_dcp.engine.format.marker import (
     checksum,
 )
 from lightning_dcp.engine.format.records import tensor_record
-from lightning_dcp.engine.load.reading import Source, read_raw
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, describe_load_error
+from lightning_dcp.engine.load.reading import Source, corrupt_record, read_raw, undecodable_record
+from lightning_dcp.errors import CheckpointError, CorruptCheckpointError
 
 
 class RecordChecks:
@@ -57,11 +57,8 @@ class RecordChecks:
             raise self._undecodable(name, item, err) from None
 
     def _undecodable(self, name: str, item: Any, err: Exception) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{self.path}/{name}: record {item.storage_index.fqn!r} cannot be read as the metadata"
-            f" describes it ({describe_load_error(err)}).",
-            file=name,
-        )
+        fqn = item.storage_index.fqn
+        return undecodable_record(f"{self.path}/{name}", name, fqn, err, described_by="the metadata")
 
     def _copy_raw(self, item: Any, dtype: torch.dtype, sizes: tuple, address: int, nbytes: int, planner) -> None:
         target, into = _destination(item, dtype, sizes, planner)
@@ -164,11 +161,7 @@ class RecordChecks:
             raise self._corrupt(name, item)
 
     def _corrupt(self, name: str, item: Any) -> CorruptCheckpointError:
-        return CorruptCheckpointError(
-            f"{self.path}/{name} is corrupt: record {item.storage_index.fqn!r} does not match the checksum recorded at"
-            " save. Restore the file or resume from another checkpoint.",
-            file=name,
-        )
+        return corrupt_record(f"{self.path}/{name}", name, item.storage_index.fqn)
 
 
 class _Whole:

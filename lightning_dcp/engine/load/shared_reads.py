@@ -35,7 +35,7 @@ import xxhash
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 
 from lightning_dcp.engine.format.records import tensor_record
-from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw
+from lightning_dcp.engine.load.reading import SMALL_RECORD, Source, read_raw, runs
 from lightning_dcp.engine.load.record_checks import _chunk_sizes, _destination
 from lightning_dcp.engine.storage.fileout import PIECE
 
@@ -353,25 +353,12 @@ class SharedRecordReads:
         return LoadPlan(alone + [entry[2] for i in failed for entry in jobs[i][2]])
 
 
-_GAP = 64 << 10
-"""Records this close together are read with the ones before them (the bytes between are read and skipped)."""
-
-
 def _runs(entries: list) -> Iterator[tuple[bool, int, int, list]]:
-    """``(run, start, end, entries)``: runs of small records close together (at most ``PIECE`` bytes), or one record."""
-    count, i = len(entries), 0
-    while i < count:
-        offset, info, _ = entries[i]
-        if info.length > SMALL_RECORD:
-            yield False, offset, offset + info.length, entries[i : i + 1]
-            i += 1
-            continue
-        j, end = i, offset
-        while j < count:
-            start_j, info_j, _ = entries[j]
-            if info_j.length > SMALL_RECORD or start_j - end > _GAP or start_j + info_j.length - offset > PIECE:
-                break
-            end = max(end, start_j + info_j.length)
-            j += 1
-        yield True, offset, end, entries[i:j]
-        i = j
+    """``(run, start, end, entries)`` of the DCP reader's ``(offset, storage info, read item)`` entries of one file.
+
+    Grouped by :func:`~lightning_dcp.engine.load.reading.runs` into reads of at most ``PIECE`` bytes; ``run`` is False
+    for a record read alone (larger than ``SMALL_RECORD``).
+    """
+    offsets, lengths = [entry[0] for entry in entries], [entry[1].length for entry in entries]
+    for i, j, end in runs(offsets, lengths, span=PIECE):
+        yield lengths[i] <= SMALL_RECORD, offsets[i], end, entries[i:j]

@@ -22,9 +22,8 @@ restripes the epoch's rest itself; any other loader is refused (:func:`lightning
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Callable, Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +52,6 @@ from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, resha
 from lightning_dcp.engine.state.module_state import load_model_state_dict
 from lightning_dcp.engine.state.optimizer_restore import load_optimizer_state_dict
 from lightning_dcp.engine.state.rng import collect_rng_states, resume_rng_states
-from lightning_dcp.engine.tiers import recovery
 from lightning_dcp.errors import CheckpointError, NotACheckpointError
 from lightning_dcp.fabric.state import (
     LOADERS_INFO,
@@ -175,8 +173,9 @@ def _load_state(
     if route is not None and not route.covers(location) and designates_last(location):
         route.bind(location.parent())  # a restarted run: `last` of the saves' directory
     with parsed_meanwhile_forgotten():  # the probe's parsed metadata too dies with the collector paused
-        if route is not None and route.covers(location):
-            with _newest(checkpointer, path, weights_only=weights_only) as newest:
+        if route is not None and route.covers(location):  # the newest across memory and the durable tiers
+            head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
+            with route.copy_of(head) as newest:
                 return _load_one(checkpointer, newest, state, strict=strict, weights_only=weights_only)
         return _load_one(checkpointer, path, state, strict=strict, weights_only=weights_only)
 
@@ -224,29 +223,6 @@ def _load_one(
             remainder[key] = value
     _restore_rng(head)
     return remainder
-
-
-@contextlib.contextmanager
-def _newest(checkpointer: Checkpointer, path: str, *, weights_only: bool) -> Iterator[str]:
-    """``path`` designates the newest checkpoint across the memory tier and its durable directory: where it is.
-
-    The engine picks it (:meth:`~lightning_dcp.engine.tiers.memory_io.MemoryRoute.load_newest`, reading no
-    tensor): a durable one is given by its URL, a memory one as the whole copy assembled in each node's area
-    (:func:`~lightning_dcp.engine.tiers.recovery.assemble`), removed on leaving the context. Collective.
-    """
-    head = checkpointer.load(path, target={}, strict=False, collective=True, only=[], weights_only=weights_only)
-    if head.tier != "memory":
-        yield head.url
-        return
-    memory, name = checkpointer.memory, Location(head.url).name
-    ident = next((ident for _, n, ident in recovery.restorable(memory) if n == name), None)
-    if ident is None:
-        raise CheckpointError(f"The memory tier lost {name!r} while it was being loaded; load {path!r} again.")
-    into = recovery.assemble(memory, name, ident)
-    try:
-        yield recovery.shared_path(memory, into)
-    finally:
-        recovery.release(memory, into)
 
 
 def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str]) -> dict[str, Any]:

@@ -11,8 +11,9 @@ naming both.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -151,6 +152,32 @@ class MemoryRoute:
         loaded = self._durable(target, collective=collective, **options)
         loaded.tier = "durable"
         return loaded
+
+    @contextlib.contextmanager
+    def copy_of(self, newest: Loaded) -> Iterator[str]:
+        """Where a load reads the checkpoint :meth:`load_newest` chose (``newest``: what it returned), whole.
+
+        A durable one is given by its URL; a memory one is assembled whole in each node's area (own parts and peers'
+        replicas, :func:`~lightning_dcp.engine.tiers.recovery.assemble`) and removed on leaving the context. For
+        front ends whose load reads a checkpoint by path (Fabric's). Collective.
+
+        Raises:
+            CheckpointError: The memory tier no longer holds the chosen checkpoint (load again).
+        """
+        if newest.tier != "memory":
+            yield newest.url
+            return
+        memory, name = self.tier, Location(newest.url).name
+        ident = next((ident for _, n, ident in recovery.restorable(memory) if n == name), None)
+        if ident is None:
+            raise CheckpointError(
+                f"The memory tier lost {name!r} while it was being loaded; load {newest.url!r} again."
+            )
+        into = recovery.assemble(memory, name, ident)
+        try:
+            yield recovery.shared_path(memory, into)
+        finally:
+            recovery.release(memory, into)
 
     def anything(self, *, collective: bool) -> bool:
         """Whether any tier (memory, or the durable directory) holds a committed checkpoint to resume. Collective."""

@@ -52,9 +52,18 @@ def _wrapper(events: list[tuple[str, float]], label: list[str]):
 
 
 def task_timeline(
-    rank: int, world_size: int, workdir: str, mix: str, scale: float, steps: int, pause_gc: bool, promotions: bool
+    rank: int,
+    world_size: int,
+    workdir: str,
+    mix: str,
+    scale: float,
+    steps: int,
+    pause_gc: bool,
+    promotions: bool,
+    saved_world_size: int | None = None,
 ) -> dict:
-    """One resume on these fresh ranks; every rank writes its log to ``workdir/timeline-<rank>.json``."""
+    """One resume on these fresh ranks of the checkpoint saved at ``saved_world_size`` (default: this one); every rank
+    writes its log to ``workdir/timeline-<rank>.json``."""
     events: list[tuple[str, float]] = []
     label = ["imports"]
     promoted: collections.Counter[str] = collections.Counter()  # since the last full collection
@@ -130,7 +139,7 @@ def task_timeline(
     label[0] = "trainer"
     trainer = make_trainer(world_size, max_steps=10_000, callbacks=[Timeline()])
     label[0] = "fit before setup"
-    trainer.fit(module, ckpt_path=os.path.join(workdir, f"resume-ws{world_size}.ckpt"))
+    trainer.fit(module, ckpt_path=os.path.join(workdir, f"resume-ws{saved_world_size or world_size}.ckpt"))
     gc.callbacks.remove(on_collection)
     events = [(tag, at - start[0]) for tag, at in events]
     log = {"events": events, "full": full, "promoted_since": dict(promoted)}
@@ -151,13 +160,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=4, help="training steps after on_train_start")
     parser.add_argument("--pause-gc", action="store_true")
     parser.add_argument("--promotions", action="store_true")
+    parser.add_argument(
+        "--saved-world-size", type=int, default=None, help="save at this world size (default: --world-size)"
+    )
     args = parser.parse_args(argv)
+    saved = args.saved_world_size or args.world_size
     workdir = tempfile.mkdtemp(prefix="resume_timeline_", dir=os.path.abspath("."))
     try:
         common = {"mix": args.mix, "scale": args.scale}
-        spawn(task_prepare_load, args.world_size, workdir, **common)
-        evict(os.path.join(workdir, f"resume-ws{args.world_size}.ckpt"))
+        spawn(task_prepare_load, saved, workdir, **common)
+        evict(os.path.join(workdir, f"resume-ws{saved}.ckpt"))
         options = {"steps": args.steps, "pause_gc": args.pause_gc, "promotions": args.promotions}
+        options["saved_world_size"] = saved
         spawn(task_timeline, args.world_size, workdir, **common, **options)
         logs = []
         for rank in range(args.world_size):

@@ -266,6 +266,25 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def stop_process_group(proc: subprocess.Popen | None, *, grace: float) -> None:
+    """Stop the server ``proc`` started in its own session: SIGTERM to its group, SIGKILL after ``grace`` seconds;
+    return once it is gone (at once when it is not running)."""
+    if proc is None or proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        kill_process_group(proc)
+
+
+def kill_process_group(proc: subprocess.Popen | None) -> None:
+    """SIGKILL the group of ``proc`` (a crash: nothing is flushed) and wait until it is gone."""
+    if proc is not None and proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
 def _signal(pid: int, signum: int) -> None:
     try:
         os.kill(pid, signum)

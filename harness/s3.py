@@ -13,13 +13,12 @@ import importlib.metadata
 import json
 import os
 import shutil
-import signal
 import subprocess
 import time
 import uuid
 from typing import Any
 
-from harness.ranks import free_port
+from harness.ranks import free_port, kill_process_group, stop_process_group
 
 ACCESS_KEY = "LDCPTESTACCESSKEY"
 SECRET_KEY = "ldcp-test-secret-7f3a9c0e51b24d68"
@@ -183,19 +182,11 @@ class S3Server:
 
     def kill(self) -> None:
         """SIGKILL the whole server (a crash: nothing is flushed) and wait until it is gone."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        kill_process_group(self.proc)
 
     def stop(self) -> None:
         """Stop the server (SIGTERM, then SIGKILL after 1 s: a graceful stop takes ~10 s) and wait for it to exit."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=1)
-        except subprocess.TimeoutExpired:
-            self.kill()
+        stop_process_group(self.proc, grace=1.0)
 
     def restart(self) -> None:
         """Start again on the same ports and data, after the previous process exited."""

@@ -20,7 +20,6 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -28,7 +27,7 @@ import urllib.request
 import uuid
 from typing import Any
 
-from harness.ranks import free_port
+from harness.ranks import free_port, stop_process_group
 
 os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
@@ -75,14 +74,7 @@ class _Process:
 
     def stop(self) -> None:
         """SIGTERM, SIGKILL after 2 s; wait until the process is gone."""
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=2)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        stop_process_group(self.proc, grace=2.0)
 
 
 def fake_gcs_binary() -> str | None:

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from benchmarks.mixes import make_module
 from harness.ranks import spawn
 from lightning_dcp import MemoryTier
-from lightning_dcp.engine import Checkpointer, Location
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig, Location
 
 
 def _missing() -> list[str]:
@@ -118,7 +118,7 @@ def _ours_save(rank: int, world: int, area: str, disk: str, mix: str, scale: flo
     del memcpy_buffers
     for mode in ("sync", "async"):
         tier = MemoryTier(area, replicas=0, persist_every=0, async_save=mode == "async")
-        checkpointer = Checkpointer(memory=tier)
+        checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
 
         def save(i: int, checkpointer: Checkpointer = checkpointer, mode: str = mode) -> None:
             with checkpointer.into_memory():
@@ -138,7 +138,7 @@ def _ours_restore(rank: int, world: int, area: str, disk: str, mix: str, scale: 
     torch.set_num_threads(1)
     module, optimizer, _ = _trained(mix, scale)
     module.apply(_perturb)
-    checkpointer = Checkpointer(memory=MemoryTier(area, replicas=0))
+    checkpointer = Checkpointer(CheckpointerConfig(memory=MemoryTier(area, replicas=0)))
     checkpointer.memory_route.bind(Location(f"{disk}/ours"))
     dist.barrier()
     started = time.perf_counter()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from harness.ranks import spawn
 from lightning_dcp import MemoryTier
-from lightning_dcp.engine import Checkpointer, Location
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig, Location
 
 _ROWS = 8192  # 8192 x 4096 fp32 = 128 MiB per tensor
 
@@ -82,7 +82,7 @@ def _save(rank: int, world: int, base: str, gib: float, repeats: int, out: str, 
     del buffers
     result = {"memcpy": statistics.median(copies[1:]), "rank_bytes": sum(t.nbytes for t in mine)}
     tier = MemoryTier(f"{base}/shm{rank}", replicas=1, persist_every=0, async_save=False)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     result["memory_sync"] = _median_stall(checkpointer, tree, f"{base}/disk/mem", repeats, memory=True)
     result["memory_sync_stage"] = tier.timings.get("stage")
     result["memory_sync_write"] = tier.timings.get("write")
@@ -115,7 +115,7 @@ def _recover(rank: int, world: int, base: str, gib: float, path: str, out: str, 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     tier = MemoryTier(f"{base}/shm{rank}")
-    checkpointer = Checkpointer(memory=tier, storage_options=options)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier, storage_options=options))
     node_disk = path.endswith("/node/last")  # each node's own disk directory
     path = path.replace("/node/last", f"/node{rank}/last")
     checkpointer.memory_route.bind(Location(f"{base}/node{rank}" if node_disk else f"{base}/disk/mem"))

@@ -5,9 +5,9 @@ This module is the engine's face: the names the front ends (:mod:`lightning_dcp.
 they import only these, :mod:`lightning_dcp.engine.state` and :mod:`lightning_dcp.engine.tiers`. Nothing here
 imports them. The rooms, each importing only the ones below it:
 
-- :mod:`~lightning_dcp.engine.config` (:class:`~lightning_dcp.engine.config.CheckpointerConfig`, every option), over
-- :mod:`~lightning_dcp.engine.checkpointer`: the verbs (save, load, remove, wait), and its save
-  :mod:`~lightning_dcp.engine.transaction`, over
+- :mod:`~lightning_dcp.engine.checkpointer`: the verbs (save, load, remove, wait), made from
+  :mod:`~lightning_dcp.engine.config` (:class:`~lightning_dcp.engine.config.CheckpointerConfig`, every option), over
+  its save :mod:`~lightning_dcp.engine.transaction`, over
 - :mod:`~lightning_dcp.engine.tiers`: memory, local and remote tiers, over
 - :mod:`~lightning_dcp.engine.save` and :mod:`~lightning_dcp.engine.load` (which never import each other), over
 - :mod:`~lightning_dcp.engine.catalog`: which checkpoints exist, which one a path means, whether they are whole, over

@@ -29,6 +29,7 @@ import torch.distributed as dist
 from lightning_dcp.engine import shutdown, transaction
 from lightning_dcp.engine.agreement import first_failure
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
+from lightning_dcp.engine.config import CheckpointerConfig
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.marker import is_run_token
@@ -57,53 +58,35 @@ log = logging.getLogger(__name__)
 class Checkpointer:
     """Save, load and remove committed, checksummed DCP checkpoints; the engine under both front ends.
 
-    The options are those of :class:`~lightning_dcp.engine.config.CheckpointerConfig` (documented there, field by
-    field), which the front ends build and which makes this object (:meth:`CheckpointerConfig.build
-    <lightning_dcp.engine.config.CheckpointerConfig.build>`).
-
     Args:
-        storage_options: fsspec options of every storage call (see the config's field).
-        thread_count: Writer threads per rank.
-        sync_files: ``fsync`` local data files before the commit.
-        async_save: Write in the background; :meth:`save` returns once this rank's part is staged.
-        defer_staging: With ``async_save``: copy what only optimizer steps change after :meth:`save` returned.
-        when_busy: With ``async_save``: ``"wait"`` or ``"skip"`` when the previous save is still being written.
-        tiers: The local tier of remote paths (:class:`~lightning_dcp.engine.tiers.local.Tiers`; the config's
-            ``local_dir``).
-        incremental: Hard-link unchanged large records from the newest committed checkpoint of the directory.
-        memory: The memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`) of :meth:`into_memory`.
-
-    Raises:
-        ValueError: ``thread_count`` is not a positive integer, or ``when_busy`` is neither ``"wait"`` nor
-            ``"skip"``.
+        config: The options (:class:`~lightning_dcp.engine.config.CheckpointerConfig`, each described there, checked
+            when it was made); ``None``: the defaults. The front ends build one from their keyword arguments. The
+            parts this object holds are made from it here: the when-busy policy, the async saves, the incremental
+            state, the local tier (``local_dir``), the durable catalog, the save log and the save transaction.
     """
 
-    def __init__(
-        self,
-        *,
-        storage_options: dict[str, Any] | None = None,
-        thread_count: int = 1,
-        sync_files: bool = True,
-        async_save: bool = False,
-        defer_staging: bool = True,
-        when_busy: str = "wait",
-        tiers: Tiers | None = None,
-        incremental: bool = False,
-        memory: MemoryTier | None = None,
-    ) -> None:
-        if not isinstance(thread_count, int) or thread_count < 1:
-            raise ValueError(f"`thread_count` must be a positive integer, got {thread_count!r}.")
-        self.storage_options = dict(storage_options or {})
-        self.thread_count = thread_count
-        self.sync_files = sync_files
-        self.async_save = async_save
-        self._busy = WhenBusy(when_busy)
+    def __init__(self, config: CheckpointerConfig | None = None) -> None:
+        config = CheckpointerConfig() if config is None else config
+        self.config = config
+        """The options this checkpointer was made with."""
+        self.storage_options = dict(config.storage_options or {})
+        self.thread_count = config.thread_count
+        self.sync_files = config.sync_files
+        self.async_save = config.async_save
+        tiers = None
+        if config.local_dir is not None:
+            tiers = Tiers(config.local_dir, keep=config.local_keep, storage_options=config.storage_options)
+        self._busy = WhenBusy(config.when_busy)
         # Under "skip" a step never waits for a live writer (the storage): see when_busy.
-        self._async = AsyncSaves(defer=defer_staging, steps_wait_for_writer=when_busy != "skip") if async_save else None
+        self._async = (
+            AsyncSaves(defer=config.defer_staging, steps_wait_for_writer=config.when_busy != "skip")
+            if config.async_save
+            else None
+        )
         self.last_save_seconds: float | None = None
         """Seconds the last :meth:`save` took for its own save, on this rank: without a wait in it for the previous
         async save, and without the waits after an async call (its record's ``blocked_s`` counts them all)."""
-        self.incremental = Incremental() if incremental else None
+        self.incremental = Incremental() if config.incremental else None
         """The incremental state (its ``stats`` describe the last save), ``None`` when off."""
         self.tiers = tiers
         self.catalog = DurableCatalog(tiers)
@@ -112,8 +95,8 @@ class Checkpointer:
         """Rank 0's records of recent saves and the last restore, for the front ends' logger metrics."""
         self._transaction = SaveTransaction(
             saves=self.saves,
-            thread_count=thread_count,
-            sync_files=sync_files,
+            thread_count=config.thread_count,
+            sync_files=config.sync_files,
             async_saves=self._async,
             tiers=tiers,
             catalog=self.catalog,
@@ -121,8 +104,8 @@ class Checkpointer:
         )
         self.memory_route: MemoryRoute | None = None
         """The route to the memory tier (its saves, ``last`` across every tier); ``None`` without a memory tier."""
-        if memory is not None:
-            self.attach_memory(memory)
+        if config.memory is not None:
+            self.attach_memory(config.memory)
         self._prefetched: str | None = None  # the directory prefetch() started reading, until the next load
         self._into_memory = False
         self._call_began: float | None = None  # when the save being made began, less its wait for the previous one

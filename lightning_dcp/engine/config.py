@@ -1,7 +1,8 @@
 """``CheckpointerConfig``: every option of the engine in one keyword-only dataclass, checked when it is made.
 
 The front ends (the Trainer's ``DCPCheckpointIO``, Fabric's ``DCPStrategyMixin``) build one from their keyword
-arguments and ``CheckpointerConfig.build`` makes the ``Checkpointer`` (and the local tier, when ``local_dir`` is given).
+arguments and hand it to ``Checkpointer(config)``, which makes its parts from it (the local tier, when ``local_dir``
+is given).
 """
 
 from __future__ import annotations
@@ -10,10 +11,8 @@ import dataclasses
 import os
 from typing import Any
 
-from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.save.when_busy import WHEN_BUSY
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.engine.tiers.memory import MemoryTier
 
 __all__ = ["CheckpointerConfig"]
@@ -107,20 +106,3 @@ class CheckpointerConfig:
             raise ValueError(f"`thread_count` must be a positive integer, got {self.thread_count!r}.")
         if self.when_busy not in WHEN_BUSY:
             raise ValueError(f"`when_busy` must be one of {WHEN_BUSY}, got {self.when_busy!r}.")
-
-    def build(self) -> Checkpointer:
-        """The ``Checkpointer`` of these options (and its local tier)."""
-        tiers = None
-        if self.local_dir is not None:
-            tiers = Tiers(self.local_dir, keep=self.local_keep, storage_options=self.storage_options)
-        return Checkpointer(
-            storage_options=self.storage_options,
-            thread_count=self.thread_count,
-            sync_files=self.sync_files,
-            async_save=self.async_save,
-            defer_staging=self.defer_staging,
-            when_busy=self.when_busy,
-            tiers=tiers,
-            incremental=self.incremental,
-            memory=self.memory,
-        )

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_dcp._compat.lightning_run import DeviceFromConnector
-from lightning_dcp.engine import CheckpointerConfig, init_strategy_attempt_group
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig, init_strategy_attempt_group
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.fabric.checkpoint import load_state, save_state
 from lightning_dcp.fabric.preemption import Preemption
@@ -99,15 +99,17 @@ class DCPStrategyMixin:
         **kwargs: Any,
     ) -> None:
         self._refuse_plugin(kwargs.pop("checkpoint_io", None))
-        self.checkpointer = CheckpointerConfig(
-            storage_options=storage_options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-            async_save=async_save,
-            defer_staging=defer_staging,
-            when_busy=when_busy,
-            memory=memory,
-        ).build()
+        self.checkpointer = Checkpointer(
+            CheckpointerConfig(
+                storage_options=storage_options,
+                thread_count=thread_count,
+                sync_files=sync_files,
+                async_save=async_save,
+                defer_staging=defer_staging,
+                when_busy=when_busy,
+                memory=memory,
+            )
+        )
         """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
         self._preemption = Preemption()
         super().__init__(*args, **kwargs)

@@ -17,6 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_dcp.engine import (
     Checkpointer,
+    CheckpointerConfig,
     Location,
     Source,
     layout,
@@ -67,7 +68,7 @@ def rewrite_trainer_state(
     state = transform(Source(location).read_extra())
     if state is None:
         return False
-    loaded = Checkpointer(storage_options=storage_options).load(location.url)
+    loaded = Checkpointer(CheckpointerConfig(storage_options=storage_options)).load(location.url)
     tree = dict(loaded.tree)
     rank_blobs = tree.pop(layout.RANK_KEY, None)
     state = dict(state)

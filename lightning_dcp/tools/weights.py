@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from lightning_dcp.engine import Checkpointer, Location, foreign_file_at, layout, on_rank0, probe
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig, Location, foreign_file_at, layout, on_rank0, probe
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError
 
 __all__ = ["LoadReport", "load_model_weights"]
@@ -81,7 +81,7 @@ def load_model_weights(
     live = get_model_state_dict(model, options=StateDictOptions())
     excluded = sorted(k for k in live if any(fnmatch.fnmatchcase(k, p) for p in exclude))
     target = {k: v for k, v in live.items() if k not in excluded}
-    checkpointer = Checkpointer(storage_options=storage_options)
+    checkpointer = Checkpointer(CheckpointerConfig(storage_options=storage_options))
     collective = dist.is_available() and dist.is_initialized()
     location = checkpointer.location(path)
     kind = on_rank0(collective, lambda: foreign_file_at(location))

@@ -14,6 +14,7 @@ from typing_extensions import override
 
 from lightning_dcp.engine import (
     COMMIT_FILE,
+    Checkpointer,
     CheckpointerConfig,
     RestoreRecord,
     check_storage_options,
@@ -87,7 +88,7 @@ class DCPCheckpointIO(CheckpointIO):
             local_keep=local_keep,
             incremental=incremental,
         )
-        self.checkpointer = self._config.build()
+        self.checkpointer = Checkpointer(self._config)
         """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
 
     def __getstate__(self) -> dict[str, Any]:
@@ -104,7 +105,7 @@ class DCPCheckpointIO(CheckpointIO):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.checkpointer = self._config.build()
+        self.checkpointer = Checkpointer(self._config)
 
     @property
     def storage_options(self) -> dict[str, Any]:

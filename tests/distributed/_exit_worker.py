@@ -24,12 +24,12 @@ def _report(path: str) -> None:  # registered before lightning_dcp's: runs after
 
 atexit.register(_report, os.path.join(sys.argv[1], f"exit-{os.environ['RANK']}.json"))
 
-from lightning_dcp.engine.checkpointer import Checkpointer  # noqa: E402  (after the report's registration)
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig  # noqa: E402  (after the report's registration)
 
 
 def main(out: str, ckpt: str) -> None:
     dist.init_process_group("gloo")
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     before = len(dist.distributed_c10d._world.pg_map)
     checkpointer.save({"state_dict": {"w": torch.ones(64)}}, ckpt, objects={"step": 1}, collective=True)
     checkpointer.close()

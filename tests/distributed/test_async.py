@@ -113,7 +113,7 @@ def _groups_worker(rank: int, world_size: int, tmp: str) -> None:
     """Which process group each collective of an async save uses, with the default group made as ``cpu:gloo``."""
     import torch.distributed as dist
 
-    from lightning_dcp.engine.checkpointer import Checkpointer
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 
     dist.init_process_group(backend="cpu:gloo")
     default = dist.group.WORLD
@@ -121,7 +121,7 @@ def _groups_worker(rank: int, world_size: int, tmp: str) -> None:
     def ops(group: dist.ProcessGroup) -> int:  # collectives issued on the group so far (its gloo sequence number)
         return group._get_backend(torch.device("cpu"))._get_sequence_number_for_group()
 
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     weights = {"w": torch.full((1024, 256), float(rank)), "b": torch.arange(4.0)}
     seen = {}
     for i in range(3):

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from harness.ranks import spawn
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.save import planning
 from tests._trainer import load_result, save_result
 
@@ -78,7 +78,7 @@ def _in_turn_worker(rank: int, world_size: int, tmp: str) -> None:
 
     saving.global_plan = counted  # the coordinator's global planning, counted
     # One checkpoint IO, two structures in turn: a full ModelCheckpoint and a weights-only one.
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     results = {}
     for round_ in range(3):
         state = {f"w{i}": torch.full((64,), float(round_ * 10 + i)) for i in range(6)}

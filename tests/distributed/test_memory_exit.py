@@ -50,14 +50,14 @@ def _gloo_threads() -> int:
 def _rank(base: str, phase: str) -> dict:
     import torch.distributed as dist
 
-    from lightning_dcp.engine.checkpointer import Checkpointer
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
     from lightning_dcp.engine.storage.location import Location
     from lightning_dcp.engine.tiers.memory import MemoryTier
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tier = MemoryTier(f"{base}/shm{rank // 2}", replicas=1, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     record: dict = {"rank": rank}
     if phase == "save":
         for step in (1, 2):

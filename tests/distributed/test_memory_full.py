@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from harness.ranks import spawn
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore
@@ -34,7 +34,7 @@ def _tree(step: int, rank: int) -> dict:
 def _save(rank: int, world_size: int, base: str, out: str) -> None:
     dist.init_process_group("gloo")
     tier = MemoryTier(f"{base}/shm{rank}", replicas=1, async_save=False, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     seen = []
     for step in (2, 4):
         try:
@@ -54,7 +54,7 @@ def _fill(rank: int, world_size: int, base: str) -> None:
     """Step 2 replicated, step 4 on each node only (``replicas=0``, ``keep=2``): the areas are nearly full."""
     dist.init_process_group("gloo")
     tier = MemoryTier(f"{base}/shm{rank}", replicas=1, keep=2, async_save=False, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     for step in (2, 4):
         tier.replicas = 1 if step == 2 else 0
         with checkpointer.into_memory():
@@ -67,7 +67,7 @@ def _fill(rank: int, world_size: int, base: str) -> None:
 
 def _resume(rank: int, world_size: int, base: str, out: str) -> None:
     dist.init_process_group("gloo")
-    checkpointer = Checkpointer(memory=MemoryTier(f"{base}/shm{rank}"))
+    checkpointer = Checkpointer(CheckpointerConfig(memory=MemoryTier(f"{base}/shm{rank}")))
     checkpointer.memory_route.bind(Location(f"{base}/durable"))
     target = {"state_dict": {f"w{r}": torch.empty(450, 1000) for r in range(2)}}
     with warnings.catch_warnings(record=True) as caught:

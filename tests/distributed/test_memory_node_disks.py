@@ -28,12 +28,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from harness.ranks import port_env, spawn
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.checkpointer import Checkpointer
 from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.tiers import Tiers
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.node_disks import PARTS_DIR
 from lightning_dcp.engine.tiers.parts import PartStore, complete
@@ -94,8 +93,8 @@ def _save(rank: int, world_size: int, shm: str, disks: str, url: str | None, opt
         endpoint = f"http://127.0.0.1:{port[0]}"
         options = {**options, "client_kwargs": {**options["client_kwargs"], "endpoint_url": endpoint}}
         options["config_kwargs"] = {"retries": {"max_attempts": 1}}  # an outage answered at once
-    tiers = None if url is None else Tiers(f"{disks}/local{node}", storage_options=options)
-    checkpointer = Checkpointer(memory=tier, tiers=tiers, storage_options=options)
+    local_dir = None if url is None else f"{disks}/local{node}"
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier, local_dir=local_dir, storage_options=options))
     directory = f"{disks}/disk{node}" if url is None else f"{url}/run"
     for step in range(1, 7):
         tier.async_save = step % 2 == 0  # persisted ones (2, 4, 6) in the background
@@ -132,7 +131,7 @@ def _load(rank: int, world_size: int, shm: str, disks: str, step: int, wipe: boo
             if rank == 2:
                 shutil.rmtree(f"{disks}/disk1")
             dist.barrier()
-        checkpointer = Checkpointer(memory=MemoryTier(f"{shm}/shm{node}"))
+        checkpointer = Checkpointer(CheckpointerConfig(memory=MemoryTier(f"{shm}/shm{node}")))
         checkpointer.memory_route.bind(Location(f"{disks}/disk{node}"))
         target = _empty_like(expected)
         loaded = checkpointer.load(f"{disks}/disk{node}/last", target=target, collective=True)
@@ -150,7 +149,9 @@ def _big(step: int) -> dict:
 def _persist_until_killed(rank: int, world_size: int, shm: str, disks: str) -> None:
     dist.init_process_group("gloo")
     node = rank // 2
-    checkpointer = Checkpointer(memory=MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1))
+    checkpointer = Checkpointer(
+        CheckpointerConfig(memory=MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1))
+    )
     for step in range(1, 40):
         with checkpointer.into_memory():
             checkpointer.save(_big(step), f"{disks}/disk{node}/step={step}", objects={"step": step}, collective=True)
@@ -160,7 +161,9 @@ def _persist_until_killed(rank: int, world_size: int, shm: str, disks: str) -> N
 def _save_named_by_rank(rank: int, world_size: int, shm: str, disks: str) -> None:
     dist.init_process_group("gloo")
     node = rank // 2
-    checkpointer = Checkpointer(memory=MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1))
+    checkpointer = Checkpointer(
+        CheckpointerConfig(memory=MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1))
+    )
     with checkpointer.into_memory():  # each rank formats its own name (an unsynced metric in `filename`)
         checkpointer.save(_trained(1), f"{disks}/disk{node}/step=1-r{rank}", objects={"step": 1}, collective=True)
     checkpointer.close()
@@ -170,7 +173,7 @@ def _resume_and_persist(rank: int, world_size: int, shm: str, disks: str, step: 
     dist.init_process_group("gloo")
     node = rank // 2
     tier = MemoryTier(f"{shm}/shm{node}", async_save=False, persist_every=1)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     checkpointer.memory_route.bind(Location(f"{disks}/disk{node}"))
     target = _empty_like(_big(0))
     loaded = checkpointer.load(f"{disks}/disk{node}/last", target=target, collective=True)
@@ -233,7 +236,9 @@ def test_remote_copy_committed_with_every_nodes_files(base, tmp_path, s3_bucket)
 
     expected = _trained(6)
     ours = _empty_like(expected)
-    Checkpointer(storage_options=options).load(newest.url, target=ours, collective=False)  # checksums verified
+    Checkpointer(CheckpointerConfig(storage_options=options)).load(
+        newest.url, target=ours, collective=False
+    )  # checksums verified
     _assert_equal(ours, expected, "our loader")
     local = str(tmp_path / "download")
     newest.fs.get(newest.path + "/", local + "/", recursive=True)

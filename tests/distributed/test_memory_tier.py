@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from harness.ranks import spawn
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.engine.tiers.parts import PartStore, complete
@@ -32,7 +32,7 @@ def _tree(step: int) -> dict:
 def _save(rank: int, world_size: int, base: str) -> None:
     dist.init_process_group("gloo")
     tier = MemoryTier(f"{base}/shm{rank // 2}", replicas=1, async_save=False, persist_every=2)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     for step in (1, 2, 3):
         tier.async_save = step == 3  # the last one in the background
         with checkpointer.into_memory():
@@ -47,7 +47,7 @@ def _save(rank: int, world_size: int, base: str) -> None:
 
 def _load(rank: int, world_size: int, base: str, ranks_per_node: int) -> None:
     dist.init_process_group("gloo")
-    checkpointer = Checkpointer(memory=MemoryTier(f"{base}/shm{rank // ranks_per_node}"))
+    checkpointer = Checkpointer(CheckpointerConfig(memory=MemoryTier(f"{base}/shm{rank // ranks_per_node}")))
     checkpointer.memory_route.bind(Location(f"{base}/durable"))
     target = {"state_dict": {"w": torch.empty(512, 512), "b": torch.empty(512)}}
     loaded = checkpointer.load(f"{base}/durable/last", target=target, collective=True)

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from harness.ranks import spawn
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.load import shared_reads
 from lightning_dcp.engine.load.dcp_reader import storage_reader
 from lightning_dcp.engine.storage.location import Location
@@ -51,7 +51,7 @@ def _load(url: str, options: dict) -> tuple[object, list]:
     shared_reads.agree = spy
     try:
         target = {"state_dict": {k: torch.zeros_like(v) for k, v in _state().items()}}
-        loaded = Checkpointer(storage_options=options).load(url, target=target, collective=True)
+        loaded = Checkpointer(CheckpointerConfig(storage_options=options)).load(url, target=target, collective=True)
     finally:
         shared_reads.agree = agree
     return loaded, decided

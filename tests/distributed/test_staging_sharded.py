@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from harness.ranks import spawn
 from lightning_dcp._compat.torch_dcp import ShardedTensor
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.save.staging import Stager
 
 
@@ -62,7 +62,7 @@ def _worker(rank: int, world_size: int, tmp: str) -> None:
     assert {b.data_ptr() for b in stager._buffers.values()} == buffers
     assert torch.equal(again["s"].local_shards()[0].tensor, live["s"].local_shards()[0].tensor)
     # lightning_dcp's own async save (it stages write items, not the state dict) of the same kinds of tensors
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     async_path = os.path.join(tmp, "async.ckpt")
     checkpointer.save({"model": live}, async_path, objects={"step": 1}, collective=True)
     saved_d, saved_s = live["d"].full_tensor().clone(), live["s"].local_shards()[0].tensor.clone()

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from harness.ranks import spawn
 from lightning_dcp import DCPCheckpointIO, DCPSingleDeviceStrategy
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from tests._trainer import load_result, make_trainer, save_result, seed
 from tests.gpu._cuda import GPU, GPU_ENV
 
@@ -65,7 +65,7 @@ def _worker(rank: int, world_size: int, tmp: str, out: str) -> None:
     # A tensor changed in place right after the call, outside any optimizer step: never in the checkpoint.
     weight = torch.randn(1024, 1024, device="cuda")
     expected = weight.cpu()
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         checkpointer.save({"state_dict": {"w": weight}}, os.path.join(out, "raced"), objects={}, volatile=[])

@@ -16,9 +16,9 @@ import torch
 
 
 def engine(directory: str) -> None:
-    from lightning_dcp.engine.checkpointer import Checkpointer
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     for step in (1, 2):
         path = os.path.join(directory, f"step-{step}")
         tree = {"state_dict": {f"w{i}": torch.full((1 << 20,), float(step)) for i in range(16)}}

@@ -1,4 +1,4 @@
-"""``CheckpointerConfig``: one keyword-only set of the engine's options, checked when made, that builds the engine."""
+"""``CheckpointerConfig``: one keyword-only set of the engine's options, checked when made; the engine is made of it."""
 
 from __future__ import annotations
 
@@ -43,18 +43,19 @@ def test_the_front_end_refuses_them_with_the_same_error(options, message):
         DCPCheckpointIO(**options)
 
 
-def test_build_makes_the_checkpointer_of_those_options(tmp_path):
+def test_the_checkpointer_is_made_of_those_options(tmp_path):
     config = CheckpointerConfig(
         storage_options={"anon": True}, thread_count=3, sync_files=False, when_busy="skip", local_dir=tmp_path / "fast"
     )
-    checkpointer = config.build()
+    checkpointer = Checkpointer(config)
     assert isinstance(checkpointer, Checkpointer)
     assert checkpointer.storage_options == {"anon": True}
     assert (checkpointer.thread_count, checkpointer.sync_files, checkpointer.async_save) == (3, False, False)
     assert checkpointer.when_busy == "skip"
     assert isinstance(checkpointer.tiers, Tiers) and checkpointer.tiers.keep == 2
     assert checkpointer.incremental is None and checkpointer.memory is None
-    assert CheckpointerConfig().build().tiers is None
+    assert checkpointer.config is config
+    assert Checkpointer().tiers is None and Checkpointer().config == CheckpointerConfig()
 
 
 def test_the_trainer_plugin_builds_its_engine_from_a_config(tmp_path):

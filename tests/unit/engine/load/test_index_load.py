@@ -15,7 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_dcp import CheckpointError, CorruptCheckpointError, StateDictMismatchError, verify_checkpoint
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.format import plain_values
 from lightning_dcp.engine.format.record_index import parse_index
 from lightning_dcp.engine.load import local_load
@@ -89,7 +89,7 @@ def general_calls(monkeypatch):
 
 def _saved(tmp_path, tree=None, **save) -> str:
     path = str(tmp_path / "c.ckpt")
-    Checkpointer(**save).save(tree or _tree(), path, objects={"epoch": 4, "hparams": {"lr": 0.1}})
+    Checkpointer(CheckpointerConfig(**save)).save(tree or _tree(), path, objects={"epoch": 4, "hparams": {"lr": 0.1}})
     return path
 
 

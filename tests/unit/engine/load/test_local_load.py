@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner
 
 from lightning_dcp import CorruptCheckpointError
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.load.dcp_reader import storage_reader
 from lightning_dcp.engine.load.local_load import FastLoadPlanner, load
 from lightning_dcp.engine.save import planning
@@ -39,7 +39,7 @@ def test_fast_local_plan_equals_dcps_for_whole_chunked_partial_and_blob_entries(
     torch.manual_seed(0)
     tree = {"state_dict": {"big": torch.randn(64, 64), "w": torch.randn(5), "s": torch.tensor(2.0)}, "extra": {"e": 1}}
     path = str(tmp_path / "c.ckpt")
-    Checkpointer(thread_count=2).save(tree, path, objects={"k": 1})
+    Checkpointer(CheckpointerConfig(thread_count=2)).save(tree, path, objects={"k": 1})
     reader = storage_reader(Location(path))
     metadata = reader.read_metadata()
     assert len(metadata.state_dict_metadata["state_dict.big"].chunks) == 4

@@ -10,7 +10,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.save.staging import Stager, StagingRaceError
 
 
@@ -50,7 +50,7 @@ def test_cpu_tensors_but_buffers_are_copied_in_the_background_and_the_next_step_
     net = _Net()
     optimizer = torch.optim.AdamW([p for n, p in net.named_parameters() if n != "ema"], lr=0.1)
     _step(net, optimizer)
-    checkpointer = Checkpointer(async_save=True)  # deferred staging is the default
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))  # deferred staging is the default
     for i in range(3):
         expected = {k: v.clone() for k, v in _tree(net, optimizer)["state_dict"].items()}
         path = str(tmp_path / f"s{i}.ckpt")
@@ -81,7 +81,7 @@ def test_a_tensor_changed_before_its_background_copy_drops_the_save_with_a_warni
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(1024, 1024)) for _ in range(40)]  # 160 MiB copied in the background
     optimizer = torch.optim.SGD(weights, lr=0.1)
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
 
     def step() -> None:
         for w in weights:
@@ -147,7 +147,7 @@ def test_a_save_whose_keys_changed_since_the_last_one_is_never_dropped_by_the_ne
     net = torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(200)))
     optimizer = torch.optim.AdamW(net.parameters(), lr=0.1)
 
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     for i in range(3):
         optimizer.zero_grad()
         net(torch.randn(4, 64)).square().mean().backward()
@@ -281,7 +281,7 @@ def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at
         assert not STEP_GATE.check(skips) and not STEP_GATE.check(NotAnOptimizer())
     assert sum("SkipsInit" in str(w.message) for w in record) == 1
     # While it lives, saves copy everything at the call, even with the volatile tensors named (deferred staging).
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     checkpointer.save({"state_dict": {"w": param.detach()}}, str(tmp_path / "a"), objects={}, volatile=[])
     assert checkpointer._async.last_deferred == []
     skips.step()  # right after the save, through .data, no hook: the checkpoint still holds the value at the call
@@ -290,7 +290,7 @@ def test_optimizers_whose_steps_skip_the_hooks_are_found_and_make_saves_stage_at
     del skips, record
     gc.collect()
     assert not STEP_GATE.bypassed()
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     checkpointer.save({"state_dict": {"w": param.detach()}}, str(tmp_path / "b"), objects={}, volatile=[])
     assert checkpointer._async.last_deferred == ["state_dict.w"]
     checkpointer.close()

@@ -12,7 +12,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
 from lightning_dcp import verify_checkpoint
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.format.marker import is_plain_name
 from lightning_dcp.engine.save.datafiles import assign_files
 from lightning_dcp.engine.save.incremental import Incremental, own_file_name
@@ -75,7 +75,7 @@ def _files(path: str) -> dict[str, os.stat_result]:
 
 def test_unchanged_records_are_linked_and_every_checkpoint_stands_alone(tmp_path):
     frozen, head, small = torch.randn(MIB // 4), torch.randn(MIB // 2), torch.randn(10)
-    checkpointer = Checkpointer(incremental=True)
+    checkpointer = Checkpointer(CheckpointerConfig(incremental=True))
     checkpointer.incremental.probe_every = 1  # compare at every save (the default skips records seen changing)
     saved = []
     for step in range(4):
@@ -107,7 +107,7 @@ def test_unchanged_records_are_linked_and_every_checkpoint_stands_alone(tmp_path
 
 def test_a_previous_file_with_other_bytes_is_never_linked(tmp_path):
     frozen, head, small = torch.randn(MIB // 4), torch.randn(MIB // 2), torch.randn(10)
-    checkpointer = Checkpointer(incremental=True)
+    checkpointer = Checkpointer(CheckpointerConfig(incremental=True))
     first = str(tmp_path / "a")
     checkpointer.save(_tree(frozen, head, small), first, objects={})
     # Damage the first checkpoint's frozen file in its last byte: equal checksums can no longer be trusted alone.
@@ -131,7 +131,7 @@ def test_a_previous_file_with_other_bytes_is_never_linked(tmp_path):
 
 
 def test_changed_records_are_probed_every_n_saves(tmp_path):
-    checkpointer = Checkpointer(incremental=True)
+    checkpointer = Checkpointer(CheckpointerConfig(incremental=True))
     checkpointer.incremental.probe_every = 3
     frozen, head, small = torch.randn(MIB // 4), torch.randn(MIB // 2), torch.randn(10)
     seen = []

@@ -12,7 +12,7 @@ import torch
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.save.async_save import AsyncSaves
 from lightning_dcp.engine.save.inflight import InFlight
 from lightning_dcp.engine.save.live_write import LiveWrite
@@ -80,8 +80,8 @@ def test_under_skip_a_step_copies_the_rest_even_when_the_writer_would_be_done_so
 
 
 def test_skip_makes_the_checkpointers_live_writes_impatient():
-    assert Checkpointer(async_save=True, when_busy="skip")._async.steps_wait_for_writer is False
-    assert Checkpointer(async_save=True)._async.steps_wait_for_writer is True
+    assert Checkpointer(CheckpointerConfig(async_save=True, when_busy="skip"))._async.steps_wait_for_writer is False
+    assert Checkpointer(CheckpointerConfig(async_save=True))._async.steps_wait_for_writer is True
 
 
 def test_a_live_tensor_changed_before_the_writer_is_done_with_it_fails_the_write_naming_it():
@@ -122,7 +122,7 @@ def test_a_step_right_after_an_async_save_never_reaches_the_checkpoint(tmp_path,
     torch.manual_seed(0)
     weights = [torch.nn.Parameter(torch.randn(3000, 3000)) for _ in range(4)]  # 36 MB each: 3 pieces per record
     optimizer = torch.optim.SGD(weights, lr=0.5)
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     checkpointer._async.live = live
     tree = lambda: {"w": {str(i): w.detach() for i, w in enumerate(weights)}}  # noqa: E731
     for w in weights:  # made before the save calls, so that each step follows its call within microseconds
@@ -172,7 +172,7 @@ def test_nothing_global_keeps_a_finished_async_save_alive(tmp_path):
     import weakref
 
     weights = torch.nn.Parameter(torch.randn(256, 256))
-    checkpointer = Checkpointer(async_save=True)
+    checkpointer = Checkpointer(CheckpointerConfig(async_save=True))
     checkpointer.save({"w": weights.detach()}, str(tmp_path / "a.ckpt"), objects={}, volatile=[])
     checkpointer.close()  # no optimizer step after the save: the gate's watch was never triggered
     alive = weakref.ref(checkpointer)

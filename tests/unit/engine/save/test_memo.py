@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.save import dcp_io, saving
 from lightning_dcp.engine.save.memo import PlanMemo, forget_all
 
@@ -43,7 +43,9 @@ def test_two_plans_saved_in_turn_are_planned_and_pickled_once_each(tmp_path, mon
         return dumps(obj, *args, **kwargs)
 
     monkeypatch.setattr(dcp_io.pickle, "dumps", counting_dumps)
-    checkpointer = Checkpointer(async_save=True)  # one checkpoint IO, a full checkpoint and a smaller one in turn
+    checkpointer = Checkpointer(
+        CheckpointerConfig(async_save=True)
+    )  # one checkpoint IO, a full checkpoint and a smaller one in turn
     for round_ in range(3):
         for name, state in (("full", _state(30, round_)), ("small", _state(50, round_ + 7))):
             path = str(tmp_path / f"{name}-{round_}.ckpt")

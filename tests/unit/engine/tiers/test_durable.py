@@ -40,7 +40,7 @@ def test_a_directory_lists_newest_first_and_the_newest_whole_one_is_chosen(tmp_p
 
 def test_with_a_local_tier_both_tiers_are_listed_and_known_makes_no_remote_call(tmp_path):
     remote = f"memory://durable-{uuid.uuid4().hex[:8]}/run"
-    checkpointer = CheckpointerConfig(local_dir=str(tmp_path / "local")).build()
+    checkpointer = Checkpointer(CheckpointerConfig(local_dir=str(tmp_path / "local")))
     try:
         for step in (1, 2):
             checkpointer.save(_tree(step), f"{remote}/step-{step}", step=step)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import lightning_dcp  # noqa: F401  (registers the dcp_* strategies)
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, StorageAccessError
@@ -52,7 +52,9 @@ def test_a_memory_checkpoint_refused_at_setup_creates_nothing(tmp_path):
 
 
 def test_a_checkpoint_of_another_model_is_named_not_its_temporary_copy(tmp_path):
-    checkpointer = Checkpointer(memory=MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0))
+    checkpointer = Checkpointer(
+        CheckpointerConfig(memory=MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0))
+    )
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     with checkpointer.into_memory():
         checkpointer.save(
@@ -68,7 +70,9 @@ def test_a_checkpoint_of_another_model_is_named_not_its_temporary_copy(tmp_path)
 
 
 def test_a_data_file_is_as_long_as_its_records(tmp_path):
-    checkpointer = Checkpointer(memory=MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0))
+    checkpointer = Checkpointer(
+        CheckpointerConfig(memory=MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0))
+    )
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     for step, size in ((1, 1000), (2, 3000), (3, 500)):  # grows, then shrinks, through the reused slot
         with checkpointer.into_memory():

@@ -13,14 +13,14 @@ import weakref
 
 import torch
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier, _close_at_exit
 
 
 def _checkpointer(tmp_path) -> Checkpointer:
     tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=True, persist_every=1)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     return checkpointer
 

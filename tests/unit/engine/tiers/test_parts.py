@@ -6,7 +6,7 @@ import os
 
 import torch
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.format.marker import encode_commit
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers.memory import MemoryTier
@@ -79,7 +79,7 @@ def _mixed(seed: int) -> dict:
 
 def test_a_memory_save_copies_every_dtype_exactly_and_reuses_its_slot(tmp_path):
     tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     for seed in (1, 2, 3):  # the third save overwrites the first one's files through the free slot
         with checkpointer.into_memory():
@@ -96,7 +96,7 @@ def test_a_memory_save_copies_every_dtype_exactly_and_reuses_its_slot(tmp_path):
 def test_a_sync_memory_save_holds_the_state_of_its_call_though_hashed_and_committed_behind_it(tmp_path):
     """The call copies; the digests are taken from the area afterwards: changes after the call never reach it."""
     tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=False, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     state = _mixed(4)
     expected = {k: v.clone() for k, v in state["state_dict"].items()}
@@ -119,7 +119,7 @@ def test_a_sync_memory_save_holds_the_state_of_its_call_though_hashed_and_commit
 
 def test_the_optimizer_step_after_an_async_memory_save_waits_for_its_copy_and_never_reaches_it(tmp_path):
     tier = MemoryTier(tmp_path / "shm", replicas=0, async_save=True, persist_every=0)
-    checkpointer = Checkpointer(memory=tier)
+    checkpointer = Checkpointer(CheckpointerConfig(memory=tier))
     checkpointer.memory_route.bind(Location(str(tmp_path / "durable")))
     weight = torch.nn.Parameter(torch.randn(1024, 1024))  # 4 MiB: copied behind the call
     optimizer = torch.optim.SGD([weight], lr=1.0)

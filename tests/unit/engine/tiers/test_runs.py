@@ -16,7 +16,7 @@ import warnings
 import pytest
 import torch
 
-from lightning_dcp.engine.checkpointer import Checkpointer
+from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.format.marker import is_run_token
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import runs
@@ -30,7 +30,9 @@ def _tree(value: float) -> dict:
 
 
 def _run(area, durable) -> Checkpointer:
-    checkpointer = Checkpointer(memory=MemoryTier(area, replicas=0, async_save=False, persist_every=0))
+    checkpointer = Checkpointer(
+        CheckpointerConfig(memory=MemoryTier(area, replicas=0, async_save=False, persist_every=0))
+    )
     checkpointer.memory_route.bind(Location(str(durable)))
     return checkpointer
 

@@ -49,7 +49,7 @@ def load_first(
         try:
             candidate = location_of(url)
             fetched = candidate.local and os.path.realpath(candidate.path) == prefetched
-            loaded = load_one(candidate, collective=collective, prefetch=not fetched, **options)
+            loaded = load_one(candidate, collective=collective, prefetch=not fetched, resolved=True, **options)
         except StateDictMismatchError:
             raise  # about the target, not the checkpoint: an older checkpoint would not fit either
         except Exception as err:  # any failure of this candidate: every rank must learn of it (no hang)

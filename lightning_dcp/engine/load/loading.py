@@ -68,12 +68,15 @@ class Probe:
     """Whether the probe checked the checkpoint through its record index (``records``) rather than ``metadata``."""
 
 
-def probe(location: Location, *, indexed: bool = False) -> Probe:
+def probe(location: Location, *, indexed: bool = False, resolve: bool = True) -> Probe:
     """Check what ``location`` holds: a committed lightning_dcp checkpoint, Lightning's sharded layout or one file.
 
     With ``indexed``, a checkpoint whose ``.commit`` holds a record index is checked without parsing its
     ``.metadata`` (:func:`~lightning_dcp.engine.catalog.integrity.check_indexed`): the probe then has ``records`` and no
-    ``metadata``.
+    ``metadata``. With ``resolve`` (for a path a user gave), the checkpoint ``location`` designates is probed
+    (:func:`~lightning_dcp.engine.catalog.lookup.designated`: a ``last`` name's newest valid one, pointers followed);
+    ``False`` for a candidate the catalog already chose (:func:`~lightning_dcp.engine.catalog.lookup.candidates`),
+    which is probed as it is.
 
     Rank 0 only: the caller broadcasts the result so every rank loads the same checkpoint.
 
@@ -82,7 +85,9 @@ def probe(location: Location, *, indexed: bool = False) -> Probe:
         NotACheckpointError: A directory that is neither kind of checkpoint, or an incomplete save.
         CorruptCheckpointError: A committed checkpoint whose files do not match their checksums.
     """
-    given, location = location.url, designated(location)
+    given = location.url
+    if resolve:
+        location = designated(location)
     if not location.exists():
         raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():

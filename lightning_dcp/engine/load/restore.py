@@ -85,6 +85,7 @@ def load_one(
     node_local: bool = False,
     objects_only: bool = False,
     prefetch: bool = True,
+    resolved: bool = False,
 ) -> Loaded:
     """Load the one checkpoint at ``location`` (pointers followed by :func:`probe`) into ``target`` or as new tensors.
 
@@ -96,6 +97,8 @@ def load_one(
     blobs and no other saved state dict. ``prefetch``: once the probe has the record index of a local checkpoint
     that every rank reads whole (a target of plain tensors), read its data files into the page cache in the
     background (:func:`~lightning_dcp.engine.load.page_cache.prefetch`); ``False`` when the caller already started that.
+    ``resolved``: ``location`` is a candidate the catalog chose (a ``last`` name already stands for one checkpoint), so
+    the probe checks it as it is rather than resolving it again.
 
     Collective: call on all ranks when ``collective``.
 
@@ -118,7 +121,7 @@ def load_one(
         prefetching = prefetch and indexed and _reads_everything(target)  # worth reading every file into the page cache
 
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
-            probed.append(probe(location, indexed=indexed))
+            probed.append(probe(location, indexed=indexed, resolve=not resolved))
             records = probed[0].records
             if records is not None and prefetching:  # the disk reads while the ranks plan
                 where = Location(probed[0].url, storage_options=location.storage_options).path

@@ -190,11 +190,7 @@ def _copy_in_place(src: str, dst: str) -> None:
     _fsync_tree(dst)
     if os.path.exists(marker):
         shutil.copyfile(marker, os.path.join(dst, COMMIT_FILE))
-        fd = os.open(os.path.join(dst, COMMIT_FILE), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_file(os.path.join(dst, COMMIT_FILE))
         fsync_dir(dst)
 
 
@@ -219,12 +215,16 @@ def _copy_tree(src: str, dst: str, *, skip: str | None = None) -> None:
 def _fsync_tree(root: str) -> None:
     for directory, _, files in os.walk(root):
         for file in files:
-            fd = os.open(os.path.join(directory, file), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            _fsync_file(os.path.join(directory, file))
         fsync_dir(directory)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(path: str) -> None:

@@ -30,7 +30,7 @@ from lightning_dcp.engine.format.marker import (
     parse_commit,
 )
 from lightning_dcp.engine.format.records import record_frame, tensor_record
-from lightning_dcp.engine.load.reading import Source
+from lightning_dcp.engine.load.reading import Source, land_run
 from lightning_dcp.engine.load.record_checks import RecordChecks, _chunk_sizes, _Whole
 from lightning_dcp.engine.load.shared_reads import SharedRecordReads, _runs
 from lightning_dcp.engine.storage.location import Location
@@ -208,58 +208,55 @@ class _VerifyingReader(SharedRecordReads, RecordChecks):
     def _take_run(self, name: str, checked: list, start: int, span: memoryview, address: int, planner) -> None:
         """Apply a run of records read in one call (``span``, from file offset ``start``, at memory ``address``).
 
-        Each record is checked (its length, its checksum against ``.commit``), then its raw bytes are copied into
-        its target when it is a tensor record in our layout, or it is decoded the general way. One loop with what
-        every record needs looked up once per shape: thousands of small records cost microseconds each.
+        Through the restores' one landing loop (:func:`~lightning_dcp.engine.load.reading.land_run`): each record is
+        checked (its length, its checksum against ``.commit``); the whole-tensor targets of a lean plan (``direct``)
+        get their raw bytes copied when framed as ours; the rest is landed here: a tensor chunk in our layout copied
+        raw into its resolved target, anything else decoded the general way.
         """
-        tensor_meta = self._tensor_meta
-        resolve, commit = planner.resolve_tensor, planner.commit_tensor
         direct = getattr(planner, "direct", None) or {}  # FastLoadPlanner's whole-tensor targets, by FQN
-        digest, memmove, tensor_kind = checksum, ctypes.memmove, LoadItemType.TENSOR
-        item = None
-        try:
-            for offset, info, item, expected in checked:
-                rel = offset - start
-                length = info.length
-                record = span[rel : rel + length]
-                if record.nbytes != length:
-                    self._check_record(record, name, info, expected, item)  # raises: truncated
-                if expected is not None and digest(record) != expected:
-                    raise self._corrupt(name, item)
-                hit = direct.get(item.storage_index.fqn) if item.type == tensor_kind else None
-                if hit is not None:  # the planner checked target and chunk: only the record's frame is left to check
-                    into, (full, begin, end, prefix, suffix) = hit
-                    if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
-                        if end > begin:
-                            memmove(into, address + rel + begin, end - begin)
-                        continue
-                    item = self._read_item(item)  # another writer's framing: the general way needs a read item
-                meta = tensor_meta.get(item.storage_index.fqn) if item.type == LoadItemType.TENSOR else None
-                sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
-                if sizes is not None:
-                    dtype = meta.properties.dtype
-                    full, begin, end, prefix, suffix = record_frame(dtype, sizes)
-                    if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
-                        target = resolve(item).detach()
-                        if (
-                            target.dtype == dtype
-                            and item.lengths == sizes
-                            and target.shape == sizes
-                            and not any(item.storage_offsets)
-                            and target.device.type == "cpu"
-                            and target.is_contiguous()
-                        ):  # the whole chunk into its own memory: what _copy_raw does, without its lookups
-                            if end > begin:
-                                ctypes.memmove(target.data_ptr(), address + rel + begin, end - begin)
-                            commit(item, target)
-                        else:
-                            self._copy_raw(item, dtype, sizes, address + rel + begin, end - begin, planner)
-                        continue
-                self._apply(bytes(record), item, planner)
-        except CheckpointError:
-            raise
-        except Exception as err:  # a record that is not what the metadata says it is
-            raise self._undecodable(name, item, err) from None
+        tensor_kind = LoadItemType.TENSOR
+        records = []
+        for offset, info, item, expected in checked:
+            hit = direct.get(item.storage_index.fqn) if item.type == tensor_kind else None
+            if hit is None:
+                records.append((offset, info.length, expected, None, 0, info, item))
+            else:  # the planner checked target and chunk: only the record's frame is left to check
+                records.append((offset, info.length, expected, hit[1], hit[0], info, item))
+
+        def failed(entry: tuple, record: memoryview) -> None:
+            self._check_record(record, name, entry[5], entry[2], entry[6])  # raises: truncated, or not its checksum
+
+        def other(entry: tuple, record: memoryview) -> None:
+            item = self._read_item(entry[6])  # a direct target in another writer's framing: the general way
+            self._guarded(name, item, self._land_record, record, address + (entry[0] - start), item, planner)
+
+        land_run(span, address, start, records, failed=failed, other=other)
+
+    def _land_record(self, record: memoryview, at: int, item: Any, planner: LoadPlanner) -> None:
+        """One record of a run that is no direct target: raw into its target when in our layout, else decoded."""
+        meta = self._tensor_meta.get(item.storage_index.fqn) if item.type == LoadItemType.TENSOR else None
+        sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
+        if sizes is not None:
+            dtype = meta.properties.dtype
+            full, begin, end, prefix, suffix = record_frame(dtype, sizes)
+            length = record.nbytes
+            if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
+                target = planner.resolve_tensor(item).detach()
+                if (
+                    target.dtype == dtype
+                    and item.lengths == sizes
+                    and target.shape == sizes
+                    and not any(item.storage_offsets)
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                ):  # the whole chunk into its own memory: what _copy_raw does, without its lookups
+                    if end > begin:
+                        ctypes.memmove(target.data_ptr(), at + begin, end - begin)
+                    planner.commit_tensor(item, target)
+                else:
+                    self._copy_raw(item, dtype, sizes, at + begin, end - begin, planner)
+                return
+        self._apply(bytes(record), item, planner)
 
 
 class _LocalReader(_VerifyingReader, FileSystemReader):

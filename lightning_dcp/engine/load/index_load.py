@@ -42,6 +42,7 @@ from lightning_dcp.engine.load.reading import (
     SMALL_RECORD,
     Source,
     corrupt_record,
+    land_run,
     read_raw,
     runs,
     undecodable_record,
@@ -108,11 +109,11 @@ def load_indexed(
 
 
 def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], *, whole: bool) -> dict[str, list[tuple]] | None:
-    """Per data file, ``(offset, length, checksum, target, frame, fqn, address)`` of each record to read, by offset.
+    """Per data file, ``(offset, length, checksum, frame, address, fqn, target)`` of each record to read, by offset.
 
     ``target`` is the tensor to fill at ``address`` (``frame``:
     :func:`~lightning_dcp.engine.format.records.record_frame` of its record), or ``None`` for a bytes entry (and
-    ``frame`` too, ``address`` 0).
+    ``frame`` too, ``address`` 0). The first five fields are a :data:`~lightning_dcp.engine.load.reading.Landing`'s.
 
     ``None`` when the index cannot serve ``flat``: an entry the checkpoint lacks or holds as another kind, dtype or
     shape, a target that is not a plain contiguous CPU tensor, or a saved entry besides the blobs (the Trainer
@@ -156,11 +157,11 @@ def _plan(flat: dict[str, Any], records: dict[str, IndexEntry], *, whole: bool) 
             frame = frames.get((dtype, shape))
             if frame is None:
                 frame = frames[dtype, shape] = record_frame(dtype, shape)
-            entry = (offset, length, digest, value, frame, key, value.data_ptr())
+            entry = (offset, length, digest, frame, value.data_ptr(), key, value)
         elif dtype is not None or isinstance(value, tensor):  # a tensor saved; or a DTensor, a subclass
             return None
         else:
-            entry = (offset, length, digest, None, None, key, 0)
+            entry = (offset, length, digest, None, 0, key, None)
         files = per_file.get(file)
         if files is None:
             files = per_file[file] = []
@@ -205,7 +206,7 @@ def _chunk_entries(
         if frame is None:
             frame = frames[dtype, sizes] = record_frame(dtype, sizes)
         view = value.detach().narrow(0, rows, sizes[0])
-        out.append((file, (offset, length, digest, view, frame, key, base + rows * row)))
+        out.append((file, (offset, length, digest, frame, base + rows * row, key, view)))
         rows += sizes[0]
     return out if rows == shape[0] else None
 
@@ -282,7 +283,7 @@ def _scatter_run(
     framing: list[bytes] = []  # what the framing bytes read must be, in order
     at: list[int] = []  # per record: its first buffer's index in buffers
     pos, whole = 0, len(scratch) // 2  # framing bytes from the start of the buffer, other bytes from its middle
-    for offset, length, _, target, frame, _, into in entries:
+    for offset, length, _, frame, into, _, target in entries:
         if offset > end:  # bytes between records
             buffers.append(scratch[whole : whole + offset - end])
             whole += offset - end
@@ -301,7 +302,7 @@ def _scatter_run(
         return False
     ours = bytes(scratch[:pos]) == b"".join(framing)  # every framing as expected (else: checked one by one)
     new, digest = xxhash.xxh3_64, checksum
-    for (offset, length, expected, target, frame, fqn, _), k in zip(entries, at, strict=True):
+    for (offset, length, expected, frame, _, fqn, target), k in zip(entries, at, strict=True):
         if target is None or length != frame[0]:  # read whole into the buffer
             record = buffers[k]
             if digest(record) != expected:
@@ -346,21 +347,18 @@ def _take_run(
     weights_only: bool,
 ) -> None:
     """Check and land a run of records read in one call (``span``, from file offset ``start``, at ``address``)."""
-    digest, memmove = checksum, ctypes.memmove
-    for offset, length, expected, target, frame, fqn, into in entries:
-        rel = offset - start
-        record = span[rel : rel + length]
-        if digest(record) != expected:
-            raise corrupt_record(where, name, fqn)
+
+    def failed(entry: tuple, record: memoryview) -> None:
+        raise corrupt_record(where, name, entry[5])
+
+    def other(entry: tuple, record: memoryview) -> None:
+        fqn, target = entry[5], entry[6]
         if target is None:
             _land_object(where, name, fqn, record, state, mappings, weights_only)
-            continue
-        full, begin, end, prefix, suffix = frame
-        if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
-            if end > begin:
-                memmove(into, address + rel + begin, end - begin)
         else:  # another writer's framing of the same tensor: torch.load decides
             _land_decoded(where, name, fqn, record, target)
+
+    land_run(span, address, start, entries, failed=failed, other=other)
 
 
 def _read_large(
@@ -370,7 +368,7 @@ def _read_large(
 
     Straight into the target when it is framed as ours, else read whole and decoded.
     """
-    offset, length, expected, target, _, fqn, _ = entry
+    offset, length, expected, _, _, fqn, target = entry
     if target is not None:
         digest = read_raw(source, offset, length, tensor_record(target.dtype, tuple(target.shape)), target)
         if digest is not None:

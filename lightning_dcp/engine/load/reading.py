@@ -21,20 +21,32 @@ checks is named by :func:`corrupt_record` or :func:`undecodable_record`.
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from typing import IO
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import IO, Any
 
 import torch
 import xxhash
 
+from lightning_dcp.engine.format.marker import checksum
 from lightning_dcp.engine.format.records import RecordLayout, raw_bytes
 from lightning_dcp.engine.storage.fileout import ALIGN, DIRECT_MIN, PIECE, borrow_buffer, return_buffer
 from lightning_dcp.errors import CorruptCheckpointError, describe_load_error
 
-__all__ = ["GAP", "SMALL_RECORD", "Source", "corrupt_record", "read_raw", "runs", "undecodable_record"]
+__all__ = [
+    "GAP",
+    "SMALL_RECORD",
+    "Landing",
+    "Source",
+    "corrupt_record",
+    "land_run",
+    "read_raw",
+    "runs",
+    "undecodable_record",
+]
 
 SMALL_RECORD = 1 << 20
 """Records up to this size are read with one call and copied (fewer calls beat one copy fewer)."""
@@ -233,6 +245,51 @@ def runs(offsets: Sequence[int], lengths: Sequence[int], *, span: int, most: int
             j += 1
         yield i, j, end
         i = j
+
+
+Landing = tuple[int, int, "int | None", "tuple | None", int, Any, Any]
+"""A record of a run as :func:`land_run` takes it: ``(offset, length, expected, frame, into, a, b)``: its place in the
+file (bytes), the checksum ``.commit`` records for it (``None``: unchecked), the
+:func:`~lightning_dcp.engine.format.records.record_frame` of its target (``None``: no target in our layout), the
+memory address of the target's bytes, and two fields of the reader's own that only its callbacks read."""
+
+
+def land_run(
+    span: memoryview,
+    address: int,
+    start: int,
+    records: Iterable[Landing],
+    *,
+    failed: Callable[[Landing, memoryview], None],
+    other: Callable[[Landing, memoryview], None],
+) -> None:
+    """Check and land a run of records read with one call: the landing loop of both restores.
+
+    ``span`` holds the file's bytes from offset ``start`` and lies at memory ``address``. Each record
+    (:data:`Landing`) is checked first: a short one or one whose checksum is not ``expected`` goes to ``failed``, which
+    raises (naming the file). A record framed as its target's (``frame`` matches its length and framing bytes) has its
+    tensor bytes copied to ``into``: one ``memmove``, no decoding. Every other record goes to ``other``: a bytes
+    entry, a record in another writer's framing, a target the reader resolves itself.
+
+    Used by :mod:`~lightning_dcp.engine.load.index_load` (records from the index in ``.commit``) and the DCP reader
+    (:mod:`~lightning_dcp.engine.load.dcp_reader`, records from ``.metadata``). One loop with nothing looked up per
+    record: thousands of small records cost microseconds each.
+    """
+    digest, memmove = checksum, ctypes.memmove
+    for entry in records:
+        offset, length, expected, frame, into, _, _ = entry
+        rel = offset - start
+        record = span[rel : rel + length]
+        if record.nbytes != length or (expected is not None and digest(record) != expected):
+            failed(entry, record)
+            continue
+        if frame is not None:
+            full, begin, end, prefix, suffix = frame
+            if length == full and record[:begin].tobytes() == prefix and record[end:].tobytes() == suffix:
+                if end > begin:
+                    memmove(into, address + rel + begin, end - begin)
+                continue
+        other(entry, record)
 
 
 def corrupt_record(where: str, name: str, fqn: str) -> CorruptCheckpointError:

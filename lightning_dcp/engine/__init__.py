@@ -29,16 +29,15 @@ from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, sin
 from lightning_dcp.engine.elastic import init_strategy_attempt_group
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.allowlist import add_safe_globals
-from lightning_dcp.engine.format.blob import load_stock_file
 from lightning_dcp.engine.format.layout import INFO_KEY
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.load.loading import (
     LIGHTNING_META_FILE,
     foreign_file_at,
-    load_torch_file,
+    guarded_load,
     not_a_checkpoint_file,
     probe,
-    torch_load_error,
+    read_torch_file,
 )
 from lightning_dcp.engine.load.restore import Loaded
 from lightning_dcp.engine.load.source import Source, TensorEntry
@@ -81,19 +80,18 @@ __all__ = [
     "is_missing_credentials",
     "is_staging_of",
     "layout",
-    "load_stock_file",
-    "load_torch_file",
+    "guarded_load",
     "new_token",
     "not_a_checkpoint_file",
     "on_rank0",
     "parsed_meanwhile_forgotten",
     "probe",
     "rank_and_world",
+    "read_torch_file",
     "read_commit",
     "save_metrics",
     "single_process_ok",
     "source_of",
     "storage_writer",
-    "torch_load_error",
     "verify_checkpoint",
 ]

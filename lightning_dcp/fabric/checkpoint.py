@@ -41,12 +41,11 @@ from lightning_dcp.engine import (
     RestoreRecord,
     designates_last,
     layout,
-    load_torch_file,
     on_rank0,
     parsed_meanwhile_forgotten,
     probe,
     rank_and_world,
-    torch_load_error,
+    read_torch_file,
 )
 from lightning_dcp.engine.state.loaders import is_stateful_loader, refuse, reshards_itself
 from lightning_dcp.engine.state.module_state import load_model_state_dict
@@ -369,13 +368,7 @@ def _load_file(
     location: Location, state: Module | Optimizer | dict[str, Any] | None, *, strict: bool, weights_only: bool
 ) -> dict[str, Any]:
     """A ``torch.save`` file, read whole on every rank (as Fabric does), applied as full state dicts."""
-    try:
-        with location.open() as f:
-            checkpoint = load_torch_file(f, url=location.url, map_location="cpu", weights_only=weights_only)
-    except CheckpointError:
-        raise
-    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        raise torch_load_error(location.url, err) from None
+    checkpoint = read_torch_file(location, map_location="cpu", weights_only=weights_only)
     full = StateDictOptions(full_state_dict=True, strict=strict)
     if not isinstance(checkpoint, dict):
         raise NotACheckpointError(f"{location.url!r} holds a {type(checkpoint).__name__}, not a checkpoint dict.")

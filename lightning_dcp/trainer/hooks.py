@@ -29,7 +29,7 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_dcp._compat import lightning_hooks, lightning_run
-from lightning_dcp.engine import Location, foreign_file_at, load_stock_file, not_a_checkpoint_file
+from lightning_dcp.engine import Location, foreign_file_at, guarded_load
 from lightning_dcp.errors import checkpoint_not_found
 from lightning_dcp.tools.checkpoint_dict import is_checkpoint_directory, load_checkpoint
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -102,13 +102,7 @@ def _load_file(load: Any, path: str) -> Any:
         NotACheckpointError: The load failed and the file is of another format (a safetensors file: its weights load
             with ``lightning_dcp.load_model_weights``).
     """
-    try:
-        return load_stock_file(load, path=path)
-    except Exception:
-        found = foreign_file_at(path)
-        if found is None:
-            raise
-        raise not_a_checkpoint_file(path, found) from None
+    return guarded_load(load, path=path, weights_only=True, identify=lambda: foreign_file_at(path))
 
 
 def _upgrade(args: Any, lightning_upgrade: Any) -> None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import fnmatch
 import io
 import pickle
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -46,11 +46,12 @@ __all__ = [
     "lightning_model_key",
     "foreign_file",
     "foreign_file_at",
+    "guarded_load",
     "load_file",
-    "load_torch_file",
     "not_a_checkpoint_file",
     "probe",
     "read_lightning_meta",
+    "read_torch_file",
     "torch_load_error",
 ]
 
@@ -140,14 +141,7 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     Raises:
         CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
     """
-    where = f"{location.url}/{LIGHTNING_META_FILE}"
-    try:
-        with location.open(LIGHTNING_META_FILE) as f:
-            state = load_torch_file(io.BytesIO(f.read()), url=where, map_location="cpu", weights_only=weights_only)
-    except CheckpointError:
-        raise
-    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        raise torch_load_error(f"{location.url}/{LIGHTNING_META_FILE}", err) from None
+    state = read_torch_file(location.child(LIGHTNING_META_FILE), map_location="cpu", weights_only=weights_only)
     if not isinstance(state, dict):
         raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
     return state
@@ -160,13 +154,7 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
         NotACheckpointError: The file is not a ``torch.load``-able Lightning checkpoint.
         CheckpointError: It holds objects that ``weights_only`` loading refuses.
     """
-    try:
-        with location.open() as f:
-            checkpoint = load_torch_file(f, url=location.url, map_location=map_location, weights_only=weights_only)
-    except CheckpointError:
-        raise
-    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
-        raise torch_load_error(location.url, err) from None
+    checkpoint = read_torch_file(location, map_location=map_location, weights_only=weights_only)
     if not isinstance(checkpoint, dict) or layout.MODEL_KEY not in checkpoint:
         raise NotACheckpointError(
             f"{location.url!r} is not a Lightning checkpoint: it has no {layout.MODEL_KEY!r} entry."
@@ -174,25 +162,54 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
     return checkpoint
 
 
-def load_torch_file(f: Any, *, url: str, map_location: Any, weights_only: bool) -> Any:
-    """``torch.load`` of an open (seekable) single-file checkpoint.
+def read_torch_file(location: Location, *, map_location: Any, weights_only: bool) -> Any:
+    """``torch.load`` of the single file at ``location``, whatever it holds: the one read of a ``torch.save`` file.
 
     With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
-    is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.format.blob.load_stock_file`).
+    is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.format.blob.load_stock_file`). Rank 0 or every
+    rank alike (as Fabric reads a file); no collective.
 
     Raises:
-        NotACheckpointError: ``torch.load`` failed and the file is of another format (safetensors, GGUF, ...): the
-            message says what it is and what to use (:func:`not_a_checkpoint_file`).
+        NotACheckpointError: ``torch.load`` failed: the message says what the file is and what to use when it is of
+            another format (safetensors, GGUF, ...; :func:`not_a_checkpoint_file`), else what ``torch.load`` said.
+        CheckpointError: The file names a class that ``weights_only`` loading refuses (the message says how to allow
+            it).
     """
     try:
-        if not weights_only:
-            return torch.load(f, map_location=map_location, weights_only=False)
-        return load_stock_file(lambda: torch.load(f, map_location=map_location, weights_only=True), path=url)
+        with location.open() as f:
+            return guarded_load(
+                lambda: torch.load(f, map_location=map_location, weights_only=weights_only),
+                path=location.url,
+                weights_only=weights_only,
+                identify=lambda: foreign_file(f),
+            )
+    except CheckpointError:
+        raise
+    except Exception as err:  # torch.load raises many types for bytes that are no checkpoint
+        raise torch_load_error(location.url, err) from None
+
+
+def guarded_load(
+    load: Callable[[], Any], *, path: str, weights_only: bool, identify: Callable[[], FileKind | None]
+) -> Any:
+    """Run ``load`` (a ``torch.load`` of the file ``path``; Lightning's own, from its hooks), naming a foreign format.
+
+    With ``weights_only``, through :func:`~lightning_dcp.engine.format.blob.load_stock_file` (what stock Lightning
+    pickles is allowed and rebuilt). When ``load`` fails, ``identify()`` (:func:`foreign_file`,
+    :func:`foreign_file_at`) says whether the file is of another format; only then is a file judged by its first
+    bytes.
+
+    Raises:
+        NotACheckpointError: ``load`` failed and the file is of another format (the message says what to use).
+        Exception: ``load``'s own error otherwise.
+    """
+    try:
+        return load_stock_file(load, path=path) if weights_only else load()
     except Exception:
-        found = foreign_file(f)
+        found = identify()
         if found is None:
             raise
-        raise not_a_checkpoint_file(url, found) from None
+        raise not_a_checkpoint_file(path, found) from None
 
 
 def foreign_file(f: Any) -> FileKind | None:

@@ -227,13 +227,17 @@ class _VerifyingReader(SharedRecordReads, RecordChecks):
             self._check_record(record, name, entry[5], entry[2], entry[6])  # raises: truncated, or not its checksum
 
         def other(entry: tuple, record: memoryview) -> None:
-            item = self._read_item(entry[6])  # a direct target in another writer's framing: the general way
-            self._guarded(name, item, self._land_record, record, address + (entry[0] - start), item, planner)
+            self._guarded(name, entry[6], self._land_record, record, address + (entry[0] - start), entry[6], planner)
 
         land_run(span, address, start, records, failed=failed, other=other)
 
     def _land_record(self, record: memoryview, at: int, item: Any, planner: LoadPlanner) -> None:
-        """One record of a run that is no direct target: raw into its target when in our layout, else decoded."""
+        """One record of a run that :func:`land_run` did not land (at memory ``at``), into its target.
+
+        Raw when it is in our layout, else decoded the general way. A direct target in another writer's framing comes
+        here too, as its full read item.
+        """
+        item = self._read_item(item)
         meta = self._tensor_meta.get(item.storage_index.fqn) if item.type == LoadItemType.TENSOR else None
         sizes = None if meta is None else _chunk_sizes(meta, item.storage_index)
         if sizes is not None:

@@ -141,7 +141,8 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     Raises:
         CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
     """
-    state = read_torch_file(location.child(LIGHTNING_META_FILE), map_location="cpu", weights_only=weights_only)
+    meta = location.child(LIGHTNING_META_FILE)
+    state = read_torch_file(meta, map_location="cpu", weights_only=weights_only, whole=True)
     if not isinstance(state, dict):
         raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
     return state
@@ -162,8 +163,11 @@ def load_file(location: Location, *, map_location: Any, weights_only: bool) -> d
     return checkpoint
 
 
-def read_torch_file(location: Location, *, map_location: Any, weights_only: bool) -> Any:
+def read_torch_file(location: Location, *, map_location: Any, weights_only: bool, whole: bool = False) -> Any:
     """``torch.load`` of the single file at ``location``, whatever it holds: the one read of a ``torch.save`` file.
+
+    ``whole``: read the file's bytes in one call and load them from memory (a small file, such as ``meta.pt``, on a
+    store whose files may not seek); otherwise ``torch.load`` reads the open file (a checkpoint of any size).
 
     With ``weights_only``, what stock Lightning pickles in hyperparameters (Hydra configs, partial optimizers, ...)
     is allowed and rebuilt by the codec (:func:`~lightning_dcp.engine.format.blob.load_stock_file`). Rank 0 or every
@@ -177,6 +181,8 @@ def read_torch_file(location: Location, *, map_location: Any, weights_only: bool
     """
     try:
         with location.open() as f:
+            if whole:
+                f = io.BytesIO(f.read())
             return guarded_load(
                 lambda: torch.load(f, map_location=map_location, weights_only=weights_only),
                 path=location.url,
@@ -201,6 +207,7 @@ def guarded_load(
 
     Raises:
         NotACheckpointError: ``load`` failed and the file is of another format (the message says what to use).
+        CheckpointError: With ``weights_only``, the file names a class that loading refuses (``load_stock_file``).
         Exception: ``load``'s own error otherwise.
     """
     try:

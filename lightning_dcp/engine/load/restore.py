@@ -87,7 +87,9 @@ def load_one(
     prefetch: bool = True,
     resolved: bool = False,
 ) -> Loaded:
-    """Load the one checkpoint at ``location`` (pointers followed by :func:`probe`) into ``target`` or as new tensors.
+    """Load the one checkpoint at ``location`` into ``target`` or as new tensors.
+
+    :func:`probe` checks it first, resolving ``location`` (a ``last`` name, pointers) unless ``resolved``.
 
     The arguments are those of :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load`, which tries its
     candidates (a ``last`` fallback) with this function one by one.

@@ -33,6 +33,7 @@ from lightning_dcp.engine.format.layout import INFO_KEY
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
 from lightning_dcp.engine.load.loading import (
     LIGHTNING_META_FILE,
+    Probe,
     foreign_file_at,
     guarded_load,
     not_a_checkpoint_file,
@@ -59,6 +60,7 @@ __all__ = [
     "Loaded",
     "Location",
     "METADATA_FILE",
+    "Probe",
     "RestoreRecord",
     "STAGING_INFIX",
     "STEP_GATE",

@@ -36,7 +36,8 @@ from lightning_dcp.engine.format.marker import is_run_token
 from lightning_dcp.engine.gc_pause import gc_paused
 from lightning_dcp.engine.load import page_cache
 from lightning_dcp.engine.load.candidates import load_first
-from lightning_dcp.engine.load.restore import Loaded
+from lightning_dcp.engine.load.loading import Probe
+from lightning_dcp.engine.load.restore import Loaded, load_one
 from lightning_dcp.engine.save.async_save import AsyncSaves
 from lightning_dcp.engine.save.incremental import Incremental
 from lightning_dcp.engine.save.when_busy import WhenBusy
@@ -331,6 +332,7 @@ class Checkpointer:
         map_location: Any | None = None,
         model_key: str = layout.MODEL_KEY,
         objects_only: bool = False,
+        checked: Probe | None = None,
     ) -> Loaded:
         """Load the checkpoint at ``path``: a lightning_dcp directory, Lightning's sharded layout or one file.
 
@@ -348,6 +350,10 @@ class Checkpointer:
                 (``"state_dict"``: the Trainer's; a Fabric checkpoint names its modules by their state keys).
             objects_only: With ``target={}``: read the non-tensor state (``objects``, ``rank_objects``) and no
                 tensor at all (otherwise the saved state dicts the target does not name load as new CPU tensors).
+            checked: What :func:`~lightning_dcp.engine.load.loading.probe` found at ``path`` when the caller probed it
+                itself (rank 0's, broadcast to every rank; with its ``metadata``): the checkpoint it names is loaded
+                as found, without resolving or checking it again. Fabric's ``load_state`` probes once, then loads
+                parts of the checkpoint with it.
 
         A checkpoint named like ``ModelCheckpoint``'s last one (``last.ckpt``, ``last-v1.ckpt``) that is incomplete
         or corrupt falls back to the newest valid checkpoint in the same directory, with a warning naming both.
@@ -373,7 +379,9 @@ class Checkpointer:
             objects_only=objects_only,
         )
         with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
-            if self.memory_route is not None and self.memory_route.covers(location):
+            if checked is not None:
+                loaded = load_one(self.location(checked.url), collective=collective, checked=checked, **options)
+            elif self.memory_route is not None and self.memory_route.covers(location):
                 loaded = self.memory_route.load_newest(location, collective=collective, **options)
             else:
                 loaded = self.load_candidates(location, collective=collective, **options)

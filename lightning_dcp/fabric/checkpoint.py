@@ -38,6 +38,7 @@ from lightning_dcp.engine import (
     Checkpointer,
     Loaded,
     Location,
+    Probe,
     RestoreRecord,
     designates_last,
     layout,
@@ -197,7 +198,7 @@ def _load_one(
             " Load it with that strategy, then `fabric.save` it again under a dcp_* strategy."
         )
     if not state:
-        return _load_everything(checkpointer, found.url, weights_only=weights_only)
+        return _load_everything(checkpointer, found, weights_only=weights_only)
     if isinstance(state, Optimizer):
         raise CheckpointError(
             f"{found.url!r} keys optimizer state by parameter names: load it together with its module,"
@@ -209,12 +210,10 @@ def _load_one(
     info = head.objects.pop(layout.INFO_KEY, {})
     roles = layout.tree_roles(info)
     if isinstance(state, Module):
-        _load_module(checkpointer, found.url, state, found.metadata, roles, strict=strict, weights_only=weights_only)
+        _load_module(checkpointer, found, state, roles, strict=strict, weights_only=weights_only)
         return {}
     loaders = _loader_states(found.url, state, head, info.get(LOADERS_INFO, []))  # refused before anything loads
-    remainder = _load_dict(
-        checkpointer, found.url, state, found.metadata, head, roles, strict, weights_only, loaders, info
-    )
+    remainder = _load_dict(checkpointer, found, state, head, roles, strict, weights_only, loaders, info)
     for key, value in loaders.items():
         if key in state:
             state[key].load_state_dict(value)
@@ -247,8 +246,8 @@ def _loader_states(url: str, state: dict[str, Any], head: Loaded, keys: list[str
 
 
 # ------------------------------------------------------------------------------------------------ directories
-def _load_everything(checkpointer: Checkpointer, url: str, *, weights_only: bool) -> dict[str, Any]:
-    loaded = checkpointer.load(url, collective=True, weights_only=weights_only)
+def _load_everything(checkpointer: Checkpointer, found: Probe, *, weights_only: bool) -> dict[str, Any]:
+    loaded = checkpointer.load(found.url, collective=True, weights_only=weights_only, checked=found)
     tree = {k: v for k, v in loaded.tree.items() if k != layout.RANK_KEY}
     info = loaded.objects.get(layout.INFO_KEY, {})
     roles = layout.tree_roles(info)
@@ -266,34 +265,33 @@ def _load_everything(checkpointer: Checkpointer, url: str, *, weights_only: bool
 
 def _load_module(
     checkpointer: Checkpointer,
-    url: str,
+    found: Probe,
     module: Module,
-    metadata: Any,
     roles: layout.TreeRoles,
     *,
     strict: bool,
     weights_only: bool,
 ) -> None:
+    url = found.url
     if len(roles.modules) != 1:
         raise CheckpointError(
             f"{url!r} holds {len(roles.modules)} modules ({list(roles.modules)}): name the one to load,"
             " e.g. `fabric.load(path, {'model': model}, strict=False)`."
         )
     key = roles.modules[0]
-    targets = load_targets(url, {key: module}, metadata, roles=roles, strict=strict)
+    targets = load_targets(url, {key: module}, found.metadata, roles=roles, strict=strict)
     if key not in targets.tree:
         raise NotACheckpointError(f"{url!r} holds no weights under {key!r}.")
     loaded = checkpointer.load(
-        url, target=targets.tree, strict=False, collective=True, only=[key], weights_only=weights_only
+        url, target=targets.tree, strict=False, collective=True, only=[key], weights_only=weights_only, checked=found
     )
     set_model_state_dict(unwrap(module), loaded.tree[key], options=StateDictOptions(strict=False))
 
 
 def _load_dict(
     checkpointer: Checkpointer,
-    url: str,
+    found: Probe,
     state: dict[str, Any],
-    metadata: Any,
     head: Loaded,
     roles: layout.TreeRoles,
     strict: bool,
@@ -301,6 +299,7 @@ def _load_dict(
     loaders: Mapping[str, Any],
     info: Mapping[str, Any],
 ) -> dict[str, Any]:
+    url, metadata = found.url, found.metadata
     saved = saved_keys(metadata)
     objects = dict(head.objects)
     check_requested(url, state, [*saved, *objects, *loaders], strict=strict)
@@ -311,7 +310,7 @@ def _load_dict(
     if targets.tree:
         only = list(targets.tree)
         loaded = checkpointer.load(
-            url, target=targets.tree, strict=False, collective=True, only=only, weights_only=weights_only
+            url, target=targets.tree, strict=False, collective=True, only=only, weights_only=weights_only, checked=found
         )
         tree = loaded.tree
     for key, module in targets.modules.items():  # filled in place: DCP's set_* where they do more than copy

@@ -86,6 +86,7 @@ def load_one(
     objects_only: bool = False,
     prefetch: bool = True,
     resolved: bool = False,
+    checked: Probe | None = None,
 ) -> Loaded:
     """Load the one checkpoint at ``location`` into ``target`` or as new tensors.
 
@@ -100,7 +101,9 @@ def load_one(
     that every rank reads whole (a target of plain tensors), read its data files into the page cache in the
     background (:func:`~lightning_dcp.engine.load.page_cache.prefetch`); ``False`` when the caller already started that.
     ``resolved``: ``location`` is a candidate the catalog chose (a ``last`` name already stands for one checkpoint), so
-    the probe checks it as it is rather than resolving it again.
+    the probe checks it as it is rather than resolving it again. ``checked``: the caller's own :func:`probe` of
+    ``location`` with its parsed ``metadata``, on every rank (broadcast from rank 0): the checkpoint is loaded as
+    that probe found and checked it, through its metadata, without probing it again.
 
     Collective: call on all ranks when ``collective``.
 
@@ -120,6 +123,8 @@ def load_one(
             and not node_local
         )
 
+        if checked is not None:  # the caller's probe has the metadata, not the record index
+            indexed = False
         prefetching = prefetch and indexed and _reads_everything(target)  # worth reading every file into the page cache
 
         def rank0() -> Probe:  # rank 0 decides; the others read the same (immutable) metadata themselves, in parallel
@@ -132,11 +137,15 @@ def load_one(
 
         rank, world_size = rank_and_world(collective)
         ahead: dict[str, IndexEntry] | None = None
-        if rank != 0 and location.local:
-            ahead = _parse_ahead(location, indexed=indexed)
-            if ahead is not None and prefetching:
-                page_cache.prefetch(location.path, ends=lambda: record_ends(ahead))
-        found = on_rank0(collective, rank0)
+        if checked is not None:
+            found = checked
+            probed.append(checked)
+        else:
+            if rank != 0 and location.local:
+                ahead = _parse_ahead(location, indexed=indexed)
+                if ahead is not None and prefetching:
+                    page_cache.prefetch(location.path, ends=lambda: record_ends(ahead))
+            found = on_rank0(collective, rank0)
         if not node_local:
             location = Location(found.url, storage_options=location.storage_options)
         if found.kind == "file":

@@ -205,7 +205,7 @@ def _load_one(
             " `fabric.load(path, {'model': model, 'optimizer': optimizer})`."
         )
     head = checkpointer.load(
-        found.url, target={}, strict=False, collective=True, weights_only=weights_only, objects_only=True
+        found.url, target={}, strict=False, collective=True, weights_only=weights_only, objects_only=True, checked=found
     )
     info = head.objects.pop(layout.INFO_KEY, {})
     roles = layout.tree_roles(info)

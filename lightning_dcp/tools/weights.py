@@ -140,7 +140,9 @@ def _weights_key(checkpointer: Checkpointer, path: str, *, collective: bool) -> 
     found = on_rank0(collective, lambda: probe(checkpointer.location(path)))
     if found.kind != "dcp":
         return layout.MODEL_KEY
-    head = checkpointer.load(found.url, target={}, strict=False, collective=collective, objects_only=True)
+    head = checkpointer.load(
+        found.url, target={}, strict=False, collective=collective, objects_only=True, checked=found
+    )
     modules = layout.tree_roles(head.objects.get(layout.INFO_KEY, {})).modules
     if len(modules) != 1:
         raise CheckpointError(

@@ -57,14 +57,25 @@ def _wrong_digests(marker: dict) -> dict:
     return marker
 
 
+def _damage_commit_records(path: str) -> None:
+    """Change the first record's offset in ``.commit`` without resealing it: only a read of the whole marker sees it
+    (a listing ranks checkpoints by the order at each marker's end)."""
+    with open(os.path.join(path, ".commit"), "r+b") as f:
+        data = f.read()
+        at = data.index(b'"records": [[') + len(b'"records": [[')
+        f.seek(at)
+        f.write(b"1" if data[at : at + 1] != b"1" else b"2")
+
+
 @pytest.mark.parametrize(
     "damage",
     [
         lambda p: _flip_inside(p, "state_dict.body.0.weight"),
         lambda p: _flip_inside(p, "lightning"),
         lambda p: edit_commit(p, _wrong_digests),
+        _damage_commit_records,
     ],
-    ids=["tensor-record", "non-tensor-blob", "commit-digests"],
+    ids=["tensor-record", "non-tensor-blob", "commit-digests", "commit-records"],
 )
 def test_damaged_newest_falls_back_to_the_older_committed_one(tmp_path, reference, damage):
     dirpath = str(tmp_path)

@@ -81,7 +81,7 @@ def candidates(location: Location) -> list[str]:
             )
         return [resolved.url]
     directory = location.parent().parent() if location.name == COMMIT_FILE else location.parent()
-    committed = committed_checkpoints(directory)
+    committed = committed_checkpoints(directory, whole=False)  # the one opened is checked whole
     found = [candidate.url for _, candidate in committed]
     entry = location.parent() if location.name == COMMIT_FILE else location
     if entry.local and os.path.isfile(entry.path) and not _is_pointer(entry):  # a single file (TorchCheckpointIO)

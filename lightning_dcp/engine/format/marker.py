@@ -28,11 +28,13 @@ __all__ = [
     "DATA_SUFFIX",
     "METADATA_FILE",
     "SEAL_KEY",
+    "ORDER_TAIL_BYTES",
     "MarkerError",
     "checksum",
     "encode_commit",
     "is_plain_name",
     "is_run_token",
+    "order_at_end",
     "order_key",
     "parse_commit",
     "run_of",
@@ -193,13 +195,7 @@ def parse_commit(data: bytes) -> dict[str, Any]:
     if not _number(marker.get("committed_at")):
         raise MarkerError("'committed_at' is not a number")
     order = marker.get("order")
-    if order is not None and not (
-        isinstance(order, dict)
-        and _uint(order.get("counter"))
-        and order["counter"] > 0
-        and (order.get("step") is None or _uint(order.get("step")))
-        and (order.get("run") is None or is_run_token(order.get("run")))
-    ):
+    if order is not None and not _valid_order(order):
         raise MarkerError(
             "'order' must hold a positive integer 'counter', a non-negative integer or null 'step' and, if any, a"
             " 'run' of 1-64 letters and digits"
@@ -232,6 +228,54 @@ def parse_commit(data: bytes) -> dict[str, Any]:
             if offset + length > size:
                 raise MarkerError(f"a record of {name!r} ends at byte {offset + length}, past its size")
     return marker
+
+
+ORDER_TAIL_BYTES = 4096
+"""How many bytes at the end of a ``.commit`` marker :func:`order_at_end` reads the order from."""
+_END = b', "version": ' + str(VERSION).encode() + b"}"
+_ORDER_AT = b', "order": '
+
+
+def order_at_end(tail: bytes) -> dict[str, Any] | None:
+    """The ``order`` of a marker read from its last bytes alone, or ``None`` when they do not show it plainly.
+
+    :func:`encode_commit` writes sorted keys, so a marker it wrote ends ``, "order": {...}, "version": 1}``: the order
+    (:func:`order_key`, :func:`run_of`) of a checkpoint is in its last :data:`ORDER_TAIL_BYTES` bytes, whatever the size
+    of its records and index before it (a checkpoint of 2,800 tensors writes an 840 KB marker). A listing that only
+    ranks checkpoints reads that much of each marker; whatever it then opens is read and checked whole
+    (:func:`parse_commit`). A quote inside a JSON string is escaped, so ``, "order": `` followed by one object and
+    exactly that end can only be the marker's own last but one key.
+
+    Args:
+        tail: The last bytes of a marker (at most :data:`ORDER_TAIL_BYTES`; the whole marker works too).
+
+    Returns:
+        ``{"counter": int, "step": int | None, "run": str}`` (``run`` when recorded), checked as :func:`parse_commit`
+        checks it; ``None`` for anything else (a marker without an order, another writer's layout, damage at its end):
+        the caller then reads the whole marker, which says what is wrong.
+    """
+    if not tail.endswith(_END):
+        return None
+    at = tail.rfind(_ORDER_AT)
+    if at < 0:
+        return None
+    try:
+        text = tail[at + len(_ORDER_AT) : len(tail) - len(_END)].decode()
+        order, end = json.JSONDecoder().raw_decode(text)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    return order if end == len(text) and _valid_order(order) else None
+
+
+def _valid_order(order: object) -> bool:
+    """Whether ``order`` is an ``order`` field a marker may hold (see :func:`encode_commit`)."""
+    return (
+        isinstance(order, dict)
+        and _uint(order.get("counter"))
+        and order["counter"] > 0
+        and (order.get("step") is None or _uint(order.get("step")))
+        and (order.get("run") is None or is_run_token(order.get("run")))
+    )
 
 
 def is_plain_name(name: object) -> bool:

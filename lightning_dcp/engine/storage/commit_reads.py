@@ -7,7 +7,9 @@ from typing import Any
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
     MAX_MARKER_BYTES,
+    ORDER_TAIL_BYTES,
     MarkerError,
+    order_at_end,
     parse_commit,
 )
 from lightning_dcp.errors import (
@@ -16,7 +18,7 @@ from lightning_dcp.errors import (
     StorageAccessError,
 )
 
-__all__ = ["permission_message", "read_commit", "unreadable"]
+__all__ = ["permission_message", "read_commit", "read_commit_order", "unreadable"]
 
 
 def read_commit(location: Any) -> dict[str, Any] | None:
@@ -43,6 +45,30 @@ def read_commit(location: Any) -> dict[str, Any] | None:
             " checkpoint, or restore this directory.",
             file=COMMIT_FILE,
         ) from None
+
+
+def read_commit_order(location: Any) -> dict[str, Any] | None:
+    """What ranking ``location`` among its directory's checkpoints needs of its ``.commit``: ``None`` if there is none.
+
+    Reads the marker's last :data:`~lightning_dcp.engine.format.marker.ORDER_TAIL_BYTES` bytes and, when they show the
+    order (:func:`~lightning_dcp.engine.format.marker.order_at_end`), returns ``{"order": ...}`` without reading or
+    checking the rest; otherwise the whole marker, as :func:`read_commit` returns it. A marker damaged before its end
+    is not seen here: whatever loads the checkpoint reads its marker whole and refuses it then.
+
+    Raises:
+        CorruptCheckpointError: As :func:`read_commit`, when the whole marker is read.
+    """
+    try:
+        with location.open(COMMIT_FILE) as f:
+            size = f.seek(0, 2)
+            f.seek(max(0, size - ORDER_TAIL_BYTES))
+            tail = f.read(ORDER_TAIL_BYTES)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError:
+        return read_commit(location)  # a directory, a loop, a refusal: the whole read names it
+    order = order_at_end(tail)
+    return {"order": order} if order is not None else read_commit(location)
 
 
 def unreadable(location: Any, name: str, err: OSError) -> CheckpointError:

@@ -42,7 +42,9 @@ class DurableCatalog:
         A load's answer: it lists the directory (a remote call for a store; while the store cannot be read, the local
         tier's copies, with a warning). A missing directory holds none.
         """
-        return committed_checkpoints(directory) if self.tiers is None else self.tiers.checkpoints(directory)
+        if self.tiers is None:
+            return committed_checkpoints(directory, whole=False)
+        return self.tiers.checkpoints(directory)
 
     def known(self, directory: Location, *, wait: bool = True) -> list[tuple[tuple, Location]]:
         """As :meth:`checkpoints`, without a remote call while a local tier mirrors ``directory`` (the training loop's).
@@ -51,7 +53,7 @@ class DurableCatalog:
         :meth:`~lightning_dcp.engine.tiers.reads.TierReads.known_checkpoints`).
         """
         if self.tiers is None:
-            return committed_checkpoints(directory)
+            return committed_checkpoints(directory, whole=False)
         return self.tiers.known_checkpoints(directory, wait=wait)
 
     def newest_valid(self, directory: Location) -> tuple[Location, Metadata] | None:

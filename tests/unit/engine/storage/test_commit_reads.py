@@ -1,0 +1,78 @@
+"""Reading a checkpoint's ``.commit`` for a listing: its end only when that shows the order, else the whole marker."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from lightning_dcp import CorruptCheckpointError, DCPCheckpointIO
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.format.marker import COMMIT_FILE, ORDER_TAIL_BYTES
+from lightning_dcp.engine.storage.commit_reads import read_commit, read_commit_order
+from lightning_dcp.engine.storage.location import Location
+from tests._crafting import edit_commit
+
+
+def _save(path: str, step: int, tensors: int = 400) -> Location:
+    state = {"state_dict": {f"layer{i}.weight": torch.full((8,), float(step)) for i in range(tensors)}}
+    DCPCheckpointIO().save_checkpoint({**state, "global_step": step}, path)
+    return Location(path)
+
+
+def _marker(location: Location) -> bytes:
+    with open(os.path.join(location.path, COMMIT_FILE), "rb") as f:
+        return f.read()
+
+
+def test_the_order_comes_from_the_end_alone(tmp_path):
+    location = _save(str(tmp_path / "a.ckpt"), 3)
+    data = _marker(location)
+    assert len(data) > 4 * ORDER_TAIL_BYTES  # 400 records: the end is a small part of the marker
+    order = read_commit(location)["order"]
+    assert read_commit_order(location) == {"order": order} and order["step"] == 3
+    middle = len(data) // 2  # damage the records, not the end: only a whole read can see it
+    with open(os.path.join(location.path, COMMIT_FILE), "r+b") as f:
+        f.seek(middle)
+        f.write(b"9" if data[middle : middle + 1] != b"9" else b"8")
+    with pytest.raises(CorruptCheckpointError, match=r"\.commit is not a valid"):
+        read_commit(location)
+    assert read_commit_order(location) == {"order": order}  # a listing still ranks it; a load reads it whole
+
+
+def test_a_marker_whose_end_shows_no_order_is_read_whole(tmp_path):
+    location = _save(str(tmp_path / "a.ckpt"), 3)
+    edit_commit(location.path, lambda m: {k: v for k, v in m.items() if k != "order"})  # as saved before orders
+    found = read_commit_order(location)
+    assert "order" not in found and found == read_commit(location) and "files" in found
+    with open(os.path.join(location.path, COMMIT_FILE), "r+b") as f:
+        f.truncate(len(_marker(location)) - 2)  # a damaged end: the whole read says what is wrong
+    with pytest.raises(CorruptCheckpointError, match=r"\.commit is not a valid"):
+        read_commit_order(location)
+
+
+def test_no_marker_and_a_marker_that_is_a_directory(tmp_path):
+    os.makedirs(tmp_path / "empty.ckpt")
+    assert read_commit_order(Location(str(tmp_path / "empty.ckpt"))) is None
+    os.makedirs(tmp_path / "odd.ckpt" / COMMIT_FILE)
+    with pytest.raises(CorruptCheckpointError, match="is a directory"):
+        read_commit_order(Location(str(tmp_path / "odd.ckpt")))
+
+
+def test_a_listing_by_the_end_ranks_as_a_whole_listing(tmp_path):
+    for step in (5, 2, 9, 7):
+        _save(str(tmp_path / f"step={step}.ckpt"), step, tensors=50)
+    edit_commit(str(tmp_path / "step=2.ckpt"), lambda m: {k: v for k, v in m.items() if k != "order"})  # unordered
+    with open(tmp_path / "step=7.ckpt" / COMMIT_FILE, "w") as f:
+        f.write("[1, 2]")  # malformed: skipped with a warning either way
+    listings = []
+    for whole in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            found = committed_checkpoints(Location(str(tmp_path)), whole=whole)
+        assert any("skipping" in str(w.message) and "step=7.ckpt" in str(w.message) for w in caught)
+        listings.append([(key, checkpoint.name, entry.run) for entry in found for key, checkpoint in [entry]])
+    assert listings[0] == listings[1]
+    assert [name for _, name, _ in listings[0]] == ["step=9.ckpt", "step=5.ckpt", "step=2.ckpt"]

@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(json.dumps(resume(engine, args.mix, dirpath)))
         return 0
-    provenance = stamp(sys.argv if argv is None else ["benchmarks/last_resume.py", *argv])
+    provenance = stamp(argv)
     rows = []
     root = tempfile.mkdtemp(prefix="lightning_dcp-last-")
     try:

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.catalog.metadata import MAX_METADATA_BYTES, load_metadata
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, checksum, order_key, run_of
 from lightning_dcp.engine.format.record_index import IndexEntry, disagreement, parse_index
-from lightning_dcp.engine.storage.commit_reads import read_commit_order
+from lightning_dcp.engine.storage.commit_reads import read_commit_orders
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import Location, read_commit, unreadable
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
@@ -198,27 +198,38 @@ def committed_checkpoints(directory: Location, *, whole: bool = True) -> list[Co
     Args:
         directory: The directory to list.
         whole: Read and check every marker whole. ``False`` reads only the order at each marker's end
-            (:func:`~lightning_dcp.engine.storage.commit_reads.read_commit_order`; 4 KB instead of the whole marker,
+            (:func:`~lightning_dcp.engine.storage.commit_reads.read_commit_orders`; 4 KB instead of the whole marker,
             e.g. 840 KB for 2,800 tensors with their optimizer state): for callers that only rank checkpoints and
             check whole whatever they then open (a load's candidates, :func:`newest_valid`, save counters). A
             marker damaged before its end is then listed, and refused when it is opened.
     """
-    found = []
+    candidates = []
     for name, kind in directory.entries(follow_links=False):
         if kind != "directory" or is_internal_name(name):
             continue
         try:
-            candidate = directory.child(name)
+            candidates.append(directory.child(name))
         except InvalidPathError:
             continue  # a name no checkpoint of ours can have (another tool's object, e.g. "notes?v=1")
-        try:
-            marker = read_commit(candidate) if whole else read_commit_order(candidate)
-        except CheckpointError as err:
-            warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {err}", stacklevel=2)
-            continue
-        if marker is not None:
+    if whole:
+        markers = [_whole_marker(candidate) for candidate in candidates]
+    else:
+        markers = read_commit_orders(directory, [candidate.name for candidate in candidates])
+    found = []
+    for candidate, marker in zip(candidates, markers, strict=True):
+        if isinstance(marker, CheckpointError):
+            warnings.warn(f"lightning_dcp: skipping {candidate.url!r}: {marker}", stacklevel=2)
+        elif marker is not None:
             found.append(Committed(order_key(marker), candidate, run_of(marker)))
     return sorted(found, key=lambda entry: (entry[0], entry[1].name), reverse=True)
+
+
+def _whole_marker(location: Location) -> dict[str, Any] | CheckpointError | None:
+    """:func:`read_commit` of ``location``, its ``CheckpointError`` returned rather than raised."""
+    try:
+        return read_commit(location)
+    except CheckpointError as err:
+        return err
 
 
 def newest_valid(

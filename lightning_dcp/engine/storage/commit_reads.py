@@ -18,7 +18,7 @@ from lightning_dcp.errors import (
     StorageAccessError,
 )
 
-__all__ = ["permission_message", "read_commit", "read_commit_order", "unreadable"]
+__all__ = ["permission_message", "read_commit", "read_commit_orders", "unreadable"]
 
 
 def read_commit(location: Any) -> dict[str, Any] | None:
@@ -47,28 +47,35 @@ def read_commit(location: Any) -> dict[str, Any] | None:
         ) from None
 
 
-def read_commit_order(location: Any) -> dict[str, Any] | None:
-    """What ranking ``location`` among its directory's checkpoints needs of its ``.commit``: ``None`` if there is none.
+def read_commit_orders(directory: Any, names: list[str]) -> list[dict[str, Any] | CheckpointError | None]:
+    """What ranking the checkpoints ``names`` of ``directory`` needs of their ``.commit`` markers, read together.
 
-    Reads the marker's last :data:`~lightning_dcp.engine.format.marker.ORDER_TAIL_BYTES` bytes and, when they show the
-    order (:func:`~lightning_dcp.engine.format.marker.order_at_end`), returns ``{"order": ...}`` without reading or
-    checking the rest; otherwise the whole marker, as :func:`read_commit` returns it. A marker damaged before its end
-    is not seen here: whatever loads the checkpoint reads its marker whole and refuses it then.
+    For each, its marker's last :data:`~lightning_dcp.engine.format.marker.ORDER_TAIL_BYTES` bytes
+    (:meth:`~lightning_dcp.engine.storage.location.Location.read_ends`: on an object store, one ranged request per
+    marker, all in flight together) and, when they show the order
+    (:func:`~lightning_dcp.engine.format.marker.order_at_end`), ``{"order": ...}`` without reading or checking the
+    rest; otherwise the whole marker, as :func:`read_commit` returns it, or the ``CheckpointError`` it raises (a
+    malformed or refused marker: the caller skips that checkpoint); ``None`` where there is no marker. A marker
+    damaged before its end is not seen here: whatever loads the checkpoint reads its marker whole and refuses it then.
 
     Raises:
-        CorruptCheckpointError: As :func:`read_commit`, when the whole marker is read.
+        CheckpointError: The store as a whole cannot be read (unreachable, credentials refused, no such bucket).
     """
-    try:
-        with location.open(COMMIT_FILE) as f:
-            size = f.seek(0, 2)
-            f.seek(max(0, size - ORDER_TAIL_BYTES))
-            tail = f.read(ORDER_TAIL_BYTES)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except OSError:
-        return read_commit(location)  # a directory, a loop, a refusal: the whole read names it
-    order = order_at_end(tail)
-    return {"order": order} if order is not None else read_commit(location)
+    ends = directory.read_ends([f"{name}/{COMMIT_FILE}" for name in names], ORDER_TAIL_BYTES)
+    out: list[dict[str, Any] | CheckpointError | None] = []
+    for name, end in zip(names, ends, strict=True):
+        if isinstance(end, (FileNotFoundError, NotADirectoryError)):
+            out.append(None)
+            continue
+        order = None if isinstance(end, OSError) else order_at_end(end)
+        if order is not None:
+            out.append({"order": order})
+            continue
+        try:
+            out.append(read_commit(directory.child(name)))
+        except CheckpointError as err:  # this marker only (malformed, refused): the caller skips it
+            out.append(err)
+    return out
 
 
 def unreadable(location: Any, name: str, err: OSError) -> CheckpointError:

@@ -200,6 +200,36 @@ class Location(Pointers):
             out.append((path.rsplit("/", 1)[-1], kind))
         return out
 
+    def read_ends(self, names: list[str], nbytes: int) -> list[bytes | OSError]:
+        """The last ``nbytes`` bytes (or all, when shorter) of each file ``names[i]`` below this directory, in order.
+
+        An object store is asked with one ranged request per file, all in flight together (fsspec's ``cat_ranges``
+        with a negative start: a suffix range, no size lookup first); where its library takes no suffix range
+        (adlfs), and in a local directory, file by file. A file that cannot be read gives its ``OSError`` in its
+        place (``FileNotFoundError`` when it is absent); a failure of the store as a whole is raised (as a
+        ``CheckpointError`` naming the fix).
+        """
+        found: list[Any] = [None] * len(names)
+        if not self.local and type(self.fs) not in _NO_SUFFIX_RANGES:
+            with self._translated():
+                found = self.fs.cat_ranges([self.join(n) for n in names], -nbytes, None, on_error="return")
+        out: list[bytes | OSError] = []
+        for name, got in zip(names, found, strict=True):
+            if isinstance(got, (bytes, OSError)):
+                out.append(got)
+                continue
+            if isinstance(got, Exception):
+                _NO_SUFFIX_RANGES.add(type(self.fs))  # read file by file from now on (its errors are raised there)
+            try:
+                with self.open(name) as f:
+                    f.seek(max(0, f.seek(0, 2) - nbytes))
+                    out.append(f.read(nbytes))
+            except CheckpointError:
+                raise
+            except OSError as err:
+                out.append(err)
+        return out
+
     def sizes(self) -> dict[str, int]:
         """``{name: bytes}`` of each file directly inside this directory (one fresh listing); ``{}`` when absent."""
         with self._translated():
@@ -370,6 +400,9 @@ class Location(Pointers):
 
 
 _KNOWN_BUCKETS: set[tuple[int, str]] = set()
+_NO_SUFFIX_RANGES: set[type] = set()
+"""Filesystem classes whose ``cat_file`` refused a negative start (a suffix range, e.g. adlfs):
+:meth:`Location.read_ends` reads their files one by one."""
 
 
 class _Progress(fsspec.callbacks.Callback):

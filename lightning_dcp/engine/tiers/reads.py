@@ -20,7 +20,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine.catalog.integrity import committed_checkpoints
+from lightning_dcp.engine.catalog.integrity import Committed, committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import candidates as one_tier_candidates
 from lightning_dcp.engine.catalog.lookup import designates_last, of_named_run
 from lightning_dcp.engine.format.marker import COMMIT_FILE, order_key
@@ -47,8 +47,8 @@ class TierReads:
         found = []
         mirrored = self.mirrors(remote_dir)
         if mirrored and os.path.isdir(self.local.path):
-            found = [(entry, 0) for entry in committed_checkpoints(self.local)]
-        remote = _reachable(remote_dir, committed_checkpoints, None, bool(found))
+            found = [(entry, 0) for entry in committed_checkpoints(self.local, whole=False)]
+        remote = _reachable(remote_dir, _ranked, None, bool(found))
         if remote is not None and mirrored:
             self.journal.saw_listing({loc.name: key for key, loc in remote})
         found += [(entry, 1) for entry in remote or []]
@@ -74,7 +74,7 @@ class TierReads:
                 " count as newer than this run's until it is pruned.",
                 stacklevel=3,
             )
-        found = [(key, 0, loc) for key, loc in committed_checkpoints(self.local)]
+        found = [(key, 0, loc) for key, loc in committed_checkpoints(self.local, whole=False)]
         found += [(key, 1, remote_dir.child(name)) for name, key in dict(self.journal.remote).items()]
         return _newest_first(found)
 
@@ -128,6 +128,14 @@ class TierReads:
 def _newest_first(found: list[tuple[tuple, int, Location]]) -> list[tuple[tuple, Location]]:
     found.sort(key=lambda entry: (entry[0], -entry[1], entry[2].name), reverse=True)
     return [(key, loc) for key, _, loc in found]
+
+
+def _ranked(directory: Location) -> list[Committed]:
+    """The committed checkpoints of ``directory``, ranked by the order at each marker's end.
+
+    A load checks whole what it opens; the uploader lists whole before it removes anything.
+    """
+    return committed_checkpoints(directory, whole=False)
 
 
 def _reachable(remote: Location, read: Callable[[Location], Any], default: Any, fallback: Any) -> Any:

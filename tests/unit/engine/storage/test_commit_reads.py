@@ -1,4 +1,5 @@
-"""Reading a checkpoint's ``.commit`` for a listing: its end only when that shows the order, else the whole marker."""
+"""Reading the ``.commit`` markers of a listing: their ends only when those show the order, else each marker whole;
+locally and on S3 (SeaweedFS), where the ends are read with concurrent ranged requests."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 from lightning_dcp import CorruptCheckpointError, DCPCheckpointIO
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.format.marker import COMMIT_FILE, ORDER_TAIL_BYTES
-from lightning_dcp.engine.storage.commit_reads import read_commit, read_commit_order
+from lightning_dcp.engine.storage.commit_reads import read_commit, read_commit_orders
 from lightning_dcp.engine.storage.location import Location
 from tests._crafting import edit_commit
 
@@ -20,6 +21,14 @@ def _save(path: str, step: int, tensors: int = 400) -> Location:
     state = {"state_dict": {f"layer{i}.weight": torch.full((8,), float(step)) for i in range(tensors)}}
     DCPCheckpointIO().save_checkpoint({**state, "global_step": step}, path)
     return Location(path)
+
+
+def read_commit_order(location: Location):
+    """The listing's answer for one checkpoint (raising what it returns in its place)."""
+    (found,) = read_commit_orders(location.parent(), [location.name])
+    if isinstance(found, Exception):
+        raise found
+    return found
 
 
 def _marker(location: Location) -> bytes:
@@ -76,3 +85,35 @@ def test_a_listing_by_the_end_ranks_as_a_whole_listing(tmp_path):
         listings.append([(key, checkpoint.name, entry.run) for entry in found for key, checkpoint in [entry]])
     assert listings[0] == listings[1]
     assert [name for _, name, _ in listings[0]] == ["step=9.ckpt", "step=5.ckpt", "step=2.ckpt"]
+
+
+def test_on_s3_the_ends_come_from_one_ranged_request_each(s3_bucket):
+    import aiobotocore.endpoint
+
+    url, options = s3_bucket
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
+
+    checkpointer = Checkpointer(CheckpointerConfig(storage_options=options))
+    state = {"state_dict": {f"layer{i}.weight": torch.full((8,), 1.0) for i in range(400)}}
+    names = [f"step={step}.ckpt" for step in (2, 7, 5)]
+    for step, name in zip((2, 7, 5), names, strict=True):
+        checkpointer.save(state, f"{url}/run/{name}", objects={"step": step}, step=step)
+    directory = Location(f"{url}/run", storage_options=options)
+    whole = [read_commit(directory.child(name)) for name in names]
+    calls: list[tuple[str, str | None]] = []
+    original = aiobotocore.endpoint.AioEndpoint.make_request
+
+    async def counted(self, operation, request):
+        calls.append((operation.name, request.get("headers", {}).get("Range")))
+        return await original(self, operation, request)
+
+    aiobotocore.endpoint.AioEndpoint.make_request = counted
+    try:
+        found = read_commit_orders(directory, [*names, "absent.ckpt"])
+    finally:
+        aiobotocore.endpoint.AioEndpoint.make_request = original
+    assert found == [{"order": marker["order"]} for marker in whole] + [None]
+    assert sorted(calls) == [("GetObject", f"bytes=-{ORDER_TAIL_BYTES}")] * 4  # no HEAD, no whole marker
+    ranked = [(key, c.name, entry.run) for entry in committed_checkpoints(directory, whole=False) for key, c in [entry]]
+    assert [name for _, name, _ in ranked] == ["step=5.ckpt", "step=7.ckpt", "step=2.ckpt"]  # the save counter first
+    assert ranked == [(key, c.name, entry.run) for entry in committed_checkpoints(directory) for key, c in [entry]]

@@ -29,10 +29,8 @@ from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world, sin
 from lightning_dcp.engine.elastic import init_strategy_attempt_group
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.allowlist import add_safe_globals
-from lightning_dcp.engine.format.layout import INFO_KEY
-from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
+from lightning_dcp.engine.format.marker import is_marker_path
 from lightning_dcp.engine.load.loading import (
-    LIGHTNING_META_FILE,
     Probe,
     foreign_file_at,
     guarded_load,
@@ -46,23 +44,18 @@ from lightning_dcp.engine.save.dcp_io import storage_writer
 from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
 from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
-from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, fsync_dir, new_token, read_commit
-from lightning_dcp.engine.storage.names import is_staging_of
+from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token, read_commit
+from lightning_dcp.engine.storage.names import is_staging_name, is_staging_of
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
 
 __all__ = [
-    "COMMIT_FILE",
     "Checkpointer",
     "CheckpointerConfig",
-    "INFO_KEY",
-    "LIGHTNING_META_FILE",
     "Loaded",
     "Location",
-    "METADATA_FILE",
     "Probe",
     "RestoreRecord",
-    "STAGING_INFIX",
     "STEP_GATE",
     "STUCK_AFTER_S",
     "SignalWatch",
@@ -79,7 +72,9 @@ __all__ = [
     "foreign_file_at",
     "fsync_dir",
     "init_strategy_attempt_group",
+    "is_marker_path",
     "is_missing_credentials",
+    "is_staging_name",
     "is_staging_of",
     "layout",
     "guarded_load",

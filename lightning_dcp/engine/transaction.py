@@ -19,7 +19,6 @@ import torch.distributed.checkpoint as dcp
 
 from lightning_dcp._compat import package_version
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE
 from lightning_dcp.engine.dist import distributed, on_rank0, rank_and_world
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.save import saving
@@ -249,7 +248,7 @@ class SaveTransaction:
         ``last`` and starts fresh. Rank 0 only.
         """
         if location.exists() and location.isdir() and not location.is_committed():
-            if not location.fs.exists(location.join(LIGHTNING_META_FILE)):
+            if not location.is_lightning_sharded():
                 location.remove()  # our own interrupted save: never a checkpoint
         if location.exists():
             return False

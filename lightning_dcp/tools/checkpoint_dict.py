@@ -22,8 +22,6 @@ from typing import Any
 import torch
 
 from lightning_dcp.engine import (
-    COMMIT_FILE,
-    METADATA_FILE,
     Location,
     Source,
     check_storage_options,
@@ -33,7 +31,6 @@ from lightning_dcp.engine import (
     layout,
     not_a_checkpoint_file,
     probe,
-    read_commit,
 )
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.tools.progress import progress_bar
@@ -62,7 +59,7 @@ def is_checkpoint_directory(path: str | os.PathLike, *, storage_options: dict[st
         return False
     if _is_http(location):  # a static file server may neither list directories nor answer a HEAD of one
         return location.is_committed()
-    if designates_last(location) and committed_checkpoints(location.parent()):
+    if designates_last(location) and committed_checkpoints(location.parent(), whole=False):
         return True  # read as the newest committed checkpoint beside it, whatever the link or pointer says
     resolved = location.resolve()
     return resolved.exists() and resolved.isdir()
@@ -159,14 +156,9 @@ def _downloaded(location: Location) -> Iterator[str]:
     (Python's ``http.server`` does neither); as Lightning downloads a single-file URL with ``torch.hub`` before
     loading it. The files are checked against their checksums when they are loaded.
     """
-    marker = read_commit(location)
-    if marker is None:
-        raise NotACheckpointError(f"{location.url!r} has no {COMMIT_FILE!r} marker: it is no committed checkpoint.")
     with tempfile.TemporaryDirectory(prefix="lightning_dcp-http-") as tmp:
         local = os.path.join(tmp, location.name or "checkpoint")
-        os.makedirs(local)
-        for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:
-            location.fs.get_file(location.join(name), os.path.join(local, name))
+        location.download(local)
         yield local
 
 

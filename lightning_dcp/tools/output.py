@@ -25,7 +25,7 @@ import stat
 from collections.abc import Iterator
 from typing import IO, Literal
 
-from lightning_dcp.engine import COMMIT_FILE, METADATA_FILE, Location, fsync_dir, new_token
+from lightning_dcp.engine import Location, fsync_dir, new_token
 from lightning_dcp.errors import OutputExistsError
 
 __all__ = ["atomic_directory", "atomic_file", "refuse_existing", "remove_stale_temporaries"]
@@ -76,10 +76,10 @@ def _what_is_there(out: Location) -> str:
             return "file"
     elif not out.isdir():
         return "file"
-    names = {name for name, _ in out.entries(follow_links=False)}
-    if COMMIT_FILE in names or METADATA_FILE in names:
-        return "checkpoint"
     kinds = dict(out.entries(follow_links=False))
+    names = set(kinds)
+    if out.checkpoint_kind() is not None:
+        return "checkpoint"
     ours = _INDEX in names and all(n == _INDEX or (_SHARD.match(n) and kinds[n] == "file") for n in names)
     return "sharded output" if ours else "directory"
 

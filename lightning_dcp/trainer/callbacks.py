@@ -24,7 +24,7 @@ from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
 from typing_extensions import override
 
 from lightning_dcp._compat.lightning_run import restart_train_iterator, shift_epoch_batches
-from lightning_dcp.engine import INFO_KEY
+from lightning_dcp.engine import layout
 from lightning_dcp.engine.state.loaders import refuse, reshards_itself
 from lightning_dcp.errors import NotACheckpointError
 from lightning_dcp.trainer.global_order import (
@@ -191,7 +191,7 @@ class ElasticResume(Callback):
     @override
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         """Note how the ``dcp_*`` strategy gave the stateful train loaders their saved states (``loader_resume``)."""
-        self._loader_resume = checkpoint.get(INFO_KEY, {}).get("loader_resume")
+        self._loader_resume = checkpoint.get(layout.INFO_KEY, {}).get("loader_resume")
 
     # ---------------------------------------------------------------------------------------------- hooks
     @override

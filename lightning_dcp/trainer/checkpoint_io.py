@@ -13,11 +13,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from lightning_dcp.engine import (
-    COMMIT_FILE,
     Checkpointer,
     CheckpointerConfig,
     RestoreRecord,
     check_storage_options,
+    is_marker_path,
     layout,
     source_of,
 )
@@ -256,8 +256,8 @@ class DCPCheckpointIO(CheckpointIO):
             self.checkpointer.saves.restore = restored
             if loaded.url.rstrip("/") != os.fspath(path).rstrip("/"):  # "last", a link, a ".commit"
                 asked = os.fspath(path).rstrip("/")  # no Location: some stores (adlfs) connect when one is made
-                folder, _, name = asked.rpartition("/")
-                shown = f"{folder!r} (its `.commit`)" if name == COMMIT_FILE and folder else repr(os.fspath(path))
+                folder = asked.rpartition("/")[0]
+                shown = f"{folder!r} (its `.commit`)" if is_marker_path(asked) and folder else repr(os.fspath(path))
                 rank_zero_info(f"lightning_dcp: {shown} designates {source}; loaded it.")
         if loaded.kind == "file":
             return loaded.objects

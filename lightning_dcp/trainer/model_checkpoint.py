@@ -34,10 +34,9 @@ from typing_extensions import override
 
 from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import (
-    COMMIT_FILE,
-    STAGING_INFIX,
     Location,
     canonical_url,
+    is_staging_name,
     is_staging_of,
 )
 from lightning_dcp.engine.tiers import DurableCatalog, Tiers
@@ -179,7 +178,7 @@ class DCPModelCheckpoint(ModelCheckpoint):
                 location.remove()
                 removed.append(location.url)
         for name, kind in sorted(directory.entries()):
-            if kind == "directory" and name.startswith(".") and STAGING_INFIX in name:
+            if kind == "directory" and is_staging_name(name):
                 if any(is_staging_of(name, busy) for busy in uploading):
                     continue
                 directory.child(name).remove()
@@ -348,7 +347,7 @@ def find_last(
         )
     if not newest.local and stat_defaults is not None:
         stat_defaults.set(newest.url, _options(callback, trainer))
-    return {newest.url.rstrip("/") + "/" + COMMIT_FILE}
+    return {newest.marker_url}
 
 
 def _options(callback: ModelCheckpoint, trainer: pl.Trainer) -> dict[str, Any]:

@@ -28,7 +28,7 @@ import torch
 from lightning.pytorch.utilities.migration import migrate_checkpoint, pl_legacy_patch
 
 from lightning_dcp._compat import lightning_hooks
-from lightning_dcp.engine import COMMIT_FILE, LIGHTNING_META_FILE, METADATA_FILE, Location
+from lightning_dcp.engine import Location
 from lightning_dcp.errors import CheckpointError, checkpoint_not_found, describe_load_error
 from lightning_dcp.tools.output import atomic_file
 from lightning_dcp.tools.rewrite import BACKUP_SUFFIX, rewrite_trainer_state
@@ -137,12 +137,7 @@ def _walk(location: Location, extension: str) -> Iterator[tuple[str, Location]]:
 
 
 def _kind(location: Location) -> str | None:
-    if not location.isdir():
-        return None
-    names = {name for name, _ in location.entries()}
-    if COMMIT_FILE in names or METADATA_FILE in names and LIGHTNING_META_FILE not in names:
-        return "dcp"
-    return "lightning" if LIGHTNING_META_FILE in names else None
+    return location.checkpoint_kind() if location.isdir() else None
 
 
 def _migrate(state: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
@@ -170,7 +165,7 @@ def _upgrade_directory(location: Location, storage_options: dict[str, Any] | Non
 
 
 def _upgrade_meta(location: Location) -> Upgraded:
-    meta = location.child(LIGHTNING_META_FILE)
+    meta = location.lightning_meta()
     try:
         with meta.open() as f, pl_legacy_patch():
             state = torch.load(io.BytesIO(f.read()), map_location="cpu")
@@ -179,7 +174,7 @@ def _upgrade_meta(location: Location) -> Upgraded:
     migrated, detail = _migrate(state)
     if migrated is None:
         return Upgraded(location.url, "current", detail)
-    backup = location.child(LIGHTNING_META_FILE + BACKUP_SUFFIX)
+    backup = meta.sibling(meta.name + BACKUP_SUFFIX)
     if not backup.exists():
         location.fs.copy(meta.path, backup.path)
     with atomic_file(meta) as f:

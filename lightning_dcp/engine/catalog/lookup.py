@@ -33,7 +33,6 @@ from lightning_dcp.engine.storage.location import POINTER_HEADER, Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
 __all__ = [
-    "LIGHTNING_META_FILE",
     "candidates",
     "designated",
     "designates_last",
@@ -41,9 +40,6 @@ __all__ = [
     "source_of",
     "verify_checkpoint",
 ]
-
-LIGHTNING_META_FILE = "meta.pt"
-"""The non-tensor Trainer state in Lightning's own sharded checkpoint directories."""
 
 _LAST_NAME = re.compile(r"^last(-v\d+)?(\.ckpt)?$")
 """Names ``ModelCheckpoint`` gives its last checkpoint (``last.ckpt``, ``last-v1.ckpt``)."""
@@ -91,7 +87,7 @@ def candidates(location: Location) -> list[str]:
         if location.name != COMMIT_FILE:
             _warn_if_link_differs(entry, chosen[0])
         return chosen
-    if entry.exists() and entry.isdir() and entry.fs.exists(entry.join(LIGHTNING_META_FILE)):
+    if entry.exists() and entry.isdir() and entry.is_lightning_sharded():
         return [entry.url]
     if not entry.exists():
         raise checkpoint_not_found(entry.url)
@@ -179,7 +175,7 @@ def designated(location: Location) -> Location:
     for url in candidates(location):
         candidate = Location(url, storage_options=location.storage_options)
         try:
-            if candidate.isdir() and not candidate.fs.exists(candidate.join(LIGHTNING_META_FILE)):
+            if candidate.isdir() and not candidate.is_lightning_sharded():
                 check_checkpoint(candidate)
         except CheckpointError as err:
             failures.append((url, err))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Collection
 from typing import Any
 
 import xxhash
@@ -26,12 +27,15 @@ __all__ = [
     "CHECKSUM",
     "COMMIT_FILE",
     "DATA_SUFFIX",
+    "LIGHTNING_META_FILE",
     "METADATA_FILE",
     "SEAL_KEY",
     "ORDER_TAIL_BYTES",
     "MarkerError",
+    "checkpoint_kind",
     "checksum",
     "encode_commit",
+    "is_marker_path",
     "is_plain_name",
     "is_run_token",
     "order_at_end",
@@ -45,6 +49,8 @@ METADATA_FILE = ".metadata"
 """DCP's metadata file; DCP's coordinator writes it after every rank finished writing data."""
 COMMIT_FILE = ".commit"
 """lightning_dcp's commit marker (JSON: checksums and sizes), written last."""
+LIGHTNING_META_FILE = "meta.pt"
+"""The non-tensor Trainer state in Lightning's own sharded checkpoint directories (beside DCP's files)."""
 DATA_SUFFIX = ".distcp"
 """DCP's data file suffix: ``__{rank}_{n}.distcp``."""
 CHECKSUM = "xxh3_64"
@@ -276,6 +282,23 @@ def _valid_order(order: object) -> bool:
         and (order.get("step") is None or _uint(order.get("step")))
         and (order.get("run") is None or is_run_token(order.get("run")))
     )
+
+
+def checkpoint_kind(names: Collection[str]) -> str | None:
+    """Which kind of checkpoint directory holds the entries ``names``: ``"dcp"``, ``"lightning"`` or ``None``.
+
+    ``"dcp"``: a committed lightning_dcp checkpoint (its ``.commit``) or a plain DCP directory (``.metadata``
+    without :data:`LIGHTNING_META_FILE`); ``"lightning"``: Lightning's own sharded layout (with it); ``None``:
+    neither (an ordinary directory).
+    """
+    if COMMIT_FILE in names or (METADATA_FILE in names and LIGHTNING_META_FILE not in names):
+        return "dcp"
+    return "lightning" if LIGHTNING_META_FILE in names else None
+
+
+def is_marker_path(path: str) -> bool:
+    """Whether ``path`` (a path or URL, no I/O) names a checkpoint's ``.commit`` marker rather than a checkpoint."""
+    return path.rstrip("/").rpartition("/")[2] == COMMIT_FILE
 
 
 def is_plain_name(name: object) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
 from lightning_dcp.engine.catalog.integrity import check_checkpoint, check_indexed
-from lightning_dcp.engine.catalog.lookup import LIGHTNING_META_FILE, designated
+from lightning_dcp.engine.catalog.lookup import designated
 from lightning_dcp.engine.catalog.metadata import read_metadata
 from lightning_dcp.engine.format import layout
 from lightning_dcp.engine.format.blob import load_stock_file
@@ -39,7 +39,6 @@ from lightning_dcp.errors import (
 )
 
 __all__ = [
-    "LIGHTNING_META_FILE",
     "Probe",
     "check_trainer_state",
     "fit_target",
@@ -93,7 +92,7 @@ def probe(location: Location, *, indexed: bool = False, resolve: bool = True) ->
         raise checkpoint_not_found(location.url, designated_by=None if location.url == given else given)
     if not location.isdir():
         return Probe(location.url, "file")
-    if not location.is_committed() and location.fs.exists(location.join(LIGHTNING_META_FILE)):
+    if not location.is_committed() and location.is_lightning_sharded():
         return Probe(location.url, "lightning", read_metadata(location))
     checked = check_indexed(location) if indexed else None
     if checked is not None:
@@ -141,10 +140,10 @@ def read_lightning_meta(location: Location, *, weights_only: bool) -> dict[str, 
     Raises:
         CheckpointError: It holds objects ``weights_only`` refuses, or cannot be read.
     """
-    meta = location.child(LIGHTNING_META_FILE)
+    meta = location.lightning_meta()
     state = read_torch_file(meta, map_location="cpu", weights_only=weights_only, whole=True)
     if not isinstance(state, dict):
-        raise NotACheckpointError(f"{location.url}/{LIGHTNING_META_FILE} holds a {type(state).__name__}, not a dict.")
+        raise NotACheckpointError(f"{meta.url} holds a {type(state).__name__}, not a dict.")
     return state
 
 

@@ -40,9 +40,7 @@ from lightning_dcp.engine.load.loading import foreign_file_at, not_a_checkpoint_
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
-__all__ = ["LIGHTNING_META_FILE", "Source", "TensorEntry"]
-
-LIGHTNING_META_FILE = "meta.pt"
+__all__ = ["Source", "TensorEntry"]
 """The non-tensor state file of Lightning's own sharded checkpoints."""
 _LIGHTNING_FSDP_MODEL_KEY = "model"
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_(\d+)")
@@ -102,7 +100,7 @@ class Source:
         keys = self.metadata.state_dict_metadata
         if layout.EXTRA_KEY in keys:
             self.kind = "lightning_dcp"
-        elif location.fs.exists(location.join(LIGHTNING_META_FILE)):
+        elif location.is_lightning_sharded():
             self.kind = "lightning_sharded"
         else:
             self.kind = "dcp"
@@ -162,12 +160,12 @@ class Source:
                 self._extra = extra
             return dict(extra)
         if self.kind == "lightning_sharded":
-            name = self.location.join(LIGHTNING_META_FILE)
+            meta = self.location.lightning_meta()
             try:
-                with self.location.fs.open(name, "rb") as f:
+                with meta.open() as f:
                     return dict(torch.load(f, map_location="cpu", weights_only=weights_only))
             except Exception as err:
-                raise CheckpointError(f"Cannot read {self.location.url}/{LIGHTNING_META_FILE}: {err}") from err
+                raise CheckpointError(f"Cannot read {meta.url}: {err}") from err
         return {}
 
     def read_rank_objects(self, rank: int = 0) -> dict[str, Any]:

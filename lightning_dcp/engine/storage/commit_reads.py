@@ -67,6 +67,9 @@ def read_commit_orders(directory: Any, names: list[str]) -> list[dict[str, Any] 
         if isinstance(end, (FileNotFoundError, NotADirectoryError)):
             out.append(None)
             continue
+        if isinstance(end, CheckpointError):
+            out.append(end)
+            continue
         order = None if isinstance(end, OSError) else order_at_end(end)
         if order is not None:
             out.append({"order": order})

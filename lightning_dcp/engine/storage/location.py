@@ -32,7 +32,9 @@ from fsspec.implementations.local import LocalFileSystem
 
 from lightning_dcp.engine.format.marker import (
     COMMIT_FILE,
+    LIGHTNING_META_FILE,
     METADATA_FILE,
+    checkpoint_kind,
 )
 from lightning_dcp.engine.storage import localfs
 from lightning_dcp.engine.storage.commit_reads import permission_message, read_commit, unreadable
@@ -148,6 +150,44 @@ class Location(Pointers):
         with self._translated():
             return self.fs.exists(self.join(COMMIT_FILE))
 
+    def is_lightning_sharded(self) -> bool:
+        """Whether this directory holds Lightning's own sharded layout (its non-tensor state file beside DCP's)."""
+        with self._translated():
+            return self.fs.exists(self.join(LIGHTNING_META_FILE))
+
+    def lightning_meta(self) -> Location:
+        """The file of Lightning's own sharded layout that holds its non-tensor Trainer state (``torch.save``)."""
+        return self.child(LIGHTNING_META_FILE)
+
+    @property
+    def marker_url(self) -> str:
+        """The URL of this checkpoint's ``.commit`` marker (no I/O)."""
+        return self.url.rstrip("/") + "/" + COMMIT_FILE
+
+    def checkpoint_kind(self) -> str | None:
+        """``"dcp"``, ``"lightning"`` or ``None``: what this directory's entries make it.
+
+        One listing; see :func:`~lightning_dcp.engine.format.marker.checkpoint_kind`. ``None`` for nothing there.
+        """
+        return checkpoint_kind({name for name, _ in self.entries(follow_links=False)})
+
+    def download(self, local_path: str) -> None:
+        """Copy this committed checkpoint's files (those its ``.commit`` names) into the local directory ``local_path``.
+
+        Needs no directory listing or range request (a plain HTTP server): the marker names every file. The files
+        are checked against their checksums when they are loaded, not here.
+
+        Raises:
+            NotACheckpointError: There is no ``.commit`` marker: no committed checkpoint.
+        """
+        marker = read_commit(self)
+        if marker is None:
+            raise NotACheckpointError(f"{self.url!r} has no {COMMIT_FILE!r} marker: it is no committed checkpoint.")
+        os.makedirs(local_path, exist_ok=True)
+        with self._translated():
+            for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:
+                self.fs.get_file(self.join(name), os.path.join(local_path, name))
+
     def open(self, name: str | None = None, mode: str = "rb") -> Any:
         """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents.
 
@@ -200,20 +240,21 @@ class Location(Pointers):
             out.append((path.rsplit("/", 1)[-1], kind))
         return out
 
-    def read_ends(self, names: list[str], nbytes: int) -> list[bytes | OSError]:
+    def read_ends(self, names: list[str], nbytes: int) -> list[bytes | OSError | CheckpointError]:
         """The last ``nbytes`` bytes (or all, when shorter) of each file ``names[i]`` below this directory, in order.
 
         An object store is asked with one ranged request per file, all in flight together (fsspec's ``cat_ranges``
         with a negative start: a suffix range, no size lookup first); where its library takes no suffix range
         (adlfs), and in a local directory, file by file. A file that cannot be read gives its ``OSError`` in its
-        place (``FileNotFoundError`` when it is absent); a failure of the store as a whole is raised (as a
-        ``CheckpointError`` naming the fix).
+        place (``FileNotFoundError`` when it is absent), a local one that is no regular file (a FIFO) its
+        ``CorruptCheckpointError``; a failure of the store as a whole is raised (as a ``CheckpointError`` naming the
+        fix).
         """
         found: list[Any] = [None] * len(names)
         if not self.local and type(self.fs) not in _NO_SUFFIX_RANGES:
             with self._translated():
                 found = self.fs.cat_ranges([self.join(n) for n in names], -nbytes, None, on_error="return")
-        out: list[bytes | OSError] = []
+        out: list[bytes | OSError | CheckpointError] = []
         for name, got in zip(names, found, strict=True):
             if isinstance(got, (bytes, OSError)):
                 out.append(got)
@@ -224,8 +265,10 @@ class Location(Pointers):
                 with self.open(name) as f:
                     f.seek(max(0, f.seek(0, 2) - nbytes))
                     out.append(f.read(nbytes))
-            except CheckpointError:
-                raise
+            except CheckpointError as err:
+                if not self.local:
+                    raise  # the store's refusal or outage, named
+                out.append(err)  # this file only: a FIFO, a socket, a device where a marker should be
             except OSError as err:
                 out.append(err)
         return out

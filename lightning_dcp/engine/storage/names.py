@@ -26,6 +26,7 @@ __all__ = [
     "SNAPSHOT_PREFIX",
     "STAGING_INFIX",
     "is_internal_name",
+    "is_staging_name",
     "is_staging_of",
     "name_limit",
     "name_tag",
@@ -50,6 +51,11 @@ _TAG_BYTES = MAX_NAME_BYTES - len(".") - len(STAGING_INFIX) - _LONGEST_SUFFIX  #
 _DIGEST_CHARS = 16
 SHORT_NAME_BYTES = 228
 """Names of at most this many bytes stand as themselves in hidden names; longer ones as a tag of 229-232 bytes."""
+
+
+def is_staging_name(name: str) -> bool:
+    """Whether ``name`` is one of the hidden siblings a save, a replace or a copy makes (of any checkpoint)."""
+    return name.startswith(".") and STAGING_INFIX in name
 
 
 def new_token() -> str:

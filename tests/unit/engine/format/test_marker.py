@@ -1,4 +1,5 @@
-"""The order at a marker's end: what a listing reads of each ``.commit`` to rank checkpoints (format/marker.py)."""
+"""The names inside a checkpoint directory (format/marker.py): which kind a listing is, which path names a marker, and
+the order at a marker's end (what a listing reads of each ``.commit`` to rank checkpoints)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ from hypothesis import strategies as st
 
 from lightning_dcp.engine.format.marker import (
     ORDER_TAIL_BYTES,
+    checkpoint_kind,
     encode_commit,
+    is_marker_path,
     order_at_end,
     parse_commit,
     run_of,
@@ -87,3 +90,34 @@ def test_the_order_is_read_from_the_last_key_not_from_names_inside_the_marker():
     data = encode_commit(metadata_bytes=b"m", files={}, order={"counter": 2, "step": 5}, index=index)
     assert json.loads(data)["order"] == {"counter": 2, "step": 5}
     assert order_at_end(data[-ORDER_TAIL_BYTES:]) == {"counter": 2, "step": 5}
+
+
+@pytest.mark.parametrize(
+    ("names", "kind"),
+    [
+        ({".commit", ".metadata", "__0_0.distcp"}, "dcp"),  # ours, committed
+        ({".metadata", "__0_0.distcp"}, "dcp"),  # dcp.save's own
+        ({".metadata", "__0_0.distcp", "meta.pt"}, "lightning"),  # Lightning's sharded strategies
+        ({"meta.pt"}, "lightning"),
+        ({"__0_0.distcp"}, None),  # an interrupted save of ours: no checkpoint (yet)
+        ({"model.safetensors", "config.json"}, None),
+        (set(), None),
+    ],
+)
+def test_a_listing_names_its_kind(names, kind):
+    assert checkpoint_kind(names) == kind
+
+
+@pytest.mark.parametrize(
+    ("path", "named"),
+    [
+        ("/runs/step=4.ckpt/.commit", True),
+        ("s3://bucket/runs/step=4.ckpt/.commit/", True),
+        (".commit", True),
+        ("/runs/step=4.ckpt", False),
+        ("/runs/.commit.ckpt", False),
+        ("/runs/x.commit", False),
+    ],
+)
+def test_a_marker_path_is_a_path_ending_in_the_marker(path, named):
+    assert is_marker_path(path) is named

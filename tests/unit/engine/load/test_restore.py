@@ -11,12 +11,12 @@ import os
 import pytest
 import torch
 
-from lightning_dcp.engine import INFO_KEY, Checkpointer, Location, probe, read_commit
+from lightning_dcp.engine import Checkpointer, Location, layout, probe, read_commit
 from lightning_dcp.errors import CorruptCheckpointError
 
 
 def _objects(loaded) -> dict:
-    return {k: v for k, v in loaded.objects.items() if k != INFO_KEY}
+    return {k: v for k, v in loaded.objects.items() if k != layout.INFO_KEY}
 
 
 def _saved(tmp_path) -> tuple[Checkpointer, str, dict]:

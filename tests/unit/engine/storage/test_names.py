@@ -21,6 +21,7 @@ from lightning_dcp.engine.storage.names import (
     MAX_NAME_BYTES,
     SHORT_NAME_BYTES,
     is_internal_name,
+    is_staging_name,
     is_staging_of,
     name_tag,
     new_token,
@@ -53,6 +54,7 @@ def test_every_hidden_name_fits_belongs_to_its_checkpoint_and_is_no_checkpoint_n
     assert _size(staging) <= MAX_NAME_BYTES and _size(snapshot) <= MAX_NAME_BYTES
     assert is_internal_name(staging) and is_internal_name(snapshot)  # listings skip them, no save may take them
     assert is_staging_of(staging, name) and staging[len(staging_prefix(name)) :] == token  # the token round-trips
+    assert is_staging_name(staging) and (name.startswith(".") or not is_staging_name(name))
     assert snapshot.startswith(snapshot_prefix(name)) and snapshot[len(snapshot_prefix(name)) :] == token[-12:]
     tag = name_tag(name)
     if _size(name) <= SHORT_NAME_BYTES:

@@ -29,19 +29,10 @@ ENGINES = ("stock", "ours")
 
 
 def _trainer(engine: str, dirpath: str, max_steps: int, callbacks: list[Any]) -> Any:
-    import lightning.pytorch as pl
+    from benchmarks.trainer_runs import make_trainer
 
-    return pl.Trainer(
-        strategy="dcp_ddp" if engine == "ours" else "ddp",
-        accelerator="cpu",
-        devices=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=dirpath,
-        max_steps=max_steps,
-        callbacks=callbacks,
-    )
+    strategy = "dcp_ddp" if engine == "ours" else "ddp"
+    return make_trainer(1, strategy=strategy, default_root_dir=dirpath, max_steps=max_steps, callbacks=callbacks)
 
 
 def _checkpointing(dirpath: str, every: int) -> Any:

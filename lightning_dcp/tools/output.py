@@ -78,7 +78,7 @@ def _what_is_there(out: Location) -> str:
         return "file"
     kinds = dict(out.entries(follow_links=False))
     names = set(kinds)
-    if out.checkpoint_kind() is not None:
+    if out.checkpoint_kind(names) is not None:
         return "checkpoint"
     ours = _INDEX in names and all(n == _INDEX or (_SHARD.match(n) and kinds[n] == "file") for n in names)
     return "sharded output" if ours else "directory"

@@ -129,12 +129,13 @@ class DCPModelCheckpoint(ModelCheckpoint):
         return None if found is None else found[0].url
 
     def latest_checkpoint(self, trainer: pl.Trainer) -> str | None:
-        """URL of the most recently committed checkpoint in ``dirpath`` (by its commit time), or ``None``.
+        """URL of the newest committed checkpoint in ``dirpath`` whose ``.commit`` is valid, or ``None``.
 
-        Rank 0 only.
+        Newest by the save order its ``.commit`` records, never a clock. Its data files are not checked
+        (`last_checkpoint` does). Rank 0 only.
         """
-        found = self._committed(trainer, self._directory(trainer))
-        return found[0][1].url if found else None
+        found = _catalog(trainer).newest_committed(self._directory(trainer))
+        return found[1].url if found else None
 
     def remove_incomplete(self, trainer: pl.Trainer) -> list[str]:
         """Delete checkpoints in ``dirpath`` whose save did not finish, and stale staging prefixes.

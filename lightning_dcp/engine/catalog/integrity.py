@@ -23,7 +23,14 @@ from lightning_dcp.engine.format.record_index import IndexEntry, disagreement, p
 from lightning_dcp.engine.storage.commit_reads import read_commit_orders
 from lightning_dcp.engine.storage.localfs import is_internal_name
 from lightning_dcp.engine.storage.location import Location, read_commit, unreadable
-from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, InvalidPathError, NotACheckpointError
+from lightning_dcp.errors import (
+    BucketNotFoundError,
+    CheckpointError,
+    CorruptCheckpointError,
+    InvalidPathError,
+    NotACheckpointError,
+    StorageUnavailableError,
+)
 
 __all__ = [
     "Committed",
@@ -225,9 +232,15 @@ def committed_checkpoints(directory: Location, *, whole: bool = True) -> list[Co
 
 
 def _whole_marker(location: Location) -> dict[str, Any] | CheckpointError | None:
-    """:func:`read_commit` of ``location``, its ``CheckpointError`` returned rather than raised."""
+    """:func:`read_commit` of ``location``, its ``CheckpointError`` returned rather than raised.
+
+    Raises:
+        StorageUnavailableError, BucketNotFoundError: The store, not this checkpoint (never an empty-looking listing).
+    """
     try:
         return read_commit(location)
+    except (StorageUnavailableError, BucketNotFoundError):
+        raise
     except CheckpointError as err:
         return err
 

@@ -175,7 +175,7 @@ def designated(location: Location) -> Location:
     for url in candidates(location):
         candidate = Location(url, storage_options=location.storage_options)
         try:
-            if candidate.isdir() and not candidate.is_lightning_sharded():
+            if candidate.isdir() and (candidate.is_committed() or not candidate.is_lightning_sharded()):
                 check_checkpoint(candidate)
         except CheckpointError as err:
             failures.append((url, err))

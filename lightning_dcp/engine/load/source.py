@@ -41,7 +41,7 @@ from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError, NotACheckpointError, checkpoint_not_found
 
 __all__ = ["Source", "TensorEntry"]
-"""The non-tensor state file of Lightning's own sharded checkpoints."""
+
 _LIGHTNING_FSDP_MODEL_KEY = "model"
 _LIGHTNING_OPTIMIZER = re.compile(r"optimizer_(\d+)")
 

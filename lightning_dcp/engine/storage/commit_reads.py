@@ -13,9 +13,11 @@ from lightning_dcp.engine.format.marker import (
     parse_commit,
 )
 from lightning_dcp.errors import (
+    BucketNotFoundError,
     CheckpointError,
     CorruptCheckpointError,
     StorageAccessError,
+    StorageUnavailableError,
 )
 
 __all__ = ["permission_message", "read_commit", "read_commit_orders", "unreadable"]
@@ -59,7 +61,8 @@ def read_commit_orders(directory: Any, names: list[str]) -> list[dict[str, Any] 
     damaged before its end is not seen here: whatever loads the checkpoint reads its marker whole and refuses it then.
 
     Raises:
-        CheckpointError: The store as a whole cannot be read (unreachable, credentials refused, no such bucket).
+        CheckpointError: The store as a whole cannot be read (unreachable, credentials refused, no such bucket):
+            a listing that looked empty would let ``ckpt_path="last"`` start from scratch.
     """
     ends = directory.read_ends([f"{name}/{COMMIT_FILE}" for name in names], ORDER_TAIL_BYTES)
     out: list[dict[str, Any] | CheckpointError | None] = []
@@ -76,6 +79,8 @@ def read_commit_orders(directory: Any, names: list[str]) -> list[dict[str, Any] 
             continue
         try:
             out.append(read_commit(directory.child(name)))
+        except (StorageUnavailableError, BucketNotFoundError):
+            raise  # the store, not this checkpoint: never a listing that looks empty
         except CheckpointError as err:  # this marker only (malformed, refused): the caller skips it
             out.append(err)
     return out

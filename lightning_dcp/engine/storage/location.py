@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import fsspec
@@ -164,12 +164,17 @@ class Location(Pointers):
         """The URL of this checkpoint's ``.commit`` marker (no I/O)."""
         return self.url.rstrip("/") + "/" + COMMIT_FILE
 
-    def checkpoint_kind(self) -> str | None:
+    def checkpoint_kind(self, names: Collection[str] | None = None) -> str | None:
         """``"dcp"``, ``"lightning"`` or ``None``: what this directory's entries make it.
 
-        One listing; see :func:`~lightning_dcp.engine.format.marker.checkpoint_kind`. ``None`` for nothing there.
+        See :func:`~lightning_dcp.engine.format.marker.checkpoint_kind`. ``None`` for nothing there.
+
+        Args:
+            names: The directory's entries, when the caller listed them already; by default one listing.
         """
-        return checkpoint_kind({name for name, _ in self.entries(follow_links=False)})
+        if names is None:
+            names = {name for name, _ in self.entries(follow_links=False)}
+        return checkpoint_kind(names)
 
     def download(self, local_path: str) -> None:
         """Copy this committed checkpoint's files (those its ``.commit`` names) into the local directory ``local_path``.
@@ -184,9 +189,8 @@ class Location(Pointers):
         if marker is None:
             raise NotACheckpointError(f"{self.url!r} has no {COMMIT_FILE!r} marker: it is no committed checkpoint.")
         os.makedirs(local_path, exist_ok=True)
-        with self._translated():
-            for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:
-                self.fs.get_file(self.join(name), os.path.join(local_path, name))
+        for name in [COMMIT_FILE, METADATA_FILE, *marker["files"]]:  # the server's own errors: a 404 names the URL
+            self.fs.get_file(self.join(name), os.path.join(local_path, name))
 
     def open(self, name: str | None = None, mode: str = "rb") -> Any:
         """Open this path (or ``name`` inside it) as a binary file object; writing creates local parents.
@@ -247,8 +251,8 @@ class Location(Pointers):
         with a negative start: a suffix range, no size lookup first); where its library takes no suffix range
         (adlfs), and in a local directory, file by file. A file that cannot be read gives its ``OSError`` in its
         place (``FileNotFoundError`` when it is absent), a local one that is no regular file (a FIFO) its
-        ``CorruptCheckpointError``; a failure of the store as a whole is raised (as a ``CheckpointError`` naming the
-        fix).
+        ``CorruptCheckpointError``; any other failure of the store is raised (as a ``CheckpointError`` naming the
+        fix where it is one the library recognises).
         """
         found: list[Any] = [None] * len(names)
         if not self.local and type(self.fs) not in _NO_SUFFIX_RANGES:
@@ -259,18 +263,24 @@ class Location(Pointers):
             if isinstance(got, (bytes, OSError)):
                 out.append(got)
                 continue
-            if isinstance(got, Exception):
-                _NO_SUFFIX_RANGES.add(type(self.fs))  # read file by file from now on (its errors are raised there)
             try:
-                with self.open(name) as f:
+                if self.local:
+                    f = self.open(name)  # refuses a FIFO, a socket or a device
+                else:
+                    f = self.fs.open(self.join(name), "rb")
+                with f:
                     f.seek(max(0, f.seek(0, 2) - nbytes))
                     out.append(f.read(nbytes))
             except CheckpointError as err:
-                if not self.local:
-                    raise  # the store's refusal or outage, named
                 out.append(err)  # this file only: a FIFO, a socket, a device where a marker should be
             except OSError as err:
-                out.append(err)
+                out.append(err)  # absent, or unreadable: the caller reads it whole, which names why
+            except Exception:
+                with self._translated():
+                    raise  # the store's refusal or outage, named
+            else:
+                if isinstance(got, (ValueError, NotImplementedError, TypeError)):
+                    _NO_SUFFIX_RANGES.add(type(self.fs))  # the range was refused, the file is fine: no more tries
         return out
 
     def sizes(self) -> dict[str, int]:

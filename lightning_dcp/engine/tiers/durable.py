@@ -18,8 +18,9 @@ from torch.distributed.checkpoint.metadata import Metadata
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.integrity import newest_valid as newest_valid_of
 from lightning_dcp.engine.catalog.lookup import candidates as one_tier_candidates
-from lightning_dcp.engine.storage.location import Location
+from lightning_dcp.engine.storage.location import Location, read_commit
 from lightning_dcp.engine.tiers.local import Tiers
+from lightning_dcp.errors import BucketNotFoundError, CheckpointError, StorageUnavailableError
 
 __all__ = ["DurableCatalog"]
 
@@ -55,6 +56,25 @@ class DurableCatalog:
         if self.tiers is None:
             return committed_checkpoints(directory, whole=False)
         return self.tiers.known_checkpoints(directory, wait=wait)
+
+    def newest_committed(self, directory: Location) -> tuple[tuple, Location] | None:
+        """The newest of :meth:`checkpoints` whose ``.commit`` reads whole and valid, ``(order key, checkpoint)``.
+
+        :meth:`checkpoints` ranks by the order at each marker's end; a marker damaged before it is passed over here
+        (its data is not read: :meth:`newest_valid` checks that too). ``None`` when there is none.
+
+        Raises:
+            StorageUnavailableError, BucketNotFoundError: The store cannot be read.
+        """
+        for key, location in self.checkpoints(directory):
+            try:
+                if read_commit(location) is not None:
+                    return key, location
+            except (StorageUnavailableError, BucketNotFoundError):
+                raise
+            except CheckpointError:
+                continue
+        return None
 
     def newest_valid(self, directory: Location) -> tuple[Location, Metadata] | None:
         """The newest of :meth:`checkpoints` that passes the fast checks of every load, with its metadata; ``None``."""

@@ -206,11 +206,11 @@ class MemoryRoute:
         if directory is None:
             return None
         try:
-            found = self.catalog.checkpoints(directory)
+            found = self.catalog.newest_committed(directory)  # a marker damaged before its end does not outrank memory
         except CheckpointError as err:
             rank_zero_warn(f"lightning_dcp: the durable tiers of {directory.url!r} cannot be listed ({err}).")
             return None
-        return found[0][0] if found else None
+        return found[0] if found else None
 
 
 def _named(err: Exception, into: str, shown: str) -> Exception:

@@ -117,3 +117,45 @@ def test_on_s3_the_ends_come_from_one_ranged_request_each(s3_bucket):
     ranked = [(key, c.name, entry.run) for entry in committed_checkpoints(directory, whole=False) for key, c in [entry]]
     assert [name for _, name, _ in ranked] == ["step=5.ckpt", "step=7.ckpt", "step=2.ckpt"]  # the save counter first
     assert ranked == [(key, c.name, entry.run) for entry in committed_checkpoints(directory) for key, c in [entry]]
+
+
+def test_where_suffix_ranges_are_refused_the_markers_are_read_one_by_one(s3_server, s3_bucket):
+    import fsspec
+
+    from lightning_dcp.engine.storage import location as location_module
+
+    _, options = s3_bucket
+    bucket = "bucket-" + s3_server.new_bucket()[2:]  # "bucket" in its name: a missing marker is never a missing bucket
+    fsspec.filesystem("s3", **options).mkdir(bucket)
+    url = f"s3://{bucket}/run"
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
+
+    checkpointer = Checkpointer(CheckpointerConfig(storage_options=options))
+    for step in (3, 4):
+        checkpointer.save({"state_dict": {"w": torch.full((8,), float(step))}}, f"{url}/s{step}", step=step)
+    fsspec.filesystem("s3", **options).pipe(f"{bucket}/run/unfinished/__0_0.distcp", b"x" * 10)  # no marker yet
+    directory = Location(url, storage_options=options)
+    fs_class = type(directory.fs)
+    location_module._NO_SUFFIX_RANGES.add(fs_class)  # as after adlfs refused one: the file-by-file path
+    try:
+        found = read_commit_orders(directory, ["s3", "s4", "unfinished"])
+    finally:
+        location_module._NO_SUFFIX_RANGES.discard(fs_class)
+    assert found[2] is None
+    assert [f["order"]["step"] for f in found[:2]] == [3, 4]
+
+
+def test_a_store_that_goes_away_after_the_listing_is_an_error_not_an_empty_listing(s3_server_factory):
+    from lightning_dcp import StorageUnavailableError
+    from lightning_dcp.engine import Checkpointer, CheckpointerConfig
+
+    server = s3_server_factory()
+    options = server.storage_options()
+    url = f"s3://{server.new_bucket()}/run"
+    checkpointer = Checkpointer(CheckpointerConfig(storage_options=options))
+    checkpointer.save({"state_dict": {"w": torch.ones(8)}}, f"{url}/s1", step=1)
+    directory = Location(url, storage_options=options)
+    assert [name for name, _ in directory.entries()] == ["s1"]
+    server.kill()
+    with pytest.raises(StorageUnavailableError):
+        read_commit_orders(directory, ["s1"])  # "last" must not start from scratch while the store is down

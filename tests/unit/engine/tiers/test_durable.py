@@ -19,6 +19,22 @@ def _tree(value: float) -> dict:
     return {"state_dict": {"w": torch.full((8, 3), value)}}
 
 
+def test_a_marker_damaged_before_its_end_is_ranked_but_never_the_newest_committed(tmp_path):
+    checkpointer = Checkpointer()
+    for step in (1, 2):
+        checkpointer.save(_tree(step), str(tmp_path / f"step-{step}"), step=step)
+    marker = tmp_path / "step-2" / ".commit"
+    data = marker.read_bytes()
+    at = data.index(b'"records": [[') + len(b'"records": [[')
+    marker.write_bytes(data[:at] + (b"1" if data[at : at + 1] != b"1" else b"2") + data[at + 1 :])  # not resealed
+    directory = Location(str(tmp_path))
+    catalog = checkpointer.catalog
+    assert [loc.name for _, loc in catalog.checkpoints(directory)] == ["step-2", "step-1"]  # ranked by the end
+    key, newest = catalog.newest_committed(directory)  # the memory tier and latest_checkpoint compare with this one
+    assert newest.name == "step-1" and key == catalog.checkpoints(directory)[1][0]
+    assert catalog.newest_valid(directory)[0].name == "step-1"
+
+
 def test_a_directory_lists_newest_first_and_the_newest_whole_one_is_chosen(tmp_path):
     checkpointer = Checkpointer()
     for step in (1, 2, 3):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from lightning_dcp.engine.save.when_busy import WHEN_BUSY
@@ -94,6 +95,20 @@ class CheckpointerConfig:
     """A memory tier ([`MemoryTier`][lightning_dcp.MemoryTier]): saves inside ``Checkpointer.into_memory`` go to host
     shared memory (what Fabric's strategies and the Trainer's ``MemoryCheckpoint`` make of it is in their own
     documentation)."""
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> CheckpointerConfig:
+        """The config of the options among ``arguments`` (by field name; other names are ignored).
+
+        What a front end's ``__init__`` hands over: ``CheckpointerConfig.of(locals())``. Each front end names the
+        options it offers in its own signature (for its users, its docs and LightningCLI); their values reach the
+        engine by name here, in one place, so an option added to a signature cannot be left out of the config.
+
+        Raises:
+            ValueError: As the constructor (a bad ``thread_count``, ``when_busy``, ``local_dir`` or ``local_keep``).
+        """
+        names = {field.name for field in dataclasses.fields(cls)}
+        return cls(**{name: value for name, value in arguments.items() if name in names})
 
     def __post_init__(self) -> None:
         if self.local_dir is not None:

@@ -99,17 +99,7 @@ class DCPStrategyMixin:
         **kwargs: Any,
     ) -> None:
         self._refuse_plugin(kwargs.pop("checkpoint_io", None))
-        self.checkpointer = Checkpointer(
-            CheckpointerConfig(
-                storage_options=storage_options,
-                thread_count=thread_count,
-                sync_files=sync_files,
-                async_save=async_save,
-                defer_staging=defer_staging,
-                when_busy=when_busy,
-                memory=memory,
-            )
-        )
+        self.checkpointer = Checkpointer(CheckpointerConfig.of(locals()))  # every option of this signature, by name
         """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
         self._preemption = Preemption()
         super().__init__(*args, **kwargs)

@@ -77,17 +77,7 @@ class DCPCheckpointIO(CheckpointIO):
         incremental: bool = False,
     ) -> None:
         check_storage_options(storage_options)
-        self._config = CheckpointerConfig(
-            storage_options=storage_options,
-            thread_count=thread_count,
-            sync_files=sync_files,
-            async_save=async_save,
-            defer_staging=defer_staging,
-            when_busy=when_busy,
-            local_dir=local_dir,
-            local_keep=local_keep,
-            incremental=incremental,
-        )
+        self._config = CheckpointerConfig.of(locals())  # every option of this signature, by name
         self.checkpointer = Checkpointer(self._config)
         """The engine that does the work (``lightning_dcp.engine.checkpointer.Checkpointer``)."""
 

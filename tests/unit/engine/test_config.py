@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 
 import pytest
 
-from lightning_dcp import DCPCheckpointIO
+from lightning_dcp import DCPCheckpointIO, MemoryTier
 from lightning_dcp.engine import Checkpointer, CheckpointerConfig
 from lightning_dcp.engine.tiers import Tiers
+from lightning_dcp.fabric import DCPDDPStrategy, DCPSingleDeviceStrategy, DCPStrategyMixin
 
 
 def test_the_config_is_keyword_only_and_frozen():
@@ -62,3 +64,28 @@ def test_the_trainer_plugin_builds_its_engine_from_a_config(tmp_path):
     io = DCPCheckpointIO(thread_count=2, local_dir=tmp_path / "fast", local_keep=3, incremental=True)
     assert io.checkpointer.thread_count == 2
     assert io.checkpointer.tiers.keep == 3 and io.checkpointer.incremental is not None
+
+
+@pytest.mark.parametrize("front_end", [DCPCheckpointIO, DCPSingleDeviceStrategy, DCPDDPStrategy])
+def test_every_option_a_front_end_offers_reaches_its_engine(front_end, tmp_path):
+    not_default = {
+        "storage_options": {"use_listings_cache": False},
+        "thread_count": 3,
+        "sync_files": False,
+        "async_save": True,
+        "defer_staging": False,
+        "when_busy": "skip",
+        "local_dir": str(tmp_path / "fast"),
+        "local_keep": 5,
+        "incremental": True,
+        "memory": MemoryTier(str(tmp_path / "memory")),
+    }
+    fields = {field.name for field in dataclasses.fields(CheckpointerConfig)}
+    assert set(not_default) == fields  # a new option gets a value here
+    declared = DCPStrategyMixin.__init__ if issubclass(front_end, DCPStrategyMixin) else front_end.__init__
+    offered = [name for name in inspect.signature(declared).parameters if name in fields]
+    assert len(offered) >= 7  # the six options both front ends share, and each one's own
+    config = front_end(**{name: not_default[name] for name in offered}).checkpointer.config
+    for name in fields:
+        expected = not_default[name] if name in offered else getattr(CheckpointerConfig(), name)
+        assert getattr(config, name) == expected, name

@@ -7,6 +7,13 @@ every Python call into ``lightning_dcp/engine``. A call *enters* a room (``engin
 ``sites`` (distinct caller function -> callee function pairs among them) and ``files`` (its files the resume ran), and
 the room order of the walk with repeats folded (``A B A`` stays, ``A A B`` is ``A B``).
 
+The walk counts every visit, also a room's value objects used from above (a ``Location``'s property read by the
+catalog is a visit to ``storage``). The call stack shows the layering instead: ``stack_runs`` gives, per room, the
+most separate runs of its frames in any one call stack of the resume (frames outside the engine skipped). A room
+below calling back up into a room above it (a callback, a method of the caller handed down) shows as 2 runs of
+the upper room; a strictly layered path has 1 everywhere. ``stack_back`` names the call stacks (as room sequences)
+where some room has more than one run.
+
     python -m benchmarks.resume_walk > walk.json
 """
 
@@ -40,14 +47,35 @@ def trace(run: Any) -> dict[str, Any]:
     sites: dict[str, set] = collections.defaultdict(set)
     files: dict[str, set] = collections.defaultdict(set)
     walk: list[str] = []
+    stack: list[str] = []  # the engine rooms of the frames on the call stack, innermost last, repeats folded
+    depth: list[int] = []  # how many frames of stack[-1]'s run are on the stack
+    runs: collections.Counter[str] = collections.Counter()
+    back: set[tuple[str, ...]] = set()
 
     def profile(frame: Any, event: str, _: Any) -> None:
+        if event == "return":
+            if room(frame.f_code.co_filename) is not None and depth:
+                depth[-1] -= 1
+                if not depth[-1]:
+                    depth.pop()
+                    stack.pop()
+            return
         if event != "call":
             return
         code = frame.f_code
         callee = room(code.co_filename)
         if callee is None:
             return
+        if stack and stack[-1] == callee:
+            depth[-1] += 1
+        else:
+            stack.append(callee)
+            depth.append(1)
+            counts = collections.Counter(stack)
+            for name, n in counts.items():
+                runs[name] = max(runs[name], n)
+            if max(counts.values()) > 1:
+                back.add(tuple(stack))
         caller_frame = frame.f_back
         caller = room(caller_frame.f_code.co_filename) if caller_frame is not None else None
         files[callee].add(os.path.basename(code.co_filename))
@@ -71,13 +99,13 @@ def trace(run: Any) -> dict[str, Any]:
         "rooms": {r: {"entries": entries[r], "sites": len(sites[r]), "files": sorted(files[r])} for r in rooms},
         "walk_length": len(walk),
         "walk_visits": dict(collections.Counter(walk).most_common()),
+        "stack_runs": dict(runs.most_common()),
+        "stack_back": sorted(" > ".join(s) for s in back),
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Save once, trace one resume, print the result as JSON with its commit, date, machine and command."""
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.resume_walk", description=__doc__)
-    parser.parse_args(argv)
+def traced_resume(directory: str) -> dict[str, Any]:
+    """Save once under ``directory`` and trace one resume of it (see the module's text); the trace and the step."""
     import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -86,25 +114,33 @@ def main(argv: list[str] | None = None) -> int:
     import lightning_dcp  # noqa: F401  (registers the dcp_* strategies)
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+
+    def trainer(**kwargs: Any) -> pl.Trainer:
+        return pl.Trainer(
+            strategy="dcp_ddp",
+            accelerator="cpu",
+            devices=1,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            default_root_dir=directory,
+            **kwargs,
+        )
+
+    torch.manual_seed(0)
+    trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)]).fit(BoringModel())
+    resumed = trainer(max_steps=3, enable_checkpointing=False)
+    result = trace(lambda: resumed.fit(BoringModel(), ckpt_path=os.path.join(directory, "last.ckpt")))
+    result["resumed_step"] = resumed.global_step
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Save once, trace one resume, print the result as JSON with its commit, date, machine and command."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.resume_walk", description=__doc__)
+    parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-
-        def trainer(**kwargs: Any) -> pl.Trainer:
-            return pl.Trainer(
-                strategy="dcp_ddp",
-                accelerator="cpu",
-                devices=1,
-                logger=False,
-                enable_progress_bar=False,
-                enable_model_summary=False,
-                default_root_dir=tmp,
-                **kwargs,
-            )
-
-        torch.manual_seed(0)
-        trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=tmp, save_last=True)]).fit(BoringModel())
-        resumed = trainer(max_steps=3, enable_checkpointing=False)
-        result = trace(lambda: resumed.fit(BoringModel(), ckpt_path=os.path.join(tmp, "last.ckpt")))
-        result["resumed_step"] = resumed.global_step
+        result = traced_resume(tmp)
     print(json.dumps({**stamp(argv), **result}, indent=1))
     return 0
 

@@ -380,7 +380,7 @@ class Checkpointer:
         )
         with parsed_meanwhile_forgotten():  # the parsed metadata dies with the collector paused
             if checked is not None:
-                loaded = load_one(self.location(checked.url), collective=collective, checked=checked, **options)
+                loaded = load_one(location.at(checked.url), collective=collective, checked=checked, **options)
             elif self.memory_route is not None and self.memory_route.covers(location):
                 loaded = self.memory_route.load_newest(location, collective=collective, **options)
             else:
@@ -425,7 +425,7 @@ class Checkpointer:
         """
         urls = on_rank0(collective, lambda: self.catalog.candidates(location))
         prefetched, self._prefetched = self._prefetched, None
-        return load_first(location, urls, self.location, prefetched=prefetched, collective=collective, **options)
+        return load_first(location, urls, prefetched=prefetched, collective=collective, **options)
 
     # --------------------------------------------------------------------------------------------- remove
     def remove(self, path: str | os.PathLike, *, collective: bool = False) -> None:

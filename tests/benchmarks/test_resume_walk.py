@@ -21,3 +21,5 @@ def test_a_traced_call_counts_the_rooms_it_enters(tmp_path):
     assert storage["entries"] == 6  # each Location(...) and each .child(...) entered from this test
     assert storage["sites"] == 2 and "location.py" in storage["files"]
     assert result["walk_visits"] == {"engine/storage": 1}  # one room, visited once with repeats folded
+    assert result["stack_runs"] == {"engine/storage": 1}  # child() calls Location() inside the same room
+    assert result["stack_back"] == []

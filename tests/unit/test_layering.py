@@ -70,3 +70,23 @@ def test_a_protocol_names_a_role_and_never_shadows_a_class():
         if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name)
     ]
     assert shadows == [] and attributes == []
+
+
+def test_a_resume_calls_down_and_calls_back_only_for_rank0s_decision(tmp_path):
+    """From ``fit(ckpt_path=...)`` to the bytes, each call stack enters an engine room at most twice.
+
+    A room below calling back up (a method of the caller handed down, as ``load`` once called the checkpointer's
+    ``location``) shows as a second run of the upper room in one call stack. The one allowed: ``dist.on_rank0``,
+    which runs its caller's decision on rank 0 and hands every rank the result (as DCP's ``_DistWrapper`` does).
+    """
+    from benchmarks.resume_walk import traced_resume
+
+    result = traced_resume(str(tmp_path))
+    assert result["resumed_step"] == 3
+    assert {"engine/checkpointer.py", "engine/load", "engine/catalog", "engine/storage"} <= set(result["stack_runs"])
+    assert max(result["stack_runs"].values()) <= 2, result["stack_runs"]
+    for line in result["stack_back"]:
+        rooms = line.split(" > ")
+        for i, name in enumerate(rooms):
+            if name in rooms[:i]:
+                assert rooms[i - 1] == "engine/dist.py", line

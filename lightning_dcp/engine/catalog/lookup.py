@@ -170,10 +170,10 @@ def designated(location: Location) -> Location:
         NotACheckpointError: A ``last`` entry with no loadable checkpoint beside it (the message lists what failed).
     """
     if not designates_last(location):
-        return Location(candidates(location)[0], storage_options=location.storage_options)
+        return location.at(candidates(location)[0])
     failures: list[tuple[str, CheckpointError]] = []
     for url in candidates(location):
-        candidate = Location(url, storage_options=location.storage_options)
+        candidate = location.at(url)
         try:
             if candidate.isdir() and (candidate.is_committed() or not candidate.is_lightning_sharded()):
                 check_checkpoint(candidate)

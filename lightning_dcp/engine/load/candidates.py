@@ -8,7 +8,7 @@ on any rank is passed over on every rank, with a warning naming it once a later 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -24,7 +24,6 @@ __all__ = ["load_first"]
 def load_first(
     location: Location,
     urls: Sequence[str],
-    location_of: Callable[[str], Location],
     *,
     prefetched: str | None,
     collective: bool,
@@ -32,8 +31,8 @@ def load_first(
 ) -> Loaded:
     """Load the first of ``urls`` (the checkpoints ``location`` designates, newest first) that loads on every rank.
 
-    ``location_of`` makes the :class:`~lightning_dcp.engine.storage.location.Location` of a URL (with the caller's
-    storage options); ``prefetched`` is the local directory a page-cache prefetch already read (``None``: none).
+    Each URL is opened with ``location``'s storage options; ``prefetched`` is the local directory a page-cache
+    prefetch already read (``None``: none).
     ``options`` are :func:`~lightning_dcp.engine.load.restore.load_one`'s.
 
     Collective: call on all ranks when ``collective=True``.
@@ -47,7 +46,7 @@ def load_first(
     for url in urls:
         loaded, failure = None, None
         try:
-            candidate = location_of(url)
+            candidate = location.at(url)
             fetched = candidate.local and os.path.realpath(candidate.path) == prefetched
             loaded = load_one(candidate, collective=collective, prefetch=not fetched, resolved=True, **options)
         except StateDictMismatchError:

@@ -131,7 +131,7 @@ def load_one(
             probed.append(probe(location, indexed=indexed, resolve=not resolved))
             records = probed[0].records
             if records is not None and prefetching:  # the disk reads while the ranks plan
-                where = Location(probed[0].url, storage_options=location.storage_options).path
+                where = location.at(probed[0].url).path
                 page_cache.prefetch(where, ends=lambda: record_ends(records))
             return dataclasses.replace(probed[0], metadata=None, records=None)
 
@@ -147,7 +147,7 @@ def load_one(
                     page_cache.prefetch(location.path, ends=lambda: record_ends(ahead))
             found = on_rank0(collective, rank0)
         if not node_local:
-            location = Location(found.url, storage_options=location.storage_options)
+            location = location.at(found.url)
         if found.kind == "file":
             objects = load_file(location, map_location=map_location, weights_only=weights_only)
             return Loaded(url=location.url, kind="file", tree={}, objects=objects)

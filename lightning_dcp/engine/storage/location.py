@@ -116,9 +116,13 @@ class Location(Pointers):
         """The fsspec path (no protocol) of ``name`` inside this location."""
         return self.path.rstrip("/") + "/" + name
 
+    def at(self, url: str | os.PathLike) -> Location:
+        """The location ``url`` (another checkpoint, another store's path) with this one's storage options."""
+        return Location(url, storage_options=self.storage_options)
+
     def child(self, name: str) -> Location:
         """The location ``name`` inside this one (same protocol and options)."""
-        return Location(self.url.rstrip("/") + "/" + name, storage_options=self.storage_options)
+        return self.at(self.url.rstrip("/") + "/" + name)
 
     def exists(self) -> bool:
         """Whether anything (file, directory or link) exists at this path.
@@ -297,12 +301,12 @@ class Location(Pointers):
     def parent(self) -> Location:
         """The directory holding this path (same protocol and options)."""
         url = self.url.rstrip("/")
-        return Location(url.rsplit("/", 1)[0] if "/" in url else ".", storage_options=self.storage_options)
+        return self.at(url.rsplit("/", 1)[0] if "/" in url else ".")
 
     def sibling(self, name: str) -> Location:
         """The location named ``name`` in the same parent directory (same protocol and options)."""
         parent = self.url.rstrip("/").rsplit("/", 1)[0] if "/" in self.url.rstrip("/") else "."
-        return Location(parent + "/" + name, storage_options=self.storage_options)
+        return self.at(parent + "/" + name)
 
     @property
     def name(self) -> str:

@@ -286,7 +286,7 @@ class NodeDisks:
         if error is None and url is None:
             return self._uploaded(name)  # committed there already
         if error is None:
-            target = Location(url, storage_options=remote.storage_options)
+            target = remote.at(url)
             failed = [e for e in self.tier.gather(self._put_own(target, name, parsed)) if e is not None]
             error = "; ".join(failed) or None
             if topology.rank == 0:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from typing import Any
 
 from lightning_dcp._cli import parse_storage_options, run_cli
-from lightning_dcp.engine import Location, check_checkpoint, designated, read_commit, verify_checkpoint
-from lightning_dcp.tools.progress import ReadCounter, progress_bar
+from lightning_dcp.engine import Location, designated, verify_checkpoint
+from lightning_dcp.tools.progress import BarCallback
 
 __all__ = ["main", "verify_checkpoint"]
 
@@ -34,9 +33,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     def run() -> int:
         options = parse_storage_options(args.storage_options)
         location = designated(Location(args.checkpoint, storage_options=options))  # "last": the newest valid one
-        verify_checkpoint(location.url, full=False, storage_options=options)  # the checks that need no data read
-        if not args.fast:
-            _read_every_record(location, progress=args.progress)
+        bar = BarCallback(args.progress, desc=location.name)
+        try:  # the fast checks first (they run before every load), then every record against its checksum
+            verify_checkpoint(location.url, full=not args.fast, storage_options=options, progress=bar)
+        finally:
+            bar.close()
         shown = (
             args.checkpoint if location.url == args.checkpoint else f"{location.url} (designated by {args.checkpoint})"
         )
@@ -44,31 +45,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
 
     return run_cli(run)
-
-
-def _read_every_record(location: Location, *, progress: bool | None) -> None:
-    """``verify_checkpoint(path, full=True)``'s pass over every record, with a progress bar over their bytes."""
-    marker = read_commit(location) or {"files": {}}
-    total = sum(record[1] for entry in marker["files"].values() for record in entry["records"])
-    bar = progress_bar(total, progress, desc=location.name)
-    try:
-        check_checkpoint(_Counted(location, bar, names=set(marker["files"])), full=True)
-    finally:
-        bar.close()
-
-
-class _Counted:
-    """``location`` whose opened data files (``names``) count what is read from them on ``bar``."""
-
-    def __init__(self, location: Location, bar: Any, *, names: set[str]) -> None:
-        self._location, self._bar, self._names = location, bar, names
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._location, name)
-
-    def open(self, name: str | None = None, mode: str = "rb") -> Any:
-        file = self._location.open(name, mode)
-        return ReadCounter(file, self._bar) if name in self._names else file
 
 
 if __name__ == "__main__":

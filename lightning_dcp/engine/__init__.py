@@ -20,7 +20,7 @@ imports them. The rooms, each importing only the ones below it:
   :mod:`~lightning_dcp.engine.signal_watch` (a rank stuck in a C call when a signal comes).
 """
 
-from lightning_dcp.engine.catalog.integrity import check_checkpoint, committed_checkpoints
+from lightning_dcp.engine.catalog.integrity import committed_checkpoints
 from lightning_dcp.engine.catalog.lookup import designated, designates_last, source_of, verify_checkpoint
 from lightning_dcp.engine.catalog.metadata import parsed_meanwhile_forgotten
 from lightning_dcp.engine.checkpointer import Checkpointer
@@ -44,8 +44,7 @@ from lightning_dcp.engine.save.dcp_io import storage_writer
 from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
 from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
-from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token, read_commit
-from lightning_dcp.engine.storage.names import is_staging_name, is_staging_of
+from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
 
@@ -63,7 +62,6 @@ __all__ = [
     "TensorEntry",
     "add_safe_globals",
     "canonical_url",
-    "check_checkpoint",
     "check_storage_options",
     "committed_checkpoints",
     "designated",
@@ -74,8 +72,6 @@ __all__ = [
     "init_strategy_attempt_group",
     "is_marker_path",
     "is_missing_credentials",
-    "is_staging_name",
-    "is_staging_of",
     "layout",
     "guarded_load",
     "new_token",
@@ -85,7 +81,6 @@ __all__ = [
     "probe",
     "rank_and_world",
     "read_torch_file",
-    "read_commit",
     "save_metrics",
     "single_process_ok",
     "source_of",

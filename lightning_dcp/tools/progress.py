@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import sys
-from typing import IO, Any
+from typing import Any
 
-__all__ = ["ReadCounter", "progress_bar"]
+__all__ = ["BarCallback", "progress_bar"]
 
 
 class _NoBar:
@@ -33,28 +33,22 @@ def progress_bar(total: int, enabled: bool | None, *, desc: str) -> Any:
     return tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, file=sys.stderr)
 
 
-class ReadCounter:
-    """A binary file whose ``read`` calls advance ``bar`` by the bytes they return (seek, close, ``with`` pass on)."""
+class BarCallback:
+    """A ``progress(bytes, total)`` callback (as ``verify_checkpoint`` calls it) drawing a :func:`progress_bar`.
 
-    def __init__(self, file: IO[bytes], bar: Any) -> None:
-        self._file, self._bar = file, bar
+    The bar opens on the first call, over the ``total`` bytes that call gives; :meth:`close` closes it.
+    """
 
-    def read(self, size: int = -1) -> bytes:
-        """Read as the file does, and count the bytes."""
-        data = self._file.read(size)
-        self._bar.update(len(data))
-        return data
+    def __init__(self, enabled: bool | None, *, desc: str) -> None:
+        self._enabled, self._desc, self._bar = enabled, desc, None
 
-    def seek(self, offset: int, whence: int = 0) -> int:
-        """Seek as the file does."""
-        return self._file.seek(offset, whence)
+    def __call__(self, nbytes: int, total: int) -> None:
+        """Advance the bar by ``nbytes`` (of ``total``)."""
+        if self._bar is None:
+            self._bar = progress_bar(total, self._enabled, desc=self._desc)
+        self._bar.update(nbytes)
 
     def close(self) -> None:
-        """Close the file."""
-        self._file.close()
-
-    def __enter__(self) -> ReadCounter:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+        """Close the bar, if it was opened."""
+        if self._bar is not None:
+            self._bar.close()

@@ -36,8 +36,6 @@ from lightning_dcp._compat import lightning_run
 from lightning_dcp.engine import (
     Location,
     canonical_url,
-    is_staging_name,
-    is_staging_of,
 )
 from lightning_dcp.engine.tiers import DurableCatalog, Tiers
 from lightning_dcp.trainer.checkpoint_io import DCPCheckpointIO
@@ -153,38 +151,16 @@ class DCPModelCheckpoint(ModelCheckpoint):
         if tiers is not None and tiers.mirrors(directory):  # remote calls belong to the uploader, off the loop
 
             def clean() -> None:
-                removed = self._remove_incomplete_in(directory, tiers.pending())
+                removed = directory.remove_incomplete(self.FILE_EXTENSION, busy=tiers.pending())
                 if removed:
                     log.info("lightning_dcp: removed incomplete checkpoint(s) from %s: %s", directory.url, removed)
 
             tiers.defer(clean, what=f"clean-up of {directory.url}")
             return tiers.remove_incomplete()
         removed = tiers.remove_incomplete() if tiers is not None else []
-        return removed + self._remove_incomplete_in(directory, tiers.pending() if tiers is not None else set())
-
-    def _remove_incomplete_in(self, directory: Location, uploading: set[str]) -> list[str]:
-        removed = []
-        for name, kind in sorted(directory.entries()):
-            if kind != "directory" or not name.endswith(self.FILE_EXTENSION) or name.startswith("."):
-                continue
-            if name in uploading:
-                continue
-            location = directory.child(name)
-            if location.is_committed():
-                continue
-            rolled = location.resolve()
-            if rolled.url != location.url:
-                location.commit_from(rolled)
-            else:
-                location.remove()
-                removed.append(location.url)
-        for name, kind in sorted(directory.entries()):
-            if kind == "directory" and is_staging_name(name):
-                if any(is_staging_of(name, busy) for busy in uploading):
-                    continue
-                directory.child(name).remove()
-                removed.append(directory.child(name).url)
-        return removed
+        return removed + directory.remove_incomplete(
+            self.FILE_EXTENSION, busy=tiers.pending() if tiers is not None else ()
+        )
 
     # --------------------------------------------------------------------------------------------- overrides
     @override

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from torch.distributed.checkpoint.metadata import Metadata
@@ -43,11 +44,14 @@ __all__ = [
 ]
 
 
-def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
+def check_checkpoint(
+    location: Location, *, full: bool = False, progress: Callable[[int, int], None] | None = None
+) -> Metadata:
     """Check that ``location`` holds a complete, undamaged checkpoint and return its DCP metadata.
 
     Fast mode (``full=False``, run before every load) reads only ``.commit``, ``.metadata`` and the directory
-    listing; ``full=True`` also reads every record of every data file and checks its checksum.
+    listing; ``full=True`` also reads every record of every data file and checks its checksum, calling ``progress``
+    (if given) after each record with its bytes and the bytes of all records.
 
     Rank 0 only (or any single process).
 
@@ -66,8 +70,9 @@ def check_checkpoint(location: Location, *, full: bool = False) -> Metadata:
     _check_index(location, marker, metadata)
     _check_sizes(location, marker)
     if full:
+        total = sum(record[1] for entry in marker["files"].values() for record in entry["records"])
         for name, entry in marker["files"].items():
-            _verify_file(location, name, entry["records"])
+            _verify_file(location, name, entry["records"], progress, total)
     return metadata
 
 
@@ -160,7 +165,13 @@ def _check_index(location: Location, marker: dict[str, Any], metadata: Metadata)
         )
 
 
-def _verify_file(location: Location, name: str, records: list[list[int]]) -> None:
+def _verify_file(
+    location: Location,
+    name: str,
+    records: list[list[int]],
+    progress: Callable[[int, int], None] | None,
+    total: int,
+) -> None:
     try:
         f = location.open(name)
     except OSError as err:
@@ -173,6 +184,8 @@ def _verify_file(location: Location, name: str, records: list[list[int]]) -> Non
                 raise CorruptCheckpointError(
                     f"{location.url!r}: data file {name} is corrupt at bytes {offset}..{offset + length}.", file=name
                 )
+            if progress is not None:
+                progress(length, total)
 
 
 class Committed(tuple):

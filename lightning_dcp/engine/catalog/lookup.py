@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 from fsspec.core import split_protocol
@@ -228,7 +229,11 @@ def _is_pointer(location: Location) -> bool:
 
 
 def verify_checkpoint(
-    path: str | os.PathLike, *, full: bool = True, storage_options: dict[str, Any] | None = None
+    path: str | os.PathLike,
+    *,
+    full: bool = True,
+    storage_options: dict[str, Any] | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> None:
     """Check that the checkpoint at ``path`` is committed and every byte matches what was saved.
 
@@ -237,6 +242,8 @@ def verify_checkpoint(
         full: Read every record of every data file and check its checksum (default). ``False``: the fast checks that
             also run before every load (commit marker, ``.metadata`` checksum, data file sizes).
         storage_options: fsspec options for remote storage.
+        progress: With ``full``, called after each record is checked with its bytes and the bytes of all records
+            (a progress bar; ``python -m lightning_dcp.verify`` draws one).
 
     A ``last*`` name verifies the newest committed checkpoint of its directory that passes the fast checks (see
     ``designated``), with a warning naming any passed over.
@@ -256,7 +263,7 @@ def verify_checkpoint(
     not_one = not_one_checkpoint(location)
     if not_one is not None:
         raise not_one
-    check_checkpoint(location, full=full)
+    check_checkpoint(location, full=full, progress=progress)
 
 
 def source_of(loaded: Any, *, local_dir: Location | None = None) -> str:

@@ -39,7 +39,7 @@ from lightning_dcp.engine.format.marker import (
 from lightning_dcp.engine.storage import localfs
 from lightning_dcp.engine.storage.commit_reads import permission_message, read_commit, unreadable
 from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir
-from lightning_dcp.engine.storage.names import is_staging_of, staging_name
+from lightning_dcp.engine.storage.names import is_staging_name, is_staging_of, staging_name
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.pointers import POINTER_HEADER, Pointers
 from lightning_dcp.engine.storage.stores import (
@@ -381,6 +381,37 @@ class Location(Pointers):
         for name, _ in self.sibling("").entries():
             if is_staging_of(name, self.name) and name != kept:
                 stale = self.sibling(name)
+                stale.remove()
+                removed.append(stale.url)
+        return removed
+
+    def remove_incomplete(self, suffix: str, *, busy: Collection[str] = ()) -> list[str]:
+        """Clean this directory after crashed saves: its checkpoints whose save did not finish, and all staging.
+
+        Each visible subdirectory named ``*suffix`` without a ``.commit`` is deleted, or, where its staging sibling
+        of an interrupted overwrite is committed, completed from it (:meth:`commit_from`); then every staging
+        directory left by any save, replace or copy is deleted. Entries of the checkpoints named in ``busy`` (an
+        upload still writing them) are left alone. Call when no save to this directory is in flight; rank 0 only.
+
+        Returns:
+            The URLs removed.
+        """
+        removed = []
+        for name, kind in sorted(self.entries()):
+            if kind != "directory" or not name.endswith(suffix) or name.startswith(".") or name in busy:
+                continue
+            location = self.child(name)
+            if location.is_committed():
+                continue
+            rolled = location.resolve()
+            if rolled.url != location.url:
+                location.commit_from(rolled)
+            else:
+                location.remove()
+                removed.append(location.url)
+        for name, kind in sorted(self.entries()):
+            if kind == "directory" and is_staging_name(name) and not any(is_staging_of(name, b) for b in busy):
+                stale = self.child(name)
                 stale.remove()
                 removed.append(stale.url)
         return removed

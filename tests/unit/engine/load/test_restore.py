@@ -11,7 +11,8 @@ import os
 import pytest
 import torch
 
-from lightning_dcp.engine import Checkpointer, Location, layout, probe, read_commit
+from lightning_dcp.engine import Checkpointer, Location, layout, probe
+from lightning_dcp.engine.storage.commit_reads import read_commit
 from lightning_dcp.errors import CorruptCheckpointError
 
 

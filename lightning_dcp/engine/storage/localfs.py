@@ -11,6 +11,7 @@ checkpoint, and no reader takes it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -38,6 +39,7 @@ __all__ = [
     "open_regular",
     "remove_path",
     "replace_directory",
+    "replace_file",
 ]
 
 CANNOT_RENAME = frozenset({errno.EXDEV, errno.ENOTSUP, errno.EOPNOTSUPP, errno.ENOSYS})
@@ -217,6 +219,29 @@ def _fsync_tree(root: str) -> None:
         for file in files:
             _fsync_file(os.path.join(directory, file))
         fsync_dir(directory)
+
+
+def replace_file(path: str, data: bytes) -> None:
+    """Make the local file ``path`` hold ``data``, all at once (the one way this package writes a small local file).
+
+    ``data`` goes to a hidden staging name beside ``path`` (its directory made if missing), is synced, renamed over
+    whatever file is at ``path``, and the directory is synced: a crash or power loss leaves the old file or the new
+    one, never part of either. A directory at ``path`` is not replaced (``IsADirectoryError``).
+    """
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, staging_name(os.path.basename(path), new_token()))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
 
 
 def _fsync_file(path: str) -> None:

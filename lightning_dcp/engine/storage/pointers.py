@@ -14,7 +14,8 @@ from typing import Any
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE, is_plain_name, order_key
 from lightning_dcp.engine.storage.commit_reads import read_commit
-from lightning_dcp.engine.storage.names import is_staging_of, new_token, staging_name
+from lightning_dcp.engine.storage.localfs import replace_file
+from lightning_dcp.engine.storage.names import is_staging_of
 from lightning_dcp.errors import NotACheckpointError
 
 __all__ = ["POINTER_HEADER", "Pointers"]
@@ -68,13 +69,9 @@ class Pointers:
         """
         data = POINTER_HEADER + target.name.encode() + b"\n"
         if self.local:
-            tmp = self.sibling(staging_name(self.name, new_token())).path
-            os.makedirs(os.path.dirname(os.path.abspath(tmp)), exist_ok=True)
-            with open(tmp, "wb") as f:
-                f.write(data)
             if os.path.isdir(self.path) and not os.path.islink(self.path):
                 shutil.rmtree(self.path)
-            os.replace(tmp, self.path)
+            replace_file(self.path, data)
             return
         with self._translated():
             if self.fs.isdir(self.path):

@@ -34,7 +34,8 @@ import threading
 from typing import Any
 
 from lightning_dcp.engine.format.marker import is_plain_name
-from lightning_dcp.engine.storage.localfs import STAGING_INFIX, fsync_dir, new_token
+from lightning_dcp.engine.storage.localfs import replace_file
+from lightning_dcp.engine.storage.names import is_staging_of
 
 __all__ = ["JOURNAL_FILE", "Intent", "TierJournal", "version_of"]
 
@@ -92,9 +93,9 @@ class TierJournal:
             if self._opened:
                 return
             self._opened = True
-            directory, prefix = os.path.split(self.path)
+            directory, journal = os.path.split(self.path)
             for name in os.listdir(directory) if os.path.isdir(directory) else ():
-                if name.startswith(f"{prefix}{STAGING_INFIX}"):  # a compaction cut short by a kill
+                if is_staging_of(name, journal):  # a compaction cut short by a kill (``replace_file``'s temporary)
                     os.unlink(os.path.join(directory, name))
             try:
                 with open(self.path, "rb") as f:
@@ -190,15 +191,7 @@ class TierJournal:
             else:
                 fields["target"] = intent.target
             records.append({"seq": intent.seq, "op": intent.op, **fields})
-        directory = os.path.dirname(self.path)
-        os.makedirs(directory, exist_ok=True)
-        tmp = os.path.join(directory, f"{JOURNAL_FILE}{STAGING_INFIX}{new_token()}")
-        with open(tmp, "wb") as f:
-            f.write(b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records))
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        fsync_dir(directory)
+        replace_file(self.path, b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records))
         self._appended = 0
 
     # ------------------------------------------------------------------------------------------------ replay

@@ -43,8 +43,8 @@ from collections.abc import Callable
 from typing import Any
 
 from lightning_dcp.engine.catalog.integrity import committed_checkpoints
-from lightning_dcp.engine.storage.localfs import is_internal_name
-from lightning_dcp.engine.storage.location import STAGING_INFIX, Location, new_token
+from lightning_dcp.engine.storage.localfs import is_internal_name, replace_file
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.storage.names import snapshot_prefix
 from lightning_dcp.engine.tiers.journal import TierJournal, version_of
 from lightning_dcp.engine.tiers.reads import TierReads
@@ -164,11 +164,8 @@ class Tiers(TierReads):
                 " done)."
             )
         if bound is None:
-            os.makedirs(self.local.path, exist_ok=True)
-            tmp = os.path.join(self.local.path, f".{MANIFEST_FILE}{STAGING_INFIX}{new_token()}")
-            with open(tmp, "w") as f:
-                json.dump({"remote": directory.url.rstrip("/")}, f)
-            os.replace(tmp, os.path.join(self.local.path, MANIFEST_FILE))
+            manifest = json.dumps({"remote": directory.url.rstrip("/")}).encode()
+            replace_file(os.path.join(self.local.path, MANIFEST_FILE), manifest)
         self._remote = self.uploader.remote_dir = directory  # with the caller's storage options
 
     def prepare(self, remote: Location) -> None:

@@ -28,7 +28,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE
-from lightning_dcp.engine.storage.localfs import fsync_dir, new_token
+from lightning_dcp.engine.storage.localfs import fsync_dir, new_token, replace_file
 from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.engine.tiers import node_disks
 from lightning_dcp.engine.tiers.local import Tiers
@@ -184,12 +184,7 @@ def _write(location: Location, name: str, data: bytes) -> None:
         with location.open(name, "wb") as f:
             f.write(data)
         return
-    final = location.join(name)
-    with open(final + ".tmp", "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(final + ".tmp", final)
+    replace_file(location.join(name), data)
 
 
 def _check_sizes(location: Location, saved: Saved) -> None:

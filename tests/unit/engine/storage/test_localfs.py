@@ -1,5 +1,6 @@
-"""The local commit across filesystems (``EXDEV``), on real mounts: a tmpfs, and an overlayfs whose lower layer holds
-the checkpoint being replaced (as in a container image). Skipped where this process may not mount (needs root)."""
+"""Local files: the one atomic small-file write (``replace_file``); the local commit across filesystems (``EXDEV``),
+on real mounts: a tmpfs, and an overlayfs whose lower layer holds the checkpoint being replaced (as in a container
+image). The mounts are skipped where this process may not mount (needs root)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,25 @@ import pytest
 import torch
 
 from lightning_dcp import DCPCheckpointIO, verify_checkpoint
-from lightning_dcp.engine.storage.localfs import replace_directory
+from lightning_dcp.engine.storage.localfs import replace_directory, replace_file
+
+
+def test_replace_file_swaps_the_whole_file_and_leaves_nothing_else(tmp_path):
+    path = tmp_path / "sub" / "pointer"
+    replace_file(str(path), b"first")
+    replace_file(str(path), b"second, longer")
+    assert path.read_bytes() == b"second, longer" and os.listdir(path.parent) == ["pointer"]
+
+
+def test_replace_file_that_fails_keeps_the_old_file_and_no_temporary(tmp_path):
+    path = tmp_path / "manifest"
+    replace_file(str(path), b"old")
+    with pytest.raises(TypeError):
+        replace_file(str(path), "not bytes")  # type: ignore[arg-type]  # fails inside the write
+    os.makedirs(tmp_path / "a-dir")
+    with pytest.raises(IsADirectoryError):
+        replace_file(str(tmp_path / "a-dir"), b"new")
+    assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["a-dir", "manifest"]
 
 
 @contextlib.contextmanager

@@ -106,26 +106,16 @@ def trace(run: Any) -> dict[str, Any]:
 
 def traced_resume(directory: str) -> dict[str, Any]:
     """Save once under ``directory`` and trace one resume of it (see the module's text); the trace and the step."""
-    import lightning.pytorch as pl
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
 
-    import lightning_dcp  # noqa: F401  (registers the dcp_* strategies)
+    from benchmarks.trainer_runs import make_trainer
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 
-    def trainer(**kwargs: Any) -> pl.Trainer:
-        return pl.Trainer(
-            strategy="dcp_ddp",
-            accelerator="cpu",
-            devices=1,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            default_root_dir=directory,
-            **kwargs,
-        )
+    def trainer(**kwargs: Any) -> Any:
+        return make_trainer(1, default_root_dir=directory, **kwargs)
 
     torch.manual_seed(0)
     trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)]).fit(BoringModel())

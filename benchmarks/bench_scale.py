@@ -43,7 +43,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from lightning_dcp.engine import Location, check_checkpoint, committed_checkpoints, layout
+from lightning_dcp.engine import Location, committed_checkpoints, layout
+from lightning_dcp.engine.catalog.integrity import check_checkpoint
 from lightning_dcp.engine.format.keys import flatten
 from lightning_dcp.engine.format.marker import COMMIT_FILE, METADATA_FILE, encode_commit
 from lightning_dcp.engine.save.dcp_io import metadata_pickle

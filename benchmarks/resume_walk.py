@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 from typing import Any
 
 from benchmarks.provenance import stamp
@@ -42,29 +43,36 @@ def room(filename: str) -> str | None:
 
 
 def trace(run: Any) -> dict[str, Any]:
-    """Run ``run()`` under ``sys.setprofile`` and count the engine rooms its calls enter."""
+    """Run ``run()`` under ``sys.setprofile`` and count the engine rooms its calls enter.
+
+    The walk (entries, sites, visits) is this thread's; the call stacks are every thread's that runs Python while
+    ``run`` does (``threading.setprofile``: the threads it starts), each thread's stack apart.
+    """
+    caller_thread = threading.get_ident()
     entries: collections.Counter[str] = collections.Counter()
     sites: dict[str, set] = collections.defaultdict(set)
     files: dict[str, set] = collections.defaultdict(set)
     walk: list[str] = []
-    stack: list[str] = []  # the engine rooms of the frames on the call stack, innermost last, repeats folded
-    depth: list[int] = []  # how many frames of stack[-1]'s run are on the stack
+    # per thread: the engine rooms of the frames on its call stack (innermost last, repeats folded), and how many
+    # frames of each run are on it
+    stacks: dict[int, tuple[list[str], list[int]]] = collections.defaultdict(lambda: ([], []))
     runs: collections.Counter[str] = collections.Counter()
     back: set[tuple[str, ...]] = set()
 
     def profile(frame: Any, event: str, _: Any) -> None:
+        if event not in ("call", "return"):
+            return
+        callee = room(frame.f_code.co_filename)
+        if callee is None:
+            return
+        thread = threading.get_ident()
+        stack, depth = stacks[thread]
         if event == "return":
-            if room(frame.f_code.co_filename) is not None and depth:
+            if depth:
                 depth[-1] -= 1
                 if not depth[-1]:
                     depth.pop()
                     stack.pop()
-            return
-        if event != "call":
-            return
-        code = frame.f_code
-        callee = room(code.co_filename)
-        if callee is None:
             return
         if stack and stack[-1] == callee:
             depth[-1] += 1
@@ -76,6 +84,9 @@ def trace(run: Any) -> dict[str, Any]:
                 runs[name] = max(runs[name], n)
             if max(counts.values()) > 1:
                 back.add(tuple(stack))
+        if thread != caller_thread:
+            return
+        code = frame.f_code
         caller_frame = frame.f_back
         caller = room(caller_frame.f_code.co_filename) if caller_frame is not None else None
         files[callee].add(os.path.basename(code.co_filename))
@@ -89,11 +100,14 @@ def trace(run: Any) -> dict[str, Any]:
         if not walk or walk[-1] != callee:
             walk.append(callee)
 
+    before, before_threads = sys.getprofile(), threading.getprofile()
+    threading.setprofile(profile)
     sys.setprofile(profile)
     try:
         run()
     finally:
-        sys.setprofile(None)
+        sys.setprofile(before)
+        threading.setprofile(before_threads)
     rooms = sorted(entries, key=lambda r: -entries[r])
     return {
         "rooms": {r: {"entries": entries[r], "sites": len(sites[r]), "files": sorted(files[r])} for r in rooms},
@@ -104,8 +118,12 @@ def trace(run: Any) -> dict[str, Any]:
     }
 
 
-def traced_resume(directory: str) -> dict[str, Any]:
-    """Save once under ``directory`` and trace one resume of it (see the module's text); the trace and the step."""
+def traced_resume(directory: str, *, memory: bool = False) -> dict[str, Any]:
+    """Save once under ``directory`` and trace one resume of it (see the module's text); the trace and the step.
+
+    ``memory``: the save and the resume with a memory tier (``MemoryCheckpoint``, its area in ``directory``) beside
+    ``DCPModelCheckpoint``, the resume with ``ckpt_path="last"`` (the newest across the tiers).
+    """
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
     from lightning.pytorch.demos.boring_classes import BoringModel
@@ -118,9 +136,21 @@ def traced_resume(directory: str) -> dict[str, Any]:
         return make_trainer(1, default_root_dir=directory, **kwargs)
 
     torch.manual_seed(0)
-    trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)]).fit(BoringModel())
-    resumed = trainer(max_steps=3, enable_checkpointing=False)
-    result = trace(lambda: resumed.fit(BoringModel(), ckpt_path=os.path.join(directory, "last.ckpt")))
+    if memory:
+        from lightning_dcp import DCPModelCheckpoint, MemoryCheckpoint
+
+        area, dirpath = os.path.join(directory, "area"), os.path.join(directory, "run")
+
+        def callbacks() -> list:
+            return [DCPModelCheckpoint(dirpath=dirpath), MemoryCheckpoint(area, every_n_train_steps=1)]
+
+        trainer(max_steps=2, callbacks=callbacks()).fit(BoringModel())
+        resumed = trainer(max_steps=2, callbacks=callbacks())  # the resume alone: no step, so no save, follows
+        result = trace(lambda: resumed.fit(BoringModel(), ckpt_path="last"))
+    else:
+        trainer(max_steps=2, callbacks=[ModelCheckpoint(dirpath=directory, save_last=True)]).fit(BoringModel())
+        resumed = trainer(max_steps=3, enable_checkpointing=False)
+        result = trace(lambda: resumed.fit(BoringModel(), ckpt_path=os.path.join(directory, "last.ckpt")))
     result["resumed_step"] = resumed.global_step
     return result
 
@@ -128,9 +158,10 @@ def traced_resume(directory: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Save once, trace one resume, print the result as JSON with its commit, date, machine and command."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.resume_walk", description=__doc__)
-    parser.parse_args(argv)
+    parser.add_argument("--memory", action="store_true", help="with a memory tier, resuming ckpt_path='last'")
+    args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        result = traced_resume(tmp)
+        result = traced_resume(tmp, memory=args.memory)
     print(json.dumps({**stamp(argv), **result}, indent=1))
     return 0
 

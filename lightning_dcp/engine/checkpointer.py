@@ -130,9 +130,7 @@ class Checkpointer:
         config's ``memory`` is attached when the checkpointer is made. Any rank; every rank attaches its own.
         """
         if self.memory_route is None or self.memory_route.tier is not tier:
-            self.memory_route = MemoryRoute(
-                tier, catalog=self.catalog, counter=self._transaction.next_counter, durable=self.load_candidates
-            )
+            self.memory_route = MemoryRoute(tier, catalog=self.catalog, counter=self._transaction.next_counter)
             self._transaction.counted_from = lambda: tier.highest  # saves count on above what memory holds
         return self.memory_route
 
@@ -383,6 +381,10 @@ class Checkpointer:
                 loaded = load_one(location.at(checked.url), collective=collective, checked=checked, **options)
             elif self.memory_route is not None and self.memory_route.covers(location):
                 loaded = self.memory_route.load_newest(location, collective=collective, **options)
+                if loaded is None:  # the durable tiers hold the newest (or the memory tier nothing loadable)
+                    durable = self.memory_route.durable_candidates(location)
+                    loaded = self.load_candidates(durable, collective=collective, **options)
+                    loaded.tier = "durable"
             else:
                 loaded = self.load_candidates(location, collective=collective, **options)
         run = (loaded.objects.get(layout.INFO_KEY) or {}).get("run") if isinstance(loaded.objects, dict) else None
@@ -425,7 +427,8 @@ class Checkpointer:
         """
         urls = on_rank0(collective, lambda: self.catalog.candidates(location))
         prefetched, self._prefetched = self._prefetched, None
-        return load_first(location, urls, prefetched=prefetched, collective=collective, **options)
+        candidates = [self.location(url) for url in urls]  # read with this checkpointer's storage options
+        return load_first(location, candidates, prefetched=prefetched, collective=collective, **options)
 
     # --------------------------------------------------------------------------------------------- remove
     def remove(self, path: str | os.PathLike, *, collective: bool = False) -> None:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import ast
+import json
 import logging
 import os
+import subprocess
+import sys
 
+import pytest
 from importlinter.cli import lint_imports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -72,21 +76,26 @@ def test_a_protocol_names_a_role_and_never_shadows_a_class():
     assert shadows == [] and attributes == []
 
 
-def test_a_resume_calls_down_and_calls_back_only_for_rank0s_decision(tmp_path):
+@pytest.mark.parametrize("memory", [False, True], ids=["path", "memory-tier-last"])
+def test_a_resume_calls_down_and_calls_back_only_for_rank0s_decision(memory):
     """From ``fit(ckpt_path=...)`` to the bytes, each call stack enters an engine room at most twice.
 
     A room below calling back up (a method of the caller handed down, as ``load`` once called the checkpointer's
-    ``location``) shows as a second run of the upper room in one call stack. The one allowed: ``dist.on_rank0``,
-    which runs its caller's decision on rank 0 and hands every rank the result (as DCP's ``_DistWrapper`` does).
+    ``location``, and the memory tier its ``load_candidates``) shows as a second run of the upper room in one call
+    stack, on any thread. The one allowed: a room's own decision run through ``dist.on_rank0`` (rank 0 decides,
+    every rank gets the result, as DCP's ``_DistWrapper`` does), so the repeat sits right below ``dist`` and the
+    room that called it. Traced: a resume of a path, and ``"last"`` across a memory tier and its directory.
     """
-    from benchmarks.resume_walk import traced_resume
-
-    result = traced_resume(str(tmp_path))
-    assert result["resumed_step"] == 3
-    assert {"engine/checkpointer.py", "engine/load", "engine/catalog", "engine/storage"} <= set(result["stack_runs"])
+    command = [sys.executable, "-m", "benchmarks.resume_walk", *(["--memory"] if memory else [])]
+    run = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)  # its own process group
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout)
+    assert result["resumed_step"] == (2 if memory else 3)
+    rooms_seen = {"engine/checkpointer.py", "engine/load", "engine/catalog", "engine/storage"}
+    assert rooms_seen | ({"engine/tiers"} if memory else set()) <= set(result["stack_runs"])
     assert max(result["stack_runs"].values()) <= 2, result["stack_runs"]
     for line in result["stack_back"]:
         rooms = line.split(" > ")
         for i, name in enumerate(rooms):
             if name in rooms[:i]:
-                assert rooms[i - 1] == "engine/dist.py", line
+                assert rooms[i - 1] == "engine/dist.py" and rooms[i - 2] == name, line

@@ -51,7 +51,8 @@ def check_checkpoint(
 
     Fast mode (``full=False``, run before every load) reads only ``.commit``, ``.metadata`` and the directory
     listing; ``full=True`` also reads every record of every data file and checks its checksum, calling ``progress``
-    (if given) after each record with its bytes and the bytes of all records.
+    (if given) with ``(0, total)`` first and then after each record with its bytes and ``total``, the bytes of all
+    records.
 
     Rank 0 only (or any single process).
 
@@ -71,6 +72,8 @@ def check_checkpoint(
     _check_sizes(location, marker)
     if full:
         total = sum(record[1] for entry in marker["files"].values() for record in entry["records"])
+        if progress is not None:
+            progress(0, total)  # before the first record's read (a bar shows from the start, also for no records)
         for name, entry in marker["files"].items():
             _verify_file(location, name, entry["records"], progress, total)
     return metadata

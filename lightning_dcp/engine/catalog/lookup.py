@@ -242,8 +242,9 @@ def verify_checkpoint(
         full: Read every record of every data file and check its checksum (default). ``False``: the fast checks that
             also run before every load (commit marker, ``.metadata`` checksum, data file sizes).
         storage_options: fsspec options for remote storage.
-        progress: With ``full``, called after each record is checked with its bytes and the bytes of all records
-            (a progress bar; ``python -m lightning_dcp.verify`` draws one).
+        progress: With ``full``, called with ``(0, total)`` before the first record is read and then after each
+            record is checked with its bytes and ``total``, the bytes of all records (a progress bar; ``python -m
+            lightning_dcp.verify`` draws one).
 
     A ``last*`` name verifies the newest committed checkpoint of its directory that passes the fast checks (see
     ``designated``), with a warning naming any passed over.

@@ -23,16 +23,15 @@ __all__ = ["load_first"]
 
 def load_first(
     location: Location,
-    urls: Sequence[str],
+    candidates: Sequence[Location],
     *,
     prefetched: str | None,
     collective: bool,
     **options: Any,
 ) -> Loaded:
-    """Load the first of ``urls`` (the checkpoints ``location`` designates, newest first) that loads on every rank.
+    """Load the first of ``candidates`` that loads on every rank: the checkpoints ``location`` designates, newest first.
 
-    Each URL is opened with ``location``'s storage options; ``prefetched`` is the local directory a page-cache
-    prefetch already read (``None``: none).
+    ``prefetched`` is the local directory a page-cache prefetch already read (``None``: none).
     ``options`` are :func:`~lightning_dcp.engine.load.restore.load_one`'s.
 
     Collective: call on all ranks when ``collective=True``.
@@ -43,10 +42,9 @@ def load_first(
     """
     path = location.url
     failures: list[tuple[str, CheckpointError]] = []
-    for url in urls:
-        loaded, failure = None, None
+    for candidate in candidates:
+        url, loaded, failure = candidate.url, None, None
         try:
-            candidate = location.at(url)
             fetched = candidate.local and os.path.realpath(candidate.path) == prefetched
             loaded = load_one(candidate, collective=collective, prefetch=not fetched, resolved=True, **options)
         except StateDictMismatchError:

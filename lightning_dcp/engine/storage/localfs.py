@@ -221,21 +221,23 @@ def _fsync_tree(root: str) -> None:
         fsync_dir(directory)
 
 
-def replace_file(path: str, data: bytes) -> None:
-    """Make the local file ``path`` hold ``data``, all at once (the one way this package writes a small local file).
+def replace_file(path: str, data: bytes, *, replace_directory: bool = False) -> None:
+    """Make the local file ``path`` hold ``data``, all at once (how this package replaces a small local file).
 
-    ``data`` goes to a hidden staging name beside ``path`` (its directory made if missing), is synced, renamed over
-    whatever file is at ``path``, and the directory is synced: a crash or power loss leaves the old file or the new
-    one, never part of either. A directory at ``path`` is not replaced (``IsADirectoryError``).
+    ``data`` goes to a hidden staging name beside ``path``, is synced, renamed over whatever file is at ``path``, and
+    the directory is synced: a crash or power loss leaves the old file or the new one, never part of either. The
+    directory must exist. A directory at ``path`` is removed only with ``replace_directory``, and only once
+    ``data`` is safely on disk (else ``IsADirectoryError``, and it stays).
     """
     directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, staging_name(os.path.basename(path), new_token()))
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
+        if replace_directory and os.path.isdir(path) and not os.path.islink(path):
+            shutil.rmtree(path)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -9,7 +9,6 @@ prefix.
 from __future__ import annotations
 
 import os
-import shutil
 from typing import Any
 
 from lightning_dcp.engine.format.marker import COMMIT_FILE, is_plain_name, order_key
@@ -69,9 +68,8 @@ class Pointers:
         """
         data = POINTER_HEADER + target.name.encode() + b"\n"
         if self.local:
-            if os.path.isdir(self.path) and not os.path.islink(self.path):
-                shutil.rmtree(self.path)
-            replace_file(self.path, data)
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            replace_file(self.path, data, replace_directory=True)  # a checkpoint directory here goes only then
             return
         with self._translated():
             if self.fs.isdir(self.path):

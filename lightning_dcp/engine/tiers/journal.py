@@ -26,6 +26,7 @@ directory), is skipped with a warning: the journal is read as untrusted input.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -35,7 +36,7 @@ from typing import Any
 
 from lightning_dcp.engine.format.marker import is_plain_name
 from lightning_dcp.engine.storage.localfs import replace_file
-from lightning_dcp.engine.storage.names import is_staging_of
+from lightning_dcp.engine.storage.names import STAGING_INFIX, is_staging_of
 
 __all__ = ["JOURNAL_FILE", "Intent", "TierJournal", "version_of"]
 
@@ -95,8 +96,10 @@ class TierJournal:
             self._opened = True
             directory, journal = os.path.split(self.path)
             for name in os.listdir(directory) if os.path.isdir(directory) else ():
-                if is_staging_of(name, journal):  # a compaction cut short by a kill (``replace_file``'s temporary)
-                    os.unlink(os.path.join(directory, name))
+                # a compaction cut short by a kill: replace_file's temporary, or an older version's (journal.tmp-...)
+                if is_staging_of(name, journal) or name.startswith(f"{journal}{STAGING_INFIX}"):
+                    with contextlib.suppress(IsADirectoryError, FileNotFoundError):
+                        os.unlink(os.path.join(directory, name))
             try:
                 with open(self.path, "rb") as f:
                     lines = f.read().splitlines()
@@ -191,6 +194,7 @@ class TierJournal:
             else:
                 fields["target"] = intent.target
             records.append({"seq": intent.seq, "op": intent.op, **fields})
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         replace_file(self.path, b"".join(json.dumps(r, sort_keys=True).encode() + b"\n" for r in records))
         self._appended = 0
 

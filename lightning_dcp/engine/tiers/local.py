@@ -164,6 +164,7 @@ class Tiers(TierReads):
                 " done)."
             )
         if bound is None:
+            os.makedirs(self.local.path, exist_ok=True)
             manifest = json.dumps({"remote": directory.url.rstrip("/")}).encode()
             replace_file(os.path.join(self.local.path, MANIFEST_FILE), manifest)
         self._remote = self.uploader.remote_dir = directory  # with the caller's storage options

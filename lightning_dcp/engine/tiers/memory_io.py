@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable, Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
 
@@ -29,18 +29,7 @@ from lightning_dcp.engine.tiers.memory import LAST_ENTRY, MemoryTier
 from lightning_dcp.engine.tiers.persist import Persistence
 from lightning_dcp.errors import CheckpointError, StateDictMismatchError, checkpoint_failure
 
-__all__ = ["DurableLoad", "MemoryRoute"]
-
-
-class DurableLoad(Protocol):
-    """The role of a load of the durable tiers' candidates: what :meth:`MemoryRoute.load_newest` falls back to.
-
-    :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load_candidates` fills it: the first loadable of the
-    durable checkpoints ``location`` designates. Collective: call on all ranks when ``collective``.
-    """
-
-    def __call__(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
-        """Load the first loadable durable checkpoint ``location`` designates (a ``last`` falls back past others)."""
+__all__ = ["MemoryRoute"]
 
 
 class MemoryRoute:
@@ -53,7 +42,6 @@ class MemoryRoute:
         tier: The memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`).
         catalog: What the durable tiers hold (the checkpointer's); its local tier also takes the persisted copies.
         counter: The save counter of the next save into a location's directory (rank 0; the save transaction's).
-        durable: The load of the durable candidates a ``last`` falls back to.
     """
 
     def __init__(
@@ -62,14 +50,12 @@ class MemoryRoute:
         *,
         catalog: DurableCatalog,
         counter: Callable[[Location], int],
-        durable: DurableLoad,
     ) -> None:
         self.tier = tier
         self.catalog = catalog
         self.directory: Location | None = None
         """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
         self._counter = counter
-        self._durable = durable
 
     def bind(self, directory: Location, *, persist_keep: int = 2) -> None:
         """Make ``directory`` the durable directory of the memory tier (where it persists). Any rank."""
@@ -107,13 +93,13 @@ class MemoryRoute:
         state = parts.state(rank, world_size=world_size)
         memory.save(state, name=location.name, counter=counter, step=step, distributed=distributed(collective))
 
-    def load_newest(self, location: Location, *, collective: bool, **options: Any) -> Loaded:
-        """Load the newest committed checkpoint across the memory tier and its durable directory. Collective.
+    def load_newest(self, location: Location, *, collective: bool, **options: Any) -> Loaded | None:
+        """Load the newest checkpoint of the memory tier, unless its durable directory holds a newer one. Collective.
 
-        Raises:
-            CheckpointNotFoundError: Nothing is committed in any tier.
-            CheckpointError: As :meth:`~lightning_dcp.engine.checkpointer.Checkpointer.load`, for the durable
-                candidates.
+        Returns:
+            The checkpoint loaded from the memory tier; ``None`` when the durable tiers hold the newest committed
+            checkpoint or no memory copy loads (each failure warned): then load the durable tiers'
+            :meth:`durable_candidates` (the :class:`~lightning_dcp.engine.checkpointer.Checkpointer` does).
         """
         memory = self.tier
         memory.wait()
@@ -147,11 +133,15 @@ class MemoryRoute:
                 _warn(failures, loaded.url)
                 return loaded
             failures.append((name, failures_seen[0]))
-        target = directory.child("last") if directory is not None else location
-        _warn(failures, target.url)  # before the fallback, which may raise (nothing durable): the reason stays visible
-        loaded = self._durable(target, collective=collective, **options)
-        loaded.tier = "durable"
-        return loaded
+        _warn(failures, self.durable_candidates(location).url)  # before the durable load, which may raise
+        return None
+
+    def durable_candidates(self, location: Location) -> Location:
+        """The ``last`` that designates the durable checkpoints a load of ``location`` falls back to.
+
+        In the directory the memory tier persists into; ``location`` itself before one is bound.
+        """
+        return self.directory.child("last") if self.directory is not None else location
 
     @contextlib.contextmanager
     def copy_of(self, newest: Loaded) -> Iterator[str]:

@@ -18,7 +18,7 @@ from lightning_dcp.engine.storage.localfs import replace_directory, replace_file
 
 
 def test_replace_file_swaps_the_whole_file_and_leaves_nothing_else(tmp_path):
-    path = tmp_path / "sub" / "pointer"
+    path = tmp_path / "pointer"
     replace_file(str(path), b"first")
     replace_file(str(path), b"second, longer")
     assert path.read_bytes() == b"second, longer" and os.listdir(path.parent) == ["pointer"]
@@ -33,6 +33,17 @@ def test_replace_file_that_fails_keeps_the_old_file_and_no_temporary(tmp_path):
     with pytest.raises(IsADirectoryError):
         replace_file(str(tmp_path / "a-dir"), b"new")
     assert path.read_bytes() == b"old" and sorted(os.listdir(tmp_path)) == ["a-dir", "manifest"]
+
+
+def test_replace_file_removes_a_directory_only_once_the_new_file_is_on_disk(tmp_path):
+    checkpoint = tmp_path / "last.ckpt"  # a checkpoint directory that a pointer object replaces
+    os.makedirs(checkpoint)
+    (checkpoint / ".commit").write_bytes(b"{}")
+    with pytest.raises(TypeError):
+        replace_file(str(checkpoint), "not bytes", replace_directory=True)  # type: ignore[arg-type]
+    assert os.listdir(checkpoint) == [".commit"] and os.listdir(tmp_path) == ["last.ckpt"]  # the write failed first
+    replace_file(str(checkpoint), b"pointer", replace_directory=True)
+    assert checkpoint.read_bytes() == b"pointer" and os.listdir(tmp_path) == ["last.ckpt"]
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ import torch
 from lightning_dcp import DCPCheckpointIO
 from lightning_dcp.engine.format.marker import COMMIT_FILE
 from lightning_dcp.engine.storage.location import Location
-from lightning_dcp.engine.storage.names import is_staging_name, new_token, staging_name
+from lightning_dcp.engine.storage.names import STAGING_INFIX, is_staging_name, new_token, staging_name
 from lightning_dcp.engine.tiers.journal import JOURNAL_FILE, TierJournal, version_of
 from lightning_dcp.engine.tiers.uploader import local_marker
 
@@ -66,10 +66,12 @@ def test_records_replay_into_the_same_state_and_compact(tmp_path):
 
     left = tmp_path / staging_name(JOURNAL_FILE, new_token())  # a compaction's temporary, its process killed
     left.write_bytes(b'{"op": "link"')
+    older = tmp_path / f"{JOURNAL_FILE}{STAGING_INFIX}{new_token()}"  # the same, as an earlier version named it
+    older.write_bytes(b'{"op": "link"')
 
     again = TierJournal(str(tmp_path))
     again.open()
-    assert not left.exists() and not any(is_staging_name(name) for name in os.listdir(tmp_path))
+    assert not left.exists() and not older.exists() and not any(is_staging_name(name) for name in os.listdir(tmp_path))
     assert [(i.seq, i.op, i.name, i.after, i.target) for i in again.pending()] == [
         (waiting.seq, "remove", "b.ckpt", None, ""),
         (link.seq, "link", "last.ckpt", None, "c.ckpt"),

@@ -130,8 +130,8 @@ class Checkpointer:
         config's ``memory`` is attached when the checkpointer is made. Any rank; every rank attaches its own.
         """
         if self.memory_route is None or self.memory_route.tier is not tier:
-            self.memory_route = MemoryRoute(tier, catalog=self.catalog, counter=self._transaction.next_counter)
-            self._transaction.counted_from = lambda: tier.highest  # saves count on above what memory holds
+            self.memory_route = MemoryRoute(tier, catalog=self.catalog)
+            self._transaction.counted_from = tier.highest_counter  # saves count on above what memory holds
         return self.memory_route
 
     @contextlib.contextmanager
@@ -234,7 +234,12 @@ class Checkpointer:
                 if rank_and_world(collective)[0] == 0:
                     record = self.saves.begin(location.url, step=step, tier="memory", started=started)
                 versioned = dataclasses.replace(parts, info={**(parts.info or {}), **transaction.versions()})
-                self.memory_route.save(versioned, location, collective=collective, step=step)
+                route = self.memory_route
+                route.prepare(location, collective=collective)
+                counter, run = on_rank0(  # rank 0's, for every rank
+                    collective, lambda: (self._transaction.next_counter(location), route.run_token())
+                )
+                route.save(versioned, location, counter=counter, run=run, collective=collective, step=step)
                 self._record(started, location, "saved to the memory tier", record)
                 return
             saved = self._transaction.save(

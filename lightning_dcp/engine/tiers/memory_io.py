@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 from lightning_utilities.core.rank_zero import rank_zero_warn
@@ -41,7 +41,6 @@ class MemoryRoute:
     Args:
         tier: The memory tier (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`).
         catalog: What the durable tiers hold (the checkpointer's); its local tier also takes the persisted copies.
-        counter: The save counter of the next save into a location's directory (rank 0; the save transaction's).
     """
 
     def __init__(
@@ -49,13 +48,11 @@ class MemoryRoute:
         tier: MemoryTier,
         *,
         catalog: DurableCatalog,
-        counter: Callable[[Location], int],
     ) -> None:
         self.tier = tier
         self.catalog = catalog
         self.directory: Location | None = None
         """The durable directory the memory tier persists into (bound at its first save, or by the front end)."""
-        self._counter = counter
 
     def bind(self, directory: Location, *, persist_keep: int = 2) -> None:
         """Make ``directory`` the durable directory of the memory tier (where it persists). Any rank."""
@@ -73,8 +70,11 @@ class MemoryRoute:
         directory = self.directory
         return directory is not None and designates_last(location) and location.parent().url == directory.url
 
-    def save(self, parts: layout.SaveParts, location: Location, *, collective: bool, step: int | None) -> None:
-        """Save ``parts`` to the memory tier under ``location``'s name (persisted into its directory). Collective."""
+    def prepare(self, location: Location, *, collective: bool) -> None:
+        """Before a save under ``location``: the tier set up and bound to ``location``'s directory. Collective.
+
+        At the first save, the parts on node-local disks are counted too, so that the save counter goes on above them.
+        """
         memory = self.tier
         memory.setup(distributed=distributed(collective))
         self.bind(location.parent())
@@ -83,13 +83,32 @@ class MemoryRoute:
             persistence.counted = True
             memory.wait()  # the tier's group carries one collective at a time
             recovery.restorable(memory)  # counters go on above the parts on node-local disks (hidden from listings)
+
+    def run_token(self) -> str | None:
+        """The run the memory tier's saves belong to (rank 0), after :meth:`prepare`.
+
+        Its own, else the one claimed in its directory (:func:`~lightning_dcp.engine.tiers.runs.claim`).
+        """
+        return self.tier.run if self.tier.run is not None else runs.claim(self.directory)
+
+    def save(
+        self,
+        parts: layout.SaveParts,
+        location: Location,
+        *,
+        counter: int,
+        run: str | None,
+        collective: bool,
+        step: int | None,
+    ) -> None:
+        """Save ``parts`` to the memory tier under ``location``'s name (persisted into its directory). Collective.
+
+        After :meth:`prepare`; ``counter`` and ``run`` are rank 0's (its save counter, its :meth:`run_token`), the
+        same on every rank.
+        """
+        memory = self.tier
+        memory.run, memory.run_known = run, True
         rank, world_size = rank_and_world(collective)
-        directory, claim = self.directory, memory.run is None
-        counter, memory.run = on_rank0(
-            collective,
-            lambda: (self._counter(location), runs.claim(directory) if claim else memory.run),
-        )
-        memory.run_known = True
         state = parts.state(rank, world_size=world_size)
         memory.save(state, name=location.name, counter=counter, step=step, distributed=distributed(collective))
 

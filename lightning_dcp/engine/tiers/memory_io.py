@@ -80,16 +80,18 @@ class MemoryRoute:
         self.bind(location.parent())
         persistence = memory.persister
         if isinstance(persistence, Persistence) and not persistence.counted:
-            persistence.counted = True
             memory.wait()  # the tier's group carries one collective at a time
             recovery.restorable(memory)  # counters go on above the parts on node-local disks (hidden from listings)
+            persistence.counted = True  # only once counted: a failure above is retried at the next save
 
     def run_token(self) -> str | None:
         """The run the memory tier's saves belong to (rank 0), after :meth:`prepare`.
 
         Its own, else the one claimed in its directory (:func:`~lightning_dcp.engine.tiers.runs.claim`).
         """
-        return self.tier.run if self.tier.run is not None else runs.claim(self.directory)
+        if self.tier.run is not None or self.directory is None:  # no directory bound: nothing to claim in
+            return self.tier.run
+        return runs.claim(self.directory)
 
     def save(
         self,

@@ -131,7 +131,7 @@ class Checkpointer:
         """
         if self.memory_route is None or self.memory_route.tier is not tier:
             self.memory_route = MemoryRoute(tier, catalog=self.catalog)
-            self._transaction.counted_from = tier.highest_counter  # saves count on above what memory holds
+            self._transaction.memory = tier  # saves count on above what memory holds
         return self.memory_route
 
     @contextlib.contextmanager

@@ -11,7 +11,7 @@ import importlib.metadata
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -101,9 +101,9 @@ class SaveTransaction:
         """Directories known to hold a committed checkpoint (rank 0)."""
         self.counters: dict[str, int] = {}
         """Directory URL -> the last save counter used there (rank 0)."""
-        self.counted_from: Callable[[], int] = lambda: 0
-        """The lowest counter a directory's first save counts on from: the highest a memory tier holds, once one is
-        attached (a resume from memory saves on), else 0."""
+        self.memory: Any = None
+        """The memory tier attached (:class:`~lightning_dcp.engine.tiers.memory.MemoryTier`), if any: a directory's
+        first save counts on from the highest save counter it holds (a resume from memory saves on), else from 0."""
 
     def save(
         self,
@@ -266,13 +266,14 @@ class SaveTransaction:
 
         The first save into a directory reads the counters of its committed checkpoints; when tiered, of both tiers
         as far as the tier knows (no remote call in the training loop:
-        :meth:`~lightning_dcp.engine.tiers.durable.DurableCatalog.known`) and :attr:`counted_from`. Later saves count
-        on from there. Rank 0 only.
+        :meth:`~lightning_dcp.engine.tiers.durable.DurableCatalog.known`), and the highest of the attached
+        :attr:`memory` tier. Later saves count on from there. Rank 0 only.
         """
         directory = location.parent()
         if directory.url not in self.counters:
             found = self.catalog.known(directory)
-            self.counters[directory.url] = max(max((key[0] for key, _ in found), default=0), self.counted_from())
+            held = self.memory.highest if self.memory is not None else 0
+            self.counters[directory.url] = max(max((key[0] for key, _ in found), default=0), held)
         self.counters[directory.url] += 1
         return self.counters[directory.url]
 

@@ -173,10 +173,6 @@ class MemoryTier:
             return f"{where!r} ({type(err).__name__}: {err.strerror or err})"
         return None
 
-    def highest_counter(self) -> int:
-        """:attr:`highest`: the save counter a directory's first save counts on from while this tier is attached."""
-        return self.highest
-
     def gather(self, value: Any) -> list[Any]:
         """Every rank's ``value`` (rank order). Collective over the tier's group."""
         if not self.distributed:

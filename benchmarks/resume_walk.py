@@ -11,8 +11,9 @@ The walk counts every visit, also a room's value objects used from above (a ``Lo
 catalog is a visit to ``storage``). The call stack shows the layering instead: ``stack_runs`` gives, per room, the
 most separate runs of its frames in any one call stack of the resume (frames outside the engine skipped). A room
 below calling back up into a room above it (a callback, a method of the caller handed down) shows as 2 runs of
-the upper room; a strictly layered path has 1 everywhere. ``stack_back`` names the call stacks (as room sequences)
-where some room has more than one run.
+the upper room; a strictly layered path has 1 everywhere. ``stack_back`` names the call stacks (as room sequences,
+each room with the function its run began in) where some room has more than one run. ``--saves`` traces a fit
+that saves every step instead of a resume.
 
     python -m benchmarks.resume_walk > walk.json
 """
@@ -53,9 +54,9 @@ def trace(run: Any) -> dict[str, Any]:
     sites: dict[str, set] = collections.defaultdict(set)
     files: dict[str, set] = collections.defaultdict(set)
     walk: list[str] = []
-    # per thread: the engine rooms of the frames on its call stack (innermost last, repeats folded), and how many
-    # frames of each run are on it
-    stacks: dict[int, tuple[list[str], list[int]]] = collections.defaultdict(lambda: ([], []))
+    # per thread: the engine rooms of the frames on its call stack (innermost last, repeats folded, each with the
+    # function its run began in), and how many frames of each run are on it
+    stacks: dict[int, tuple[list[tuple[str, str]], list[int]]] = collections.defaultdict(lambda: ([], []))
     runs: collections.Counter[str] = collections.Counter()
     back: set[tuple[str, ...]] = set()
 
@@ -74,16 +75,16 @@ def trace(run: Any) -> dict[str, Any]:
                     depth.pop()
                     stack.pop()
             return
-        if stack and stack[-1] == callee:
+        if stack and stack[-1][0] == callee:
             depth[-1] += 1
         else:
-            stack.append(callee)
+            stack.append((callee, frame.f_code.co_name))
             depth.append(1)
-            counts = collections.Counter(stack)
+            counts = collections.Counter(name for name, _ in stack)
             for name, n in counts.items():
                 runs[name] = max(runs[name], n)
             if max(counts.values()) > 1:
-                back.add(tuple(stack))
+                back.add(tuple(f"{name}({function})" for name, function in stack))
         if thread != caller_thread:
             return
         code = frame.f_code
@@ -118,11 +119,12 @@ def trace(run: Any) -> dict[str, Any]:
     }
 
 
-def traced_resume(directory: str, *, memory: bool = False) -> dict[str, Any]:
+def traced_resume(directory: str, *, memory: bool = False, saves: bool = False) -> dict[str, Any]:
     """Save once under ``directory`` and trace one resume of it (see the module's text); the trace and the step.
 
     ``memory``: the save and the resume with a memory tier (``MemoryCheckpoint``, its area in ``directory``) beside
-    ``DCPModelCheckpoint``, the resume with ``ckpt_path="last"`` (the newest across the tiers).
+    ``DCPModelCheckpoint``, the resume with ``ckpt_path="last"`` (the newest across the tiers). ``saves``: instead,
+    trace a fit of 3 steps from scratch that saves after every step (async, the default), into those tiers.
     """
     import torch
     from lightning.pytorch.callbacks import ModelCheckpoint
@@ -136,6 +138,16 @@ def traced_resume(directory: str, *, memory: bool = False) -> dict[str, Any]:
         return make_trainer(1, default_root_dir=directory, **kwargs)
 
     torch.manual_seed(0)
+    if saves:
+        from lightning_dcp import DCPModelCheckpoint, MemoryCheckpoint
+
+        every = [DCPModelCheckpoint(dirpath=os.path.join(directory, "run"), every_n_train_steps=1, save_top_k=-1)]
+        if memory:
+            every.append(MemoryCheckpoint(os.path.join(directory, "area"), every_n_train_steps=1))
+        fit = trainer(max_steps=3, callbacks=every)
+        result = trace(lambda: fit.fit(BoringModel()))
+        result["resumed_step"] = fit.global_step
+        return result
     if memory:
         from lightning_dcp import DCPModelCheckpoint, MemoryCheckpoint
 
@@ -159,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     """Save once, trace one resume, print the result as JSON with its commit, date, machine and command."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.resume_walk", description=__doc__)
     parser.add_argument("--memory", action="store_true", help="with a memory tier, resuming ckpt_path='last'")
+    parser.add_argument("--saves", action="store_true", help="trace a fit that saves every step, not a resume")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        result = traced_resume(tmp, memory=args.memory)
+        result = traced_resume(tmp, memory=args.memory, saves=args.saves)
     print(json.dumps({**stamp(argv), **result}, indent=1))
     return 0
 

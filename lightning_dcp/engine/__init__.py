@@ -43,8 +43,8 @@ from lightning_dcp.engine.load.source import Source, TensorEntry
 from lightning_dcp.engine.save.dcp_io import storage_writer
 from lightning_dcp.engine.save.step_gate import STEP_GATE
 from lightning_dcp.engine.save_log import RestoreRecord, save_metrics
-from lightning_dcp.engine.signal_watch import STUCK_AFTER_S, SignalWatch
-from lightning_dcp.engine.storage.location import Location, fsync_dir, new_token
+from lightning_dcp.engine.signal_watch import SignalWatch
+from lightning_dcp.engine.storage.location import Location, fsync_dir
 from lightning_dcp.engine.storage.paths import canonical_url
 from lightning_dcp.engine.storage.stores import check_storage_options, is_missing_credentials
 
@@ -56,7 +56,6 @@ __all__ = [
     "Probe",
     "RestoreRecord",
     "STEP_GATE",
-    "STUCK_AFTER_S",
     "SignalWatch",
     "Source",
     "TensorEntry",
@@ -74,7 +73,6 @@ __all__ = [
     "is_missing_credentials",
     "layout",
     "guarded_load",
-    "new_token",
     "not_a_checkpoint_file",
     "on_rank0",
     "parsed_meanwhile_forgotten",

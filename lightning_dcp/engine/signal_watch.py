@@ -28,11 +28,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 
-__all__ = ["STUCK_AFTER_S", "SignalWatch"]
-
-STUCK_AFTER_S = 10.0
-"""Default seconds a main thread gets to run a signal's Python handler before the process ends (the front ends'
-preemption handlers use it; torchelastic's agent SIGKILLs 30 s after its SIGTERM)."""
+__all__ = ["SignalWatch"]
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +46,10 @@ class SignalWatch:
         after: Seconds the main thread gets to run the handler. ``None``: no watch.
         on_stuck: Called with the signal number from the watch's thread before the process ends.
     """
+
+    STUCK_AFTER_S = 10.0
+    """Default ``after`` (seconds) of the front ends' preemption handlers (torchelastic's agent SIGKILLs 30 s after
+    its SIGTERM)."""
 
     def __init__(
         self,

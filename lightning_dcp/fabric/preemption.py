@@ -26,7 +26,7 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
-from lightning_dcp.engine import STUCK_AFTER_S, SignalWatch
+from lightning_dcp.engine import SignalWatch
 from lightning_dcp.engine.tiers.memory import MemoryTier
 
 __all__ = ["Preemption"]
@@ -42,7 +42,7 @@ class Preemption:
             ends with status 143; ``None``: never.
     """
 
-    def __init__(self, *, stuck_after: float | None = STUCK_AFTER_S) -> None:
+    def __init__(self, *, stuck_after: float | None = SignalWatch.STUCK_AFTER_S) -> None:
         self.received = False
         self._watch = SignalWatch(signals=[signal.SIGTERM], after=stuck_after)
         self._previous: Any = None

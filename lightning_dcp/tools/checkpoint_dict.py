@@ -24,7 +24,6 @@ import torch
 from lightning_dcp.engine import (
     Location,
     Source,
-    check_storage_options,
     committed_checkpoints,
     designates_last,
     foreign_file_at,
@@ -105,8 +104,7 @@ def load_checkpoint(
             checkpoint; a data file is truncated or corrupt (the file is named).
         CheckpointError: The non-tensor state holds objects that ``weights_only`` unpickling refuses.
     """
-    check_storage_options(storage_options)
-    location = Location(path, storage_options=storage_options)
+    location = Location(path, storage_options=storage_options)  # refuses options that are not a dict
     if _is_http(location):
         with _downloaded(location) as local:
             return load_checkpoint(

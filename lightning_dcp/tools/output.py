@@ -21,11 +21,12 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import secrets
 import stat
 from collections.abc import Iterator
 from typing import IO, Literal
 
-from lightning_dcp.engine import Location, fsync_dir, new_token
+from lightning_dcp.engine import Location, fsync_dir
 from lightning_dcp.errors import OutputExistsError
 
 __all__ = ["atomic_directory", "atomic_file", "refuse_existing", "remove_stale_temporaries"]
@@ -150,7 +151,7 @@ def atomic_file(out: Location) -> Iterator[IO[bytes]]:
     parent = os.path.dirname(os.path.abspath(out.path))
     os.makedirs(parent, exist_ok=True)
     remove_stale_temporaries(out)
-    tmp = os.path.join(parent, f".{out.name}.tmp-{os.getpid()}-{new_token()}")
+    tmp = os.path.join(parent, f".{out.name}.tmp-{os.getpid()}-{secrets.token_hex(6)}")
     try:
         with open(tmp, "wb") as f:
             yield f
@@ -168,7 +169,7 @@ def atomic_file(out: Location) -> Iterator[IO[bytes]]:
 @contextlib.contextmanager
 def atomic_directory(out: Location) -> Iterator[Location]:
     """Yield a staging directory that replaces ``out`` (via :meth:`Location.commit_from`) when the block succeeds."""
-    staging = out.staging(new_token())
+    staging = out.staging()
     if staging.local:
         os.makedirs(staging.path, exist_ok=True)
     else:

@@ -21,7 +21,6 @@ from lightning_dcp.engine import (
     Location,
     Source,
     layout,
-    new_token,
     probe,
     single_process_ok,
     storage_writer,
@@ -78,7 +77,7 @@ def rewrite_trainer_state(
         dcp_state[layout.RANK_KEY] = rank_blobs  # each rank's own state, bytes as they were written
     if backup:
         _backup(location)
-    staging = location.staging(new_token())
+    staging = location.staging()
     writer = storage_writer(staging, thread_count=1, sync_files=location.local)
     try:
         with single_process_ok():

@@ -48,7 +48,7 @@ from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_dcp._compat.lightning_run import restore_signal_handlers
-from lightning_dcp.engine import STUCK_AFTER_S, SignalWatch
+from lightning_dcp.engine import SignalWatch
 from lightning_dcp.trainer.memory import memory_checkpoint_of
 
 __all__ = ["Preemption", "install_preemption"]
@@ -72,7 +72,7 @@ class Preemption(Callback):
             ends with status ``128 + signal`` (``SignalWatch``); ``None``: never.
     """
 
-    def __init__(self, *, stuck_after: float | None = STUCK_AFTER_S) -> None:
+    def __init__(self, *, stuck_after: float | None = SignalWatch.STUCK_AFTER_S) -> None:
         self.stuck_after = stuck_after
         self.received: int | None = None
         """The signal received by this rank since the last step's end, if any."""

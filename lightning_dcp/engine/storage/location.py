@@ -370,9 +370,13 @@ class Location(Pointers):
         with self._translated(), contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(path)
 
-    def staging(self, token: str) -> Location:
-        """The hidden sibling directory a save writes into before it is committed to this path."""
-        return self.sibling(staging_name(self.name, token))
+    def staging(self, token: str | None = None) -> Location:
+        """The hidden sibling directory a save writes into before it is committed to this path.
+
+        Args:
+            token: Names this save's staging (12 hex characters, :func:`new_token`); a fresh one when ``None``.
+        """
+        return self.sibling(staging_name(self.name, new_token() if token is None else token))
 
     def remove_stale_staging(self, *, keep: str | None = None) -> list[str]:
         """Delete staging directories of earlier, interrupted saves to this path. Returns the URLs removed."""

@@ -40,7 +40,7 @@ from lightning_dcp.engine.format.marker import (
     parse_commit,
 )
 from lightning_dcp.engine.storage.localfs import SNAPSHOT_PREFIX
-from lightning_dcp.engine.storage.location import Location, new_token
+from lightning_dcp.engine.storage.location import Location
 from lightning_dcp.errors import CheckpointError, CorruptCheckpointError, NotACheckpointError
 
 __all__ = [
@@ -196,7 +196,7 @@ def begin(remote: Location, marker: dict[str, Any]) -> Location | None:
     staged = remote.exists() and not (remote.isdir() and current is None)
     if not staged:
         remote.remove()
-    return remote.staging(new_token()) if staged else remote
+    return remote.staging() if staged else remote
 
 
 def finish(target: Location, remote: Location, marker_bytes: bytes, marker: dict[str, Any]) -> None:

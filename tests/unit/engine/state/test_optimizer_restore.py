@@ -234,6 +234,37 @@ def test_targets_are_filled_from_ids_chunked_records_and_the_optimizers_own_tens
     assert target["param_groups"] == [{"lr": b""}, {"params": b""}] and target.filled
 
 
+def test_state_tensors_are_allocated_contiguous_of_the_saved_dtype_each_its_own_and_never_requiring_grad():
+    from lightning_dcp.engine.format.record_index import IndexedRecord
+
+    net = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 1)).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.Adam(net.parameters())
+    record = lambda dtype, shape: IndexedRecord("f", 0, 1, 0, dtype, shape)  # noqa: E731
+    records = {}
+    for fqn, param in net.named_parameters():
+        records[f"opt.state.{fqn}.exp_avg"] = record(torch.float32, tuple(param.shape))
+        records[f"opt.state.{fqn}.exp_avg_sq"] = record(torch.bfloat16, tuple(param.shape))  # another dtype
+        records[f"opt.state.{fqn}.step"] = record(torch.float32, ())
+    records["opt.state.0.weight.max_exp_avg_sq"] = record(torch.float64, (7,))  # not the parameter's shape
+    target = OptimizerTarget.of(parameters_by_fqn(net), optimizer)
+    fill_pending({"opt": target}, saved_entries(records=records))
+
+    state = target["state"]
+    assert sorted(state) == sorted(name for name, _ in net.named_parameters())
+    made = [t for values in state.values() for t in values.values()]
+    assert len({t.data_ptr() for t in made if t.numel()}) == sum(1 for t in made if t.numel())  # no shared memory
+    assert len({id(t) for t in made}) == len(made)
+    for name, param in net.named_parameters():
+        assert state[name]["exp_avg"].dtype == torch.float32 and state[name]["exp_avg_sq"].dtype == torch.bfloat16
+        assert state[name]["step"].shape == () and state[name]["step"].dtype == torch.float32
+        for tensor in (state[name]["exp_avg"], state[name]["exp_avg_sq"]):
+            assert tensor.shape == param.shape and tensor.is_contiguous() and type(tensor) is torch.Tensor
+            assert not tensor.requires_grad and tensor.device == param.device
+    other = state["0.weight"]["max_exp_avg_sq"]
+    assert other.shape == (7,) and other.dtype == torch.float64
+    assert not net[0].weight.is_contiguous()  # channels_last: the parameter's own layout is not the target's
+
+
 def _assert_same(a: Any, b: Any, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), path
